@@ -1,0 +1,53 @@
+# Top-level wrapper around CMake. `make` builds into build/; `make test` runs the
+# whole suite (release build with -Werror, then an ASan+UBSan build, then the
+# Python tests when present); `make demo` runs the main job. Both run scripts/setup
+# first, which installs missing Debian packages and is a no-op otherwise.
+BUILD ?= build
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+PREFIX ?= /usr/local
+PYTHON ?= /usr/bin/python3
+CMAKE_FLAGS ?=
+
+.PHONY: all build setup test test-c test-asan test-tsan test-python demo bench install clean format fuzz
+
+all: build
+
+build:
+	@cmake -S . -B $(BUILD) -DCMAKE_INSTALL_PREFIX=$(PREFIX) $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+setup:
+	@scripts/setup
+
+test: setup
+	@scripts/run-tests
+
+test-c:
+	@$(MAKE) --no-print-directory build BUILD=build CMAKE_FLAGS="-DAMBER_WERROR=ON"
+	@cd build && ctest --output-on-failure -j $(JOBS)
+
+test-asan:
+	@$(MAKE) --no-print-directory build BUILD=build-asan CMAKE_FLAGS="-DAMBER_WERROR=ON -DAMBER_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=Debug"
+	@cd build-asan && ctest --output-on-failure -j $(JOBS)
+
+test-tsan:
+	@$(MAKE) --no-print-directory build BUILD=build-tsan CMAKE_FLAGS="-DAMBER_WERROR=ON -DAMBER_SANITIZE=thread -DCMAKE_BUILD_TYPE=Debug"
+	@cd build-tsan && ctest --output-on-failure -j $(JOBS)
+
+demo: setup build
+	@scripts/demo
+
+bench: build
+	@$(BUILD)/amber bench --full
+
+install: build
+	@cmake --install $(BUILD)
+
+fuzz:
+	@$(MAKE) --no-print-directory build BUILD=build-fuzz CMAKE_FLAGS="-DCMAKE_C_COMPILER=clang -DAMBER_FUZZ=ON"
+
+format:
+	@clang-format -i include/*.h src/*.c src/*.h tools/*.c tests/*.c tests/*.h fuzz/*.c bench/*.c examples/*.c 2>/dev/null || true
+
+clean:
+	rm -rf build build-asan build-tsan build-fuzz

@@ -1,0 +1,313 @@
+/*
+ * amber.h - the one public header of libamber.
+ *
+ * amber checkpoints training state (weights, optimizer moments, counters) into a
+ * store: a directory of committed checkpoints, each either full (every byte of every
+ * tensor) or a delta against its parent. This header is the whole C API: versions,
+ * error codes, the store, the writer that saves checkpoints, and the reader that
+ * lists, restores and verifies them. The on-disk format is specified in
+ * docs/FORMAT.md; this header never exposes it.
+ *
+ * Conventions (see STYLE.md):
+ *  - Every function that can fail returns int: 0 on success or a negative AMBER_E*
+ *    code. Results come back through out-parameters.
+ *  - Every handle keeps a human-readable message for its last failure, naming the
+ *    file, the step and what was expected; amber_last_error() returns it. The
+ *    library never prints and never exits.
+ *  - Handles are opaque, created by *_open and released by *_close, which accept
+ *    NULL. Options structs are filled by *_opts_init() and passed by const
+ *    pointer; NULL means defaults; zero in a field means "default"; reserved fields
+ *    must be zero.
+ *  - Thread safety: one handle must not be used by two threads at once. Separate
+ *    handles (even on the same store) may be used from separate threads.
+ */
+#ifndef AMBER_H
+#define AMBER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define AMBER_API __attribute__((visibility("default")))
+#else
+#define AMBER_API
+#endif
+
+/* ---- Versions ---------------------------------------------------------------- */
+
+/* The library's version (semantic versioning). */
+#define AMBER_VERSION_MAJOR 0
+#define AMBER_VERSION_MINOR 2
+#define AMBER_VERSION_PATCH 0
+#define AMBER_VERSION_STRING "0.2.0"
+
+/* The newest file-format version this library writes and reads (docs/FORMAT.md).
+ * Readers accept every minor version of their major; a newer major is refused. */
+#define AMBER_FORMAT_MAJOR 1
+#define AMBER_FORMAT_MINOR 0
+
+/* Returns (MAJOR << 16) | (MINOR << 8) | PATCH of the linked library. */
+AMBER_API uint32_t amber_version(void);
+/* Returns the linked library's version as "MAJOR.MINOR.PATCH"; static storage. */
+AMBER_API const char *amber_version_string(void);
+
+/* ---- Errors ------------------------------------------------------------------ */
+
+/* XX(name, value, message). One table feeds the enum and amber_strerror(). */
+#define AMBER_ERRNO_MAP(XX)                                                      \
+  XX(EINVAL, -1, "invalid argument")                                             \
+  XX(ENOMEM, -2, "out of memory")                                                \
+  XX(EIO, -3, "input/output error")                                              \
+  XX(ENOSPC, -4, "no space left on device")                                      \
+  XX(ENOENT, -5, "not found")                                                    \
+  XX(EEXIST, -6, "already exists")                                               \
+  XX(ECORRUPT, -7, "corrupt or truncated data")                                  \
+  XX(EFORMAT, -8, "unsupported format version or feature")                      \
+  XX(ELOCKED, -9, "store is locked by another writer")                           \
+  XX(EMISMATCH, -10, "tensor does not match (name, dtype or shape)")             \
+  XX(EPARENT, -11, "parent checkpoint missing or different")                     \
+  XX(ERANGE, -12, "value out of range")                                          \
+  XX(EBUSY, -13, "operation in progress")                                        \
+  XX(ECANCELED, -14, "operation canceled")                                       \
+  XX(EPERM, -15, "permission denied")                                            \
+  XX(EREADONLY, -16, "store opened read-only")
+
+typedef enum amber_errno {
+#define AMBER__XX(name, value, msg) AMBER_##name = (value),
+  AMBER_ERRNO_MAP(AMBER__XX)
+#undef AMBER__XX
+} amber_errno;
+
+/* Returns a static description of an AMBER_E* code ("unknown error" otherwise). */
+AMBER_API const char *amber_strerror(int code);
+/* Returns the short symbolic name of an AMBER_E* code, e.g. "AMBER_ECORRUPT". */
+AMBER_API const char *amber_err_name(int code);
+
+/* Returns the detailed message of the last failure on `handle`, which may be an
+ * amber_store*, amber_writer* or amber_reader*. With NULL, returns the calling
+ * thread's most recent failure of any call (useful when an _open failed and no
+ * handle exists). Never NULL; "" when there was none. Valid until the next call on
+ * the same handle or thread. */
+AMBER_API const char *amber_last_error(const void *handle);
+
+/* ---- Data types --------------------------------------------------------------- */
+
+/* Values are stored on disk; never renumber. */
+typedef enum amber_dtype {
+  AMBER_F32 = 1,
+  AMBER_F16 = 2,
+  AMBER_BF16 = 3,
+  AMBER_F64 = 4,
+  AMBER_F8_E4M3 = 5,
+  AMBER_F8_E5M2 = 6,
+  AMBER_I64 = 7,
+  AMBER_I32 = 8,
+  AMBER_I16 = 9,
+  AMBER_I8 = 10,
+  AMBER_U8 = 11,
+  AMBER_BOOL = 12
+} amber_dtype;
+
+#define AMBER_MAX_DIMS 8
+
+/* Bytes per element of `dt`; 0 for an unknown dtype. */
+AMBER_API size_t amber_dtype_size(int dt);
+/* Lower-case name ("f32", "bf16", "f8_e4m3", "bool", ...); NULL for unknown. */
+AMBER_API const char *amber_dtype_name(int dt);
+/* Parses a name as returned by amber_dtype_name(); 0 when unknown. */
+AMBER_API int amber_dtype_from_name(const char *name);
+
+/* Frees memory that the library handed to the caller (e.g. amber_store_list). */
+AMBER_API void amber_free(void *p);
+
+/* ---- Store -------------------------------------------------------------------- */
+
+typedef struct amber_store amber_store;
+
+/* Open read-only: no lock, no clean-up, no writes. */
+#define AMBER_OPEN_READONLY (1u << 0)
+/* Fail with AMBER_ENOENT instead of creating a missing store directory. */
+#define AMBER_OPEN_NOCREATE (1u << 1)
+
+typedef struct amber_store_opts {
+  uint32_t flags;        /* AMBER_OPEN_* */
+  uint32_t threads;      /* worker threads for encode and restore; 0 = online CPUs */
+  uint64_t reserved[6];  /* must be zero */
+} amber_store_opts;
+
+/* Fills `opts` with defaults. */
+AMBER_API void amber_store_opts_init(amber_store_opts *opts);
+
+/* Opens the store at directory `path`, creating it (not its parents) if missing.
+ * A writable open takes an exclusive lock on the store (AMBER_ELOCKED if another
+ * process or handle holds it) and removes temporary files and uncommitted
+ * checkpoint files that a crashed writer left behind.
+ * out: receives the handle; release with amber_store_close().
+ * opts: NULL for defaults. */
+AMBER_API int amber_store_open(amber_store **out, const char *path,
+                               const amber_store_opts *opts);
+/* Releases the lock and the handle. Accepts NULL. Readers and writers opened on
+ * the store must be closed first. */
+AMBER_API void amber_store_close(amber_store *st);
+
+/* Directory of the store as given to amber_store_open(); owned by the store. */
+AMBER_API const char *amber_store_path(const amber_store *st);
+
+#define AMBER_KIND_FULL 0u
+#define AMBER_KIND_DELTA 1u
+/* A step that means "none" (the parent of a full checkpoint) or "latest". */
+#define AMBER_NO_STEP UINT64_MAX
+#define AMBER_LATEST UINT64_MAX
+
+typedef struct amber_ckpt_info {
+  uint64_t step;
+  uint32_t kind;      /* AMBER_KIND_FULL or AMBER_KIND_DELTA */
+  uint32_t reserved0;
+  uint64_t parent;    /* parent step, AMBER_NO_STEP for a full checkpoint */
+  uint64_t bytes;     /* size of the checkpoint's file on disk */
+  uint64_t hash;      /* content hash (docs/FORMAT.md) */
+  uint64_t reserved[3];
+} amber_ckpt_info;
+
+/* Lists committed checkpoints in increasing step order. Reads each file's header
+ * and footer (not its data); a checkpoint whose header or footer is damaged is
+ * still listed with kind/parent/hash as far as known, and verify reports it.
+ * out: receives an array to free with amber_free() (NULL when count is 0). */
+AMBER_API int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count);
+
+/* The latest committed step; AMBER_ENOENT when the store is empty. */
+AMBER_API int amber_store_latest(amber_store *st, uint64_t *step);
+
+/* ---- Writer ------------------------------------------------------------------- */
+
+typedef struct amber_writer amber_writer;
+
+/* Compress full checkpoints (byte-shuffle + zstd) instead of storing raw bytes.
+ * Smaller files on float data by a few percent, at a large cost in save speed. */
+#define AMBER_WRITER_COMPRESS_FULL (1u << 0)
+/* Never use O_DIRECT (it is used when the file system supports it). */
+#define AMBER_WRITER_NO_DIRECT_IO (1u << 1)
+
+typedef struct amber_writer_opts {
+  uint64_t chunk_elems;  /* elements per chunk; 0 = 1 Mi (1048576) */
+  uint32_t flags;        /* AMBER_WRITER_* */
+  int32_t zstd_level;    /* 0 = default (1) */
+  uint64_t reserved[8];  /* must be zero */
+} amber_writer_opts;
+
+AMBER_API void amber_writer_opts_init(amber_writer_opts *opts);
+
+/* Creates a writer on a store opened writable. Declare tensors with
+ * amber_writer_add(), then call amber_writer_save() for each step.
+ * opts: NULL for defaults. The writer must be closed before its store. */
+AMBER_API int amber_writer_open(amber_writer **out, amber_store *st,
+                                const amber_writer_opts *opts);
+
+/* Declares a tensor: UTF-8 `name` (unique, 1..65535 bytes, copied), dtype, shape
+ * (`ndim` <= AMBER_MAX_DIMS, copied; ndim 0 is a scalar) and `data`, the address of
+ * its row-major little-endian bytes in host memory. amber does not copy or own
+ * `data`: it reads it during every amber_writer_save() until the tensor's pointer
+ * is changed with amber_writer_set_data() or the writer is closed. Tensors are
+ * saved in declaration order. Declarations are fixed after the first save.
+ * index: if not NULL, receives the tensor's position (0, 1, 2, ...). */
+AMBER_API int amber_writer_add(amber_writer *w, const char *name, int dtype,
+                               uint32_t ndim, const int64_t *shape, const void *data,
+                               size_t *index);
+
+/* Points tensor `index` at new host memory of the same size (e.g. after the
+ * training framework reallocated it). */
+AMBER_API int amber_writer_set_data(amber_writer *w, size_t index, const void *data);
+
+/* Adds a policy rule: "SPEC" or "PATTERN=SPEC", where SPEC is `exact`,
+ * `threshold:ABS[:REL]` or `budget:FRAC[:CAP]` and PATTERN a glob (fnmatch) on
+ * tensor names; a rule without a pattern matches every tensor. For each tensor the
+ * last matching rule wins; with none, the policy is `exact`. Integer and bool
+ * tensors are always exact. AMBER_EINVAL with a message for a malformed rule.
+ * Rules apply to every later save. */
+AMBER_API int amber_writer_add_policy(amber_writer *w, const char *rule);
+
+/* Sets the checkpoint's metadata: small non-tensor state (counters,
+ * hyper-parameters, ...) as `len` bytes of UTF-8 JSON, stored and returned exactly.
+ * Copied; applies to every later save until set again. len 0 clears it. */
+AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t len);
+
+/* Force a full checkpoint. */
+#define AMBER_SAVE_FULL (1u << 0)
+
+/* Saves the declared tensors as checkpoint `step` and commits it: when this
+ * returns 0 the checkpoint is durable and is the store's latest. `step` must be
+ * greater than the store's latest step (AMBER_EEXIST otherwise). On failure the
+ * store is unchanged: earlier checkpoints stay intact and nothing half-written
+ * becomes visible. Reads the tensors' memory during the call only. */
+AMBER_API int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags);
+
+/* Releases the writer. Accepts NULL. */
+AMBER_API void amber_writer_close(amber_writer *w);
+
+/* ---- Reader ------------------------------------------------------------------- */
+
+typedef struct amber_reader amber_reader;
+
+typedef struct amber_tensor_info {
+  const char *name;      /* owned by the reader; valid until it is closed */
+  int dtype;             /* amber_dtype */
+  uint32_t ndim;
+  int64_t shape[AMBER_MAX_DIMS];
+  uint64_t nelems;       /* product of shape (1 for a scalar) */
+  uint64_t nbytes;       /* nelems * amber_dtype_size(dtype) */
+  uint64_t stored_bytes; /* payload bytes of this tensor in this step's file */
+  uint64_t stored_elems; /* elements stored in this step's file */
+  uint64_t chunk_elems;
+  uint64_t nchunks;
+  const char *policy;    /* policy spec in effect at this step; owned by the reader */
+} amber_tensor_info;
+
+typedef struct amber_reader_opts {
+  uint32_t flags;       /* reserved, 0 */
+  uint32_t reserved0;
+  uint64_t reserved[6]; /* must be zero */
+} amber_reader_opts;
+
+AMBER_API void amber_reader_opts_init(amber_reader_opts *opts);
+
+/* Opens checkpoint `step` (AMBER_LATEST for the latest) for reading: reads and
+ * checks the header, footer and index of its file and of every file its restore
+ * needs. AMBER_ENOENT if the step is not committed, AMBER_ECORRUPT/AMBER_EFORMAT
+ * with a message naming the file when a file is damaged or unsupported. */
+AMBER_API int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
+                                const amber_reader_opts *opts);
+AMBER_API void amber_reader_close(amber_reader *r);
+
+/* The step and content hash of the opened checkpoint. */
+AMBER_API uint64_t amber_reader_step(const amber_reader *r);
+AMBER_API int amber_reader_ckpt_info(const amber_reader *r, amber_ckpt_info *out);
+
+AMBER_API size_t amber_reader_count(const amber_reader *r);
+AMBER_API int amber_reader_info(const amber_reader *r, size_t index,
+                                amber_tensor_info *out);
+/* Finds a tensor by name; AMBER_ENOENT if absent. */
+AMBER_API int amber_reader_find(const amber_reader *r, const char *name, size_t *index);
+
+/* Restores tensor `index` into `buf` (`size` must equal its nbytes). Reads only the
+ * bytes this tensor needs, verifying every checksum before the call succeeds; on
+ * failure the contents of `buf` are unspecified. */
+AMBER_API int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size);
+
+/* The checkpoint's metadata JSON (see amber_writer_set_meta). `*json` is owned by
+ * the reader and not NUL-terminated when len is 0; NULL/0 when there is none. */
+AMBER_API int amber_reader_meta(const amber_reader *r, const char **json, size_t *len);
+
+/* Checks everything this step's restore needs: every header, index and chunk
+ * checksum of every file in its chain, the parent links, and that every chunk
+ * decodes. 0 when intact; the message names the first damaged file. */
+AMBER_API int amber_reader_verify(amber_reader *r);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AMBER_H */

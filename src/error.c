@@ -1,0 +1,131 @@
+/*
+ * error.c - versions, error codes and messages, dtype tables: the small leaf
+ * functions every other part uses. Messages are kept per handle (amber__err at the
+ * start of each handle struct) and per thread, so a failed _open can still be
+ * explained with amber_last_error(NULL).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <xxhash.h>
+
+#include "internal.h"
+
+static _Thread_local char tls_msg[AMBER__ERRLEN];
+
+uint32_t amber_version(void) {
+  return (AMBER_VERSION_MAJOR << 16) | (AMBER_VERSION_MINOR << 8) | AMBER_VERSION_PATCH;
+}
+
+const char *amber_version_string(void) {
+  return AMBER_VERSION_STRING;
+}
+
+const char *amber_strerror(int code) {
+  switch (code) {
+  case 0:
+    return "success";
+#define XX(name, value, msg)                                                             \
+  case value:                                                                            \
+    return msg;
+    AMBER_ERRNO_MAP(XX)
+#undef XX
+  default:
+    return "unknown error";
+  }
+}
+
+const char *amber_err_name(int code) {
+  switch (code) {
+  case 0:
+    return "OK";
+#define XX(name, value, msg)                                                             \
+  case value:                                                                            \
+    return "AMBER_" #name;
+    AMBER_ERRNO_MAP(XX)
+#undef XX
+  default:
+    return "AMBER_UNKNOWN";
+  }
+}
+
+const char *amber_last_error(const void *handle) {
+  if (!handle) return tls_msg;
+  return ((const amber__err *)handle)->msg;
+}
+
+int amber__fail(amber__err *e, int code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+  va_end(ap);
+  if (e && e->msg != tls_msg) memcpy(e->msg, tls_msg, sizeof tls_msg);
+  return code;
+}
+
+void amber__err_adopt(amber__err *e) {
+  if (e) memcpy(e->msg, tls_msg, sizeof tls_msg);
+}
+
+int amber__errno_code(int err) {
+  switch (err) {
+  case ENOSPC:
+  case EDQUOT:
+  case EFBIG:
+    return AMBER_ENOSPC;
+  case ENOMEM:
+    return AMBER_ENOMEM;
+  case ENOENT:
+  case ENOTDIR:
+    return AMBER_ENOENT;
+  case EEXIST:
+    return AMBER_EEXIST;
+  case EACCES:
+  case EPERM:
+    return AMBER_EPERM;
+  case EROFS:
+    return AMBER_EREADONLY;
+  case EINVAL:
+    return AMBER_EINVAL;
+  default:
+    return AMBER_EIO;
+  }
+}
+
+uint64_t amber__xxh3(const void *data, size_t len) {
+  return XXH3_64bits(data, len);
+}
+
+void amber_free(void *p) {
+  free(p);
+}
+
+static const struct {
+  const char *name;
+  size_t size;
+} dtypes[] = {
+    [AMBER_F32] = {"f32", 4},          [AMBER_F16] = {"f16", 2},
+    [AMBER_BF16] = {"bf16", 2},        [AMBER_F64] = {"f64", 8},
+    [AMBER_F8_E4M3] = {"f8_e4m3", 1}, [AMBER_F8_E5M2] = {"f8_e5m2", 1},
+    [AMBER_I64] = {"i64", 8},          [AMBER_I32] = {"i32", 4},
+    [AMBER_I16] = {"i16", 2},          [AMBER_I8] = {"i8", 1},
+    [AMBER_U8] = {"u8", 1},            [AMBER_BOOL] = {"bool", 1},
+};
+#define NDTYPES ((int)(sizeof dtypes / sizeof dtypes[0]))
+
+size_t amber_dtype_size(int dt) {
+  return (dt > 0 && dt < NDTYPES) ? dtypes[dt].size : 0;
+}
+
+const char *amber_dtype_name(int dt) {
+  return (dt > 0 && dt < NDTYPES) ? dtypes[dt].name : NULL;
+}
+
+int amber_dtype_from_name(const char *name) {
+  if (!name) return 0;
+  for (int i = 1; i < NDTYPES; i++)
+    if (!strcmp(dtypes[i].name, name)) return i;
+  return 0;
+}

@@ -1,0 +1,295 @@
+/*
+ * reader.c - restoring and verifying a checkpoint.
+ *
+ * Opening step N opens its file and, for a delta, every file back to the nearest
+ * full checkpoint, checking each link (parent step and state id) and that every
+ * delta describes the same tensors as its parent. Reading a tensor restores it
+ * from the full checkpoint and applies the deltas in order; every payload's
+ * checksum is checked before its bytes are used.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "codec.h"
+#include "internal.h"
+
+struct amber_reader {
+  amber__err err;
+  amber_store *st;
+  amber__ckpt *chain; /* chain[0] is the full checkpoint, chain[n-1] the step read */
+  size_t nchain;
+  amber__stage stage;
+  uint8_t *scratch; /* decompressed payloads */
+  size_t scratch_cap;
+  void *dctx;
+};
+
+void amber_reader_opts_init(amber_reader_opts *opts) {
+  memset(opts, 0, sizeof *opts);
+}
+
+/* A delta must describe exactly its parent's tensors. */
+static int same_layout(amber__err *e, const amber__ckpt *child, const amber__ckpt *parent) {
+  const amber__index *a = &child->ix, *b = &parent->ix;
+  if (a->n_tensors != b->n_tensors || a->n_chunks != b->n_chunks)
+    return amber__fail(e, AMBER_ECORRUPT, "%s: delta has %" PRIu64 " tensors, its parent %s has %"
+                       PRIu64, child->path, a->n_tensors, parent->path, b->n_tensors);
+  for (uint64_t i = 0; i < a->n_tensors; i++) {
+    const amber__tensor *x = &a->tensors[i], *y = &b->tensors[i];
+    if (x->name_len != y->name_len || memcmp(x->name, y->name, x->name_len) ||
+        x->dtype != y->dtype || x->ndim != y->ndim || x->chunk_elems != y->chunk_elems ||
+        memcmp(x->shape, y->shape, sizeof x->shape[0] * x->ndim))
+      return amber__fail(e, AMBER_ECORRUPT,
+                         "%s: tensor '%s' of the delta does not match its parent %s", child->path,
+                         x->name, parent->path);
+  }
+  return 0;
+}
+
+/* Store without LATEST: empty, or damaged if checkpoint files exist. */
+static int no_latest(amber_reader *r) {
+  if (amber__has_ckpt_files(r->st))
+    return amber__fail(&r->err, AMBER_ECORRUPT,
+                       "%s/LATEST is missing but the store holds checkpoint files", r->st->path);
+  return amber__fail(&r->err, AMBER_ENOENT, "store %s has no committed checkpoint",
+                     r->st->path);
+}
+
+int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
+                      const amber_reader_opts *opts) {
+  if (!out || !st) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: NULL argument");
+  *out = NULL;
+  if (opts)
+    for (int i = 0; i < 6; i++)
+      if (opts->reserved[i] || opts->flags)
+        return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: reserved option set");
+  amber_reader *r = calloc(1, sizeof *r);
+  if (!r) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  r->st = st;
+  uint64_t latest, latest_state;
+  int rc = amber__read_latest(st, &latest, &latest_state);
+  if (rc == AMBER_ENOENT) rc = no_latest(r);
+  else if (rc) amber__err_adopt(&r->err);
+  if (!rc && step == AMBER_LATEST) step = latest;
+  if (!rc && step > latest)
+    rc = amber__fail(&r->err, AMBER_ENOENT,
+                     "step %" PRIu64 " is not committed in %s (latest is %" PRIu64 ")", step,
+                     st->path, latest);
+  /* Walk back to the full checkpoint; the chain is built newest first. */
+  size_t cap = 0;
+  uint64_t want_state = step == latest ? latest_state : 0;
+  int check_state = step == latest;
+  while (!rc) {
+    if (r->nchain == cap) {
+      cap = cap ? 2 * cap : 8;
+      amber__ckpt *grown = realloc(r->chain, cap * sizeof *grown);
+      if (!grown) {
+        rc = amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+        break;
+      }
+      r->chain = grown;
+    }
+    amber__ckpt *c = &r->chain[r->nchain];
+    if ((rc = amber__ckpt_open(&r->err, st, step, c)) != 0) break;
+    r->nchain++;
+    if (check_state && c->ftr.state_id != want_state) {
+      rc = amber__fail(&r->err, r->nchain == 1 ? AMBER_ECORRUPT : AMBER_EPARENT,
+                       "%s: state id %016" PRIx64 " differs from the %016" PRIx64
+                       " that %s names",
+                       c->path, c->ftr.state_id, want_state,
+                       r->nchain == 1 ? "LATEST" : r->chain[r->nchain - 2].path);
+      break;
+    }
+    if (r->nchain > 1 && (rc = same_layout(&r->err, &r->chain[r->nchain - 2], c)) != 0) break;
+    if (c->hdr.kind == AMBER_KIND_FULL) break;
+    step = c->hdr.parent_step;
+    want_state = c->hdr.parent_state;
+    check_state = 1;
+  }
+  if (rc == AMBER_ENOENT && r->nchain > 0)
+    rc = amber__fail(&r->err, AMBER_EPARENT, "%s: parent step %" PRIu64 " is missing",
+                     r->chain[r->nchain - 1].path, step);
+  if (rc) {
+    amber_reader_close(r);
+    return rc;
+  }
+  for (size_t i = 0; i < r->nchain / 2; i++) { /* oldest first */
+    amber__ckpt t = r->chain[i];
+    r->chain[i] = r->chain[r->nchain - 1 - i];
+    r->chain[r->nchain - 1 - i] = t;
+  }
+  *out = r;
+  return 0;
+}
+
+void amber_reader_close(amber_reader *r) {
+  if (!r) return;
+  for (size_t i = 0; i < r->nchain; i++) amber__ckpt_close(&r->chain[i]);
+  free(r->chain);
+  amber__stage_free(&r->stage);
+  free(r->scratch);
+  amber__zstd_dctx_free(r->dctx);
+  free(r);
+}
+
+static const amber__ckpt *target(const amber_reader *r) {
+  return &r->chain[r->nchain - 1];
+}
+
+uint64_t amber_reader_step(const amber_reader *r) {
+  return target(r)->hdr.step;
+}
+
+int amber_reader_ckpt_info(const amber_reader *r, amber_ckpt_info *out) {
+  const amber__ckpt *c = target(r);
+  memset(out, 0, sizeof *out);
+  out->step = c->hdr.step;
+  out->kind = c->hdr.kind;
+  out->parent = c->hdr.kind == AMBER_KIND_DELTA ? c->hdr.parent_step : AMBER_NO_STEP;
+  out->bytes = c->size;
+  out->hash = c->ftr.state_id;
+  return 0;
+}
+
+size_t amber_reader_count(const amber_reader *r) {
+  return (size_t)target(r)->ix.n_tensors;
+}
+
+int amber_reader_info(const amber_reader *r, size_t index, amber_tensor_info *out) {
+  const amber__index *ix = &target(r)->ix;
+  if (index >= ix->n_tensors)
+    return amber__fail((amber__err *)&r->err, AMBER_EINVAL, "tensor index %zu out of range",
+                       index);
+  const amber__tensor *t = &ix->tensors[index];
+  memset(out, 0, sizeof *out);
+  out->name = t->name;
+  out->dtype = t->dtype;
+  out->ndim = t->ndim;
+  for (uint32_t d = 0; d < t->ndim; d++) out->shape[d] = (int64_t)t->shape[d];
+  out->nelems = t->nelems;
+  out->nbytes = t->nbytes;
+  out->chunk_elems = t->chunk_elems;
+  out->nchunks = t->n_chunks;
+  out->policy = t->policy;
+  for (uint64_t j = 0; j < t->n_chunks; j++) {
+    out->stored_bytes += ix->chunks[t->first_chunk + j].size;
+    out->stored_elems += ix->chunks[t->first_chunk + j].stored;
+  }
+  return 0;
+}
+
+int amber_reader_find(const amber_reader *r, const char *name, size_t *index) {
+  const amber__index *ix = &target(r)->ix;
+  for (uint64_t i = 0; i < ix->n_tensors; i++)
+    if (!strcmp(ix->tensors[i].name, name)) {
+      *index = (size_t)i;
+      return 0;
+    }
+  return amber__fail((amber__err *)&r->err, AMBER_ENOENT, "no tensor '%s' in step %" PRIu64,
+                     name, amber_reader_step(r));
+}
+
+int amber_reader_meta(const amber_reader *r, const char **json, size_t *len) {
+  const amber__index *ix = &target(r)->ix;
+  *json = ix->meta_size ? ix->meta : NULL;
+  *len = (size_t)ix->meta_size;
+  return 0;
+}
+
+static int need_scratch(amber_reader *r, size_t n) {
+  if (!r->dctx && !(r->dctx = amber__zstd_dctx()))
+    return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+  if (r->scratch_cap >= n) return 0;
+  free(r->scratch);
+  r->scratch_cap = 0;
+  if (!(r->scratch = malloc(n ? n : 1))) return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+  r->scratch_cap = n;
+  return 0;
+}
+
+/* Decodes chunk `j` of tensor `t` in file `c` onto `dst` (the chunk's bytes, already
+ * holding the parent's values for a delta). */
+static int apply_chunk(amber_reader *r, amber__ckpt *c, const amber__tensor *t, uint64_t j,
+                       uint8_t *dst) {
+  const amber__chunk *ch = &c->ix.chunks[t->first_chunk + j];
+  if (ch->encoding == AMBER__ENC_UNCHANGED) {
+    if (c->hdr.kind == AMBER_KIND_FULL)
+      return amber__fail(&r->err, AMBER_ECORRUPT, "%s: full checkpoint has an unchanged chunk",
+                         c->path);
+    return 0;
+  }
+  const uint8_t *p;
+  int rc = amber__chunk_load(&r->err, c, ch, &r->stage, &p);
+  if (rc) return rc;
+  size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
+  switch (ch->encoding) {
+  case AMBER__ENC_RAW:
+    memcpy(dst, p, bytes);
+    return 0;
+  case AMBER__ENC_SHUF_ZSTD:
+    if ((rc = need_scratch(r, bytes))) return rc;
+    if (amber__zstd_decompress(r->dctx, r->scratch, bytes, p, (size_t)ch->size) != 0)
+      break;
+    amber__unshuffle(dst, r->scratch, n, isz);
+    return 0;
+  default:
+    if (c->hdr.kind == AMBER_KIND_FULL)
+      return amber__fail(&r->err, AMBER_ECORRUPT, "%s: encoding %u is not allowed in a full "
+                         "checkpoint", c->path, ch->encoding);
+    return amber__fail(&r->err, AMBER_EFORMAT, "%s: encoding %u is not supported yet", c->path,
+                       ch->encoding);
+  }
+  return amber__fail(&r->err, AMBER_ECORRUPT,
+                     "%s (step %" PRIu64 "): tensor '%s' chunk %" PRIu64 " does not decode",
+                     c->path, c->hdr.step, t->name, j);
+}
+
+int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
+  if (!r || (!buf && size)) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read: NULL");
+  const amber__index *ix = &target(r)->ix;
+  if (index >= ix->n_tensors)
+    return amber__fail(&r->err, AMBER_EINVAL, "tensor index %zu out of range", index);
+  const amber__tensor *tt = &ix->tensors[index];
+  if (size != tt->nbytes)
+    return amber__fail(&r->err, AMBER_EINVAL,
+                       "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64, tt->name,
+                       tt->nbytes, size);
+  size_t isz = amber_dtype_size(tt->dtype);
+  for (size_t k = 0; k < r->nchain; k++) {
+    amber__ckpt *c = &r->chain[k];
+    const amber__tensor *t = &c->ix.tensors[index];
+    for (uint64_t j = 0; j < t->n_chunks; j++) {
+      int rc = apply_chunk(r, c, t, j, (uint8_t *)buf + j * t->chunk_elems * isz);
+      if (rc) return rc;
+    }
+  }
+  return 0;
+}
+
+int amber_reader_verify(amber_reader *r) {
+  if (!r) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_verify: NULL reader");
+  /* Restoring each tensor into scratch memory exercises every check a restore
+   * makes: checksums, frame sizes, decodability. */
+  uint8_t *buf = NULL;
+  size_t cap = 0;
+  int rc = 0;
+  const amber__index *ix = &target(r)->ix;
+  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) {
+    uint64_t nb = ix->tensors[i].nbytes;
+    uint64_t ce = ix->tensors[i].chunk_elems * amber_dtype_size(ix->tensors[i].dtype);
+    size_t want = (size_t)(nb < ce ? nb : ce);
+    if (want > cap) {
+      free(buf);
+      if (!(buf = malloc(want))) return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+      cap = want;
+    }
+    for (size_t k = 0; k < r->nchain && !rc; k++) {
+      amber__ckpt *c = &r->chain[k];
+      const amber__tensor *t = &c->ix.tensors[i];
+      for (uint64_t j = 0; j < t->n_chunks && !rc; j++) rc = apply_chunk(r, c, t, j, buf);
+    }
+  }
+  free(buf);
+  return rc;
+}

@@ -1,0 +1,457 @@
+/*
+ * store.c - the store directory: opening and locking it, cleaning what a crashed
+ * writer left, the LATEST commit point, committing a finished file, listing
+ * checkpoints, and opening one checkpoint file with its header, footer and index
+ * checked (docs/FORMAT.md, "Store layout" and "Commit protocol").
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+void amber_store_opts_init(amber_store_opts *opts) {
+  memset(opts, 0, sizeof *opts);
+}
+
+const char *amber_store_path(const amber_store *st) {
+  return st ? st->path : NULL;
+}
+
+void amber__ckpt_path(const amber_store *st, uint64_t step, const char *suffix, char *buf,
+                      size_t len) {
+  snprintf(buf, len, "%s/ckpt-%020" PRIu64 ".amber%s", st->path, step, suffix ? suffix : "");
+}
+
+/* Parses "ckpt-<20 digits>.amber" (optionally followed by `suffix`); 1 if it matches. */
+static int parse_ckpt_name(const char *name, const char *suffix, uint64_t *step) {
+  if (strncmp(name, "ckpt-", 5) != 0) return 0;
+  uint64_t v = 0;
+  for (int i = 5; i < 25; i++) {
+    if (name[i] < '0' || name[i] > '9') return 0;
+    if (amber__mul_overflow(v, 10, &v) || amber__add_overflow(v, (uint64_t)(name[i] - '0'), &v))
+      return 0;
+  }
+  if (strncmp(name + 25, ".amber", 6) != 0 || strcmp(name + 31, suffix) != 0) return 0;
+  *step = v;
+  return 1;
+}
+
+int amber__read_latest(amber_store *st, uint64_t *step, uint64_t *state) {
+  char path[4200], buf[128];
+  snprintf(path, sizeof path, "%s/LATEST", st->path);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return AMBER_ENOENT;
+    return amber__fail(&st->err, amber__errno_code(errno), "cannot open %s: %s", path,
+                       strerror(errno));
+  }
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n < 0)
+    return amber__fail(&st->err, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
+  buf[n] = 0;
+  char *end;
+  errno = 0;
+  unsigned long long s = strtoull(buf, &end, 10);
+  int ok = n > 0 && buf[0] >= '0' && buf[0] <= '9' && errno == 0 && *end == ' ' &&
+           s != UINT64_MAX;
+  unsigned long long id = 0;
+  if (ok) {
+    char *hex = end + 1, *e2;
+    ok = strlen(hex) == 17 && hex[16] == '\n';
+    if (ok) {
+      for (int i = 0; i < 16; i++)
+        ok = ok && ((hex[i] >= '0' && hex[i] <= '9') || (hex[i] >= 'a' && hex[i] <= 'f'));
+      id = strtoull(hex, &e2, 16);
+    }
+  }
+  if (!ok)
+    return amber__fail(&st->err, AMBER_ECORRUPT,
+                       "%s is malformed (expected '<step> <16 hex digits>')", path);
+  *step = s;
+  *state = id;
+  return 0;
+}
+
+int amber__write_latest(amber_store *st, uint64_t step, uint64_t state) {
+  char tmp[4200], dst[4200], line[64];
+  snprintf(tmp, sizeof tmp, "%s/LATEST.tmp", st->path);
+  snprintf(dst, sizeof dst, "%s/LATEST", st->path);
+  int n = snprintf(line, sizeof line, "%" PRIu64 " %016" PRIx64 "\n", step, state);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    return amber__fail(&st->err, amber__errno_code(errno), "cannot create %s: %s", tmp,
+                       strerror(errno));
+  if (amber__write_full(fd, line, (size_t)n) != 0 || fsync(fd) != 0) {
+    int err = errno;
+    close(fd);
+    unlink(tmp);
+    return amber__fail(&st->err, amber__errno_code(err), "cannot write %s: %s", tmp,
+                       strerror(err));
+  }
+  close(fd);
+  if (rename(tmp, dst) != 0) {
+    int err = errno;
+    unlink(tmp);
+    return amber__fail(&st->err, amber__errno_code(err), "cannot rename %s: %s", tmp,
+                       strerror(err));
+  }
+  if (amber__fsync_dir(st->path) != 0)
+    return amber__fail(&st->err, amber__errno_code(errno), "cannot fsync %s: %s", st->path,
+                       strerror(errno));
+  return 0;
+}
+
+int amber__commit_file(amber_store *st, const char *tmp, uint64_t step) {
+  char dst[4200];
+  amber__ckpt_path(st, step, NULL, dst, sizeof dst);
+  if (rename(tmp, dst) != 0) {
+    int err = errno;
+    unlink(tmp);
+    return amber__fail(&st->err, amber__errno_code(err), "cannot rename %s to %s: %s", tmp,
+                       dst, strerror(err));
+  }
+  if (amber__fsync_dir(st->path) != 0)
+    return amber__fail(&st->err, amber__errno_code(errno), "cannot fsync %s: %s", st->path,
+                       strerror(errno));
+  return 0;
+}
+
+/* Removes *.tmp files and checkpoint files newer than LATEST (never committed).
+ * Called with the lock held, so no writer is using them. */
+static int clean_stale(amber_store *st) {
+  uint64_t latest = 0, state;
+  int rc = amber__read_latest(st, &latest, &state);
+  int have_latest = rc == 0;
+  if (rc && rc != AMBER_ENOENT) return rc;
+  DIR *d = opendir(st->path);
+  if (!d)
+    return amber__fail(&st->err, amber__errno_code(errno), "cannot list %s: %s", st->path,
+                       strerror(errno));
+  struct dirent *e;
+  int removed = 0;
+  while ((e = readdir(d))) {
+    size_t n = strlen(e->d_name);
+    uint64_t step;
+    int stale = n > 4 && !strcmp(e->d_name + n - 4, ".tmp");
+    /* Without LATEST nothing is committed, but files may be a damaged store's
+     * data: keep them for a human to look at; only a known-newer step goes. */
+    if (!stale && have_latest && parse_ckpt_name(e->d_name, "", &step) && step > latest)
+      stale = 1;
+    if (stale && unlinkat(st->dirfd, e->d_name, 0) == 0) removed++;
+  }
+  closedir(d);
+  if (removed) amber__fsync_dir(st->path);
+  return 0;
+}
+
+int amber__has_ckpt_files(amber_store *st) {
+  DIR *d = opendir(st->path);
+  if (!d) return 0;
+  struct dirent *e;
+  uint64_t step;
+  int found = 0;
+  while (!found && (e = readdir(d))) found = parse_ckpt_name(e->d_name, "", &step);
+  closedir(d);
+  return found;
+}
+
+int amber_store_open(amber_store **out, const char *path, const amber_store_opts *opts) {
+  amber_store_opts def;
+  if (!opts) {
+    amber_store_opts_init(&def);
+    opts = &def;
+  }
+  if (!out || !path || !*path)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_store_open: no store path given");
+  *out = NULL;
+  for (int i = 0; i < 6; i++)
+    if (opts->reserved[i])
+      return amber__fail(NULL, AMBER_EINVAL, "amber_store_open: reserved option set");
+  int ro = (opts->flags & AMBER_OPEN_READONLY) != 0;
+  if (mkdir(path, 0755) == 0) {
+    if (ro || (opts->flags & AMBER_OPEN_NOCREATE)) {
+      rmdir(path);
+      return amber__fail(NULL, AMBER_ENOENT, "store %s does not exist", path);
+    }
+  } else if (errno != EEXIST) {
+    return amber__fail(NULL, amber__errno_code(errno), "cannot create store %s: %s", path,
+                       strerror(errno));
+  }
+  amber_store *st = calloc(1, sizeof *st);
+  if (!st || !(st->path = strdup(path))) {
+    free(st);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
+  size_t len = strlen(st->path);
+  while (len > 1 && st->path[len - 1] == '/') st->path[--len] = 0;
+  st->lockfd = -1;
+  st->flags = opts->flags;
+  st->threads = opts->threads;
+  st->dirfd = open(st->path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (st->dirfd < 0) {
+    int err = errno;
+    amber_store_close(st);
+    return amber__fail(NULL, amber__errno_code(err), "cannot open store %s: %s", path,
+                       strerror(err));
+  }
+  if (!ro) {
+    st->lockfd = openat(st->dirfd, ".lock", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (st->lockfd < 0) {
+      int err = errno;
+      amber_store_close(st);
+      return amber__fail(NULL, amber__errno_code(err), "cannot create %s/.lock: %s", path,
+                         strerror(err));
+    }
+    if (flock(st->lockfd, LOCK_EX | LOCK_NB) != 0) {
+      int err = errno;
+      amber_store_close(st);
+      if (err == EWOULDBLOCK)
+        return amber__fail(NULL, AMBER_ELOCKED,
+                           "store %s is open for writing by another process or handle", path);
+      return amber__fail(NULL, AMBER_EIO, "cannot lock %s: %s", path, strerror(err));
+    }
+    int rc = clean_stale(st);
+    if (rc) {
+      amber__err_adopt(NULL);
+      amber_store_close(st);
+      return rc;
+    }
+  }
+  *out = st;
+  return 0;
+}
+
+void amber_store_close(amber_store *st) {
+  if (!st) return;
+  if (st->lockfd >= 0) close(st->lockfd); /* releases the flock */
+  if (st->dirfd >= 0) close(st->dirfd);
+  free(st->path);
+  free(st);
+}
+
+int amber_store_latest(amber_store *st, uint64_t *step) {
+  uint64_t state;
+  int rc = amber__read_latest(st, step, &state);
+  if (rc == AMBER_ENOENT)
+    return amber__fail(&st->err, AMBER_ENOENT, "store %s has no checkpoint", st->path);
+  return rc;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Steps of the committed checkpoint files, sorted. */
+static int list_steps(amber_store *st, uint64_t latest, uint64_t **out, size_t *count) {
+  DIR *d = opendir(st->path);
+  if (!d)
+    return amber__fail(&st->err, amber__errno_code(errno), "cannot list %s: %s", st->path,
+                       strerror(errno));
+  size_t n = 0, cap = 64;
+  uint64_t *steps = malloc(cap * sizeof *steps);
+  struct dirent *e;
+  while (steps && (e = readdir(d))) {
+    uint64_t step;
+    if (!parse_ckpt_name(e->d_name, "", &step) || step > latest) continue;
+    if (n == cap) {
+      uint64_t *grown = realloc(steps, 2 * cap * sizeof *steps);
+      if (!grown) {
+        free(steps);
+        steps = NULL;
+        break;
+      }
+      steps = grown;
+      cap *= 2;
+    }
+    steps[n++] = step;
+  }
+  closedir(d);
+  if (!steps) return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  qsort(steps, n, sizeof *steps, cmp_u64);
+  *out = steps;
+  *count = n;
+  return 0;
+}
+
+/* Reads header and footer of one checkpoint file, for listing. */
+static int peek_ckpt(amber_store *st, uint64_t step, amber_ckpt_info *info) {
+  char path[4200];
+  amber__ckpt_path(st, step, NULL, path, sizeof path);
+  memset(info, 0, sizeof *info);
+  info->step = step;
+  info->parent = AMBER_NO_STEP;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return AMBER_EIO;
+  struct stat sb;
+  uint8_t h[AMBER__HEADER_SIZE], f[AMBER__FOOTER_SIZE];
+  amber__header hdr;
+  amber__footer ftr;
+  int rc = AMBER_ECORRUPT;
+  if (fstat(fd, &sb) == 0) {
+    info->bytes = (uint64_t)sb.st_size;
+    if (sb.st_size >= AMBER__HEADER_SIZE + AMBER__FOOTER_SIZE &&
+        amber__pread_full(fd, h, sizeof h, 0) == 0 &&
+        amber__pread_full(fd, f, sizeof f, (uint64_t)sb.st_size - AMBER__FOOTER_SIZE) == 0 &&
+        (rc = amber__header_decode(NULL, path, h, &hdr)) == 0) {
+      info->kind = hdr.kind;
+      info->parent = hdr.kind == AMBER_KIND_DELTA ? hdr.parent_step : AMBER_NO_STEP;
+      if ((rc = amber__footer_decode(NULL, path, f, (uint64_t)sb.st_size, &ftr)) == 0)
+        info->hash = ftr.state_id;
+    }
+  }
+  close(fd);
+  return rc;
+}
+
+int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count) {
+  *out = NULL;
+  *count = 0;
+  uint64_t latest, state, *steps = NULL;
+  size_t n = 0;
+  int rc = amber__read_latest(st, &latest, &state);
+  if (rc == AMBER_ENOENT) return 0;
+  if (rc) return rc;
+  if ((rc = list_steps(st, latest, &steps, &n))) return rc;
+  amber_ckpt_info *info = calloc(n ? n : 1, sizeof *info);
+  if (!info) {
+    free(steps);
+    return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < n; i++) peek_ckpt(st, steps[i], &info[i]);
+  free(steps);
+  *out = info;
+  *count = n;
+  return 0;
+}
+
+/* ---- one checkpoint file ---- */
+
+int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c) {
+  char path[4200];
+  memset(c, 0, sizeof *c);
+  c->fd = c->dfd = -1;
+  amber__ckpt_path(st, step, NULL, path, sizeof path);
+  if (!(c->path = strdup(path))) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+  c->fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (c->fd < 0) {
+    int err = errno;
+    amber__ckpt_close(c);
+    if (err == ENOENT)
+      return amber__fail(e, AMBER_ENOENT, "%s: checkpoint file of step %" PRIu64 " is missing",
+                         path, step);
+    return amber__fail(e, amber__errno_code(err), "cannot open %s: %s", path, strerror(err));
+  }
+  struct stat sb;
+  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
+  int rc = 0;
+  if (fstat(c->fd, &sb) != 0) {
+    rc = amber__fail(e, AMBER_EIO, "cannot stat %s: %s", path, strerror(errno));
+  } else if (sb.st_size < AMBER__HEADER_SIZE + AMBER__INDEX_FIXED + AMBER__FOOTER_SIZE) {
+    rc = amber__fail(e, AMBER_ECORRUPT, "%s: file of %lld bytes is too short (truncated?)",
+                     path, (long long)sb.st_size);
+  } else {
+    c->size = (uint64_t)sb.st_size;
+    if (amber__pread_full(c->fd, hb, sizeof hb, 0) != 0 ||
+        amber__pread_full(c->fd, fb, sizeof fb, c->size - AMBER__FOOTER_SIZE) != 0)
+      rc = amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
+  }
+  if (!rc) rc = amber__header_decode(e, path, hb, &c->hdr);
+  if (!rc && c->hdr.step != step)
+    rc = amber__fail(e, AMBER_ECORRUPT, "%s: file holds step %" PRIu64 ", not %" PRIu64, path,
+                     c->hdr.step, step);
+  if (!rc) rc = amber__footer_decode(e, path, fb, c->size, &c->ftr);
+  uint8_t *ib = NULL;
+  if (!rc && !(ib = malloc(c->ftr.index_size)))
+    rc = amber__fail(e, AMBER_ENOMEM, "%s: out of memory for the index", path);
+  if (!rc && amber__pread_full(c->fd, ib, c->ftr.index_size, c->ftr.index_offset) != 0)
+    rc = amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
+  if (!rc && amber__xxh3(ib, c->ftr.index_size) != c->ftr.index_checksum)
+    rc = amber__fail(e, AMBER_ECORRUPT, "%s: index checksum mismatch", path);
+  if (!rc)
+    rc = amber__index_decode(e, path, ib, c->ftr.index_size, c->ftr.index_offset, &c->ix);
+  free(ib);
+  if (rc) {
+    amber__ckpt_close(c);
+    return rc;
+  }
+  c->dfd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT); /* -1 where unsupported */
+  return 0;
+}
+
+void amber__ckpt_close(amber__ckpt *c) {
+  if (!c) return;
+  if (c->fd >= 0) close(c->fd);
+  if (c->dfd >= 0) close(c->dfd);
+  amber__index_free(&c->ix);
+  free(c->path);
+  memset(c, 0, sizeof *c);
+  c->fd = c->dfd = -1;
+}
+
+void amber__stage_free(amber__stage *s) {
+  free(s->buf);
+  s->buf = NULL;
+  s->cap = 0;
+}
+
+int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
+                      amber__stage *stage, const uint8_t **payload) {
+  if (ch->size == 0) {
+    static const uint8_t none[1];
+    *payload = none;
+    if (ch->checksum != 0 && ch->checksum != amber__xxh3(none, 0))
+      return amber__fail(e, AMBER_ECORRUPT, "%s (step %" PRIu64 "): empty chunk with a checksum",
+                         c->path, c->hdr.step);
+    return 0;
+  }
+  /* O_DIRECT needs aligned offsets and lengths: read the covering blocks. */
+  uint64_t lo = ch->offset & ~(uint64_t)(AMBER__ALIGN - 1);
+  uint64_t hi = (ch->offset + ch->size + AMBER__ALIGN - 1) & ~(uint64_t)(AMBER__ALIGN - 1);
+  size_t need = (size_t)(hi - lo);
+  if (stage->cap < need) {
+    free(stage->buf);
+    stage->cap = 0;
+    if (posix_memalign((void **)&stage->buf, AMBER__ALIGN, need) != 0) {
+      stage->buf = NULL;
+      return amber__fail(e, AMBER_ENOMEM, "out of memory");
+    }
+    stage->cap = need;
+  }
+  int rc = -1;
+  if (c->dfd >= 0) {
+    /* The final block may be short (file end): read what is there. */
+    size_t want = hi > c->size ? (size_t)(c->size - lo) : need;
+    ssize_t got = 0;
+    while ((size_t)got < want) {
+      ssize_t n = pread(c->dfd, stage->buf + got, need - (size_t)got, (off_t)(lo + (uint64_t)got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      got += n;
+    }
+    if ((size_t)got >= want) {
+      rc = 0;
+      *payload = stage->buf + (ch->offset - lo);
+    }
+  }
+  if (rc != 0) { /* no O_DIRECT, or it failed: plain read */
+    if (amber__pread_full(c->fd, stage->buf, ch->size, ch->offset) != 0)
+      return amber__fail(e, AMBER_EIO, "cannot read %s at offset %" PRIu64 ": %s", c->path,
+                         ch->offset, strerror(errno));
+    *payload = stage->buf;
+  }
+  if (amber__xxh3(*payload, ch->size) != ch->checksum)
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s (step %" PRIu64 "): chunk checksum mismatch at offset %" PRIu64,
+                       c->path, c->hdr.step, ch->offset);
+  return 0;
+}
