@@ -1,0 +1,42 @@
+/*
+ * bench.h - shared pieces of `amber bench` (tools/bench*.c): the synthetic
+ * training state and timed save/restore helpers.
+ */
+#ifndef AMBER_BENCH_H
+#define AMBER_BENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "amber.h"
+
+typedef struct bench_tensor {
+  char name[96];
+  int64_t n;
+  int role; /* 0 param, 1 exp_avg, 2 exp_avg_sq */
+  float *x;
+} bench_tensor;
+
+typedef struct bench_state {
+  bench_tensor *t;
+  size_t n;
+  uint64_t bytes;
+} bench_state;
+
+typedef struct bench_opts {
+  uint64_t size_bytes;
+  int repeat;
+  const char *dir;
+  const char *json_path;
+} bench_opts;
+
+int amber__bench_state(bench_state *s, uint64_t total_bytes);
+void amber__bench_fill(bench_state *s, uint64_t seed);
+void amber__bench_free(bench_state *s);
+int amber__bench_save(amber_store *st, amber_writer **w, const bench_state *s,
+                      const amber_writer_opts *wo, uint64_t step, uint32_t flags,
+                      double *secs);
+int amber__bench_restore(amber_store *st, uint64_t step, bench_state *dst, double *secs);
+int amber__bench_main(int argc, char **argv);
+
+#endif
