@@ -169,7 +169,7 @@ typedef struct amber_ckpt_info {
   uint32_t reserved0;
   uint64_t parent;    /* parent step, AMBER_NO_STEP for a full checkpoint */
   uint64_t bytes;     /* size of the checkpoint's file on disk */
-  uint64_t hash;      /* content hash (docs/FORMAT.md) */
+  uint64_t hash;      /* state id (docs/FORMAT.md) */
   uint64_t reserved[3];
 } amber_ckpt_info;
 
@@ -193,10 +193,17 @@ typedef struct amber_writer amber_writer;
 #define AMBER_WRITER_NO_DIRECT_IO (1u << 1)
 
 typedef struct amber_writer_opts {
-  uint64_t chunk_elems;  /* elements per chunk; 0 = 1 Mi (1048576) */
+  uint64_t chunk_elems;  /* elements per chunk; 0 = 1 Mi (1048576); at most 16 Mi and
+                            128 MiB per chunk */
   uint32_t flags;        /* AMBER_WRITER_* */
   int32_t zstd_level;    /* 0 = default (1) */
-  uint64_t reserved[8];  /* must be zero */
+  uint32_t full_every;   /* a full checkpoint after this many deltas; 0 = default (50),
+                            UINT32_MAX = only when forced or needed */
+  uint32_t reserved0;    /* must be zero */
+  double full_share;     /* also a full checkpoint once the deltas written since the last
+                            full add up to this share of its size; 0 = default (0.5),
+                            negative = never */
+  uint64_t reserved[6];  /* must be zero */
 } amber_writer_opts;
 
 AMBER_API void amber_writer_opts_init(amber_writer_opts *opts);
@@ -239,7 +246,12 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
 #define AMBER_SAVE_FULL (1u << 0)
 
 /* Saves the declared tensors as checkpoint `step` and commits it: when this
- * returns 0 the checkpoint is durable and is the store's latest. `step` must be
+ * returns 0 the checkpoint is durable and is the store's latest. The checkpoint
+ * is a delta against the writer's reference state (the state that restoring the
+ * latest checkpoint yields, loaded from the store on the first save if needed)
+ * unless AMBER_SAVE_FULL is given, the store is empty, the declared tensors differ
+ * from the latest checkpoint's, a previous save failed, or the cadence
+ * (full_every, full_share) calls for a full one. `step` must be
  * greater than the store's latest step (AMBER_EEXIST otherwise). On failure the
  * store is unchanged: earlier checkpoints stay intact and nothing half-written
  * becomes visible. Reads the tensors' memory during the call only. */

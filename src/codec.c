@@ -85,3 +85,123 @@ void *amber__zstd_dctx(void) {
 void amber__zstd_dctx_free(void *d) {
   ZSTD_freeDCtx(d);
 }
+
+int amber__zstd_decompress_bounded(void *dctx, uint8_t *dst, size_t cap, const uint8_t *src,
+                                   size_t n, size_t *out) {
+  unsigned long long cs = ZSTD_getFrameContentSize(src, n);
+  if (cs == ZSTD_CONTENTSIZE_ERROR || cs == ZSTD_CONTENTSIZE_UNKNOWN || cs > cap)
+    return AMBER_ECORRUPT;
+  size_t r = ZSTD_decompressDCtx(dctx, dst, (size_t)cs, src, n);
+  if (ZSTD_isError(r) || r != cs) return AMBER_ECORRUPT;
+  *out = r;
+  return 0;
+}
+
+/* ---- sparse bodies (docs/FORMAT.md, "Sparse body") ---- */
+
+static size_t varint_len(uint32_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    n++;
+  }
+  return n;
+}
+
+size_t amber__sparse_bound(size_t n, size_t k, size_t w) {
+  size_t bitmap = (n + 7) / 8, varints = 5 * k;
+  return 1 + (bitmap > varints ? bitmap : varints) + k * w;
+}
+
+size_t amber__sparse_encode(uint8_t *body, const uint32_t *idx, const uint8_t *vals, size_t k,
+                            size_t n, size_t w) {
+  size_t bitmap = (n + 7) / 8, varints = 0;
+  for (size_t i = 0; i < k && varints < bitmap; i++)
+    varints += varint_len(i ? idx[i] - idx[i - 1] - 1 : idx[0]);
+  uint8_t *p = body + 1;
+  if (varints < bitmap) {
+    body[0] = 1;
+    for (size_t i = 0; i < k; i++) {
+      uint32_t g = i ? idx[i] - idx[i - 1] - 1 : idx[0];
+      while (g >= 0x80) {
+        *p++ = (uint8_t)(g | 0x80);
+        g >>= 7;
+      }
+      *p++ = (uint8_t)g;
+    }
+  } else {
+    body[0] = 0;
+    memset(p, 0, bitmap);
+    for (size_t i = 0; i < k; i++) p[idx[i] / 8] |= (uint8_t)(1u << (idx[i] % 8));
+    p += bitmap;
+  }
+  amber__shuffle(p, vals, k, w);
+  return (size_t)(p - body) + k * w;
+}
+
+int amber__sparse_apply(uint8_t *dst, const uint8_t *body, size_t len, size_t n, size_t k,
+                        size_t w, uint8_t *vals) {
+  if (len < 1) return AMBER_ECORRUPT;
+  const uint8_t *p = body + 1, *end = body + len;
+  size_t bitmap = (n + 7) / 8;
+  const uint8_t *ixs = p;
+  if (body[0] == 0) {
+    if ((size_t)(end - p) < bitmap) return AMBER_ECORRUPT;
+    size_t bits = 0;
+    for (size_t i = 0; i < bitmap; i++) bits += (size_t)__builtin_popcount(p[i]);
+    if (bits != k || (n % 8 && (p[bitmap - 1] >> (n % 8)))) return AMBER_ECORRUPT;
+    p += bitmap;
+  } else if (body[0] == 1) {
+    uint64_t at = 0;
+    for (size_t i = 0; i < k; i++) {
+      uint64_t g = 0;
+      int shift = 0;
+      for (;;) {
+        if (p == end || shift > 28) return AMBER_ECORRUPT;
+        uint8_t b = *p++;
+        g |= (uint64_t)(b & 0x7f) << shift;
+        shift += 7;
+        if (!(b & 0x80)) break;
+      }
+      at += g + (i ? 1 : 0);
+      if (at >= n) return AMBER_ECORRUPT;
+    }
+  } else {
+    return AMBER_ECORRUPT;
+  }
+  if ((size_t)(end - p) != k * w) return AMBER_ECORRUPT;
+  /* indices validated: now apply */
+  amber__unshuffle(vals, p, k, w);
+  if (body[0] == 0) {
+    size_t v = 0;
+    for (size_t i = 0; i < bitmap; i++) {
+      uint8_t b = ixs[i];
+      while (b) {
+        size_t j = i * 8 + (size_t)__builtin_ctz(b);
+        memcpy(dst + j * w, vals + v * w, w);
+        v++;
+        b &= (uint8_t)(b - 1);
+      }
+    }
+  } else {
+    const uint8_t *q = ixs;
+    uint64_t at = 0;
+    for (size_t i = 0; i < k; i++) {
+      uint64_t g = 0;
+      int shift = 0;
+      uint8_t b;
+      do {
+        b = *q++;
+        g |= (uint64_t)(b & 0x7f) << shift;
+        shift += 7;
+      } while (b & 0x80);
+      at += g + (i ? 1 : 0);
+      memcpy(dst + at * w, vals + i * w, w);
+    }
+  }
+  return 0;
+}
+
+void amber__xor(uint8_t *dst, const uint8_t *a, const uint8_t *b, size_t len) {
+  for (size_t i = 0; i < len; i++) dst[i] = a[i] ^ b[i];
+}

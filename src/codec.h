@@ -23,4 +23,21 @@ void amber__zstd_cctx_free(void *c);
 void *amber__zstd_dctx(void);
 void amber__zstd_dctx_free(void *d);
 
+/* Like amber__zstd_decompress, for frames whose size is only bounded: the
+ * declared content size must be <= cap; *out receives it. */
+int amber__zstd_decompress_bounded(void *dctx, uint8_t *dst, size_t cap, const uint8_t *src,
+                                   size_t n, size_t *out);
+
+/* Largest sparse body for k of n elements of width w. */
+size_t amber__sparse_bound(size_t n, size_t k, size_t w);
+/* Writes the sparse body of k selected elements (increasing indices `idx`, their
+ * values `vals` unshuffled) with whichever index form is smaller; returns its size. */
+size_t amber__sparse_encode(uint8_t *body, const uint32_t *idx, const uint8_t *vals, size_t k,
+                            size_t n, size_t w);
+/* Validates a sparse body completely, then writes its values into dst (a chunk of
+ * n elements). `vals` is scratch of k * w bytes. AMBER_ECORRUPT if malformed. */
+int amber__sparse_apply(uint8_t *dst, const uint8_t *body, size_t len, size_t n, size_t k,
+                        size_t w, uint8_t *vals);
+void amber__xor(uint8_t *dst, const uint8_t *a, const uint8_t *b, size_t len);
+
 #endif

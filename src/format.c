@@ -177,9 +177,13 @@ static int check_tensor(amber__err *e, const char *what, uint64_t i, amber__tens
     return amber__fail(e, AMBER_ECORRUPT, "%s: tensor %llu is impossibly large", what,
                        (unsigned long long)i);
   t->nelems = n;
-  if (t->chunk_elems == 0)
-    return amber__fail(e, AMBER_ECORRUPT, "%s: tensor %llu has chunk_elems 0", what,
-                       (unsigned long long)i);
+  if (t->chunk_elems == 0 || t->chunk_elems > AMBER__MAX_CHUNK_ELEMS ||
+      t->chunk_elems * isz > AMBER__MAX_CHUNK_BYTES)
+    return amber__fail(e, AMBER_ECORRUPT, "%s: tensor %llu has chunk_elems %llu (1..%llu, "
+                       "at most %llu bytes)", what, (unsigned long long)i,
+                       (unsigned long long)t->chunk_elems,
+                       (unsigned long long)AMBER__MAX_CHUNK_ELEMS,
+                       (unsigned long long)AMBER__MAX_CHUNK_BYTES);
   uint64_t want = n / t->chunk_elems + (n % t->chunk_elems != 0);
   if (t->n_chunks != want || t->first_chunk != next_chunk ||
       t->n_chunks > n_chunks - next_chunk)

@@ -77,6 +77,9 @@ uint64_t amber__xxh3(const void *data, size_t len);
 #define AMBER__TENSOR_FIXED 32
 #define AMBER__CHUNK_ENTRY 40
 #define AMBER__MAX_BYTES (UINT64_C(1) << 62)
+/* Chunks bound every buffer a reader allocates beyond the caller's. */
+#define AMBER__MAX_CHUNK_ELEMS (UINT64_C(1) << 24)
+#define AMBER__MAX_CHUNK_BYTES (UINT64_C(1) << 27)
 
 enum {
   AMBER__ENC_RAW = 0,

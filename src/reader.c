@@ -233,11 +233,28 @@ static int apply_chunk(amber_reader *r, amber__ckpt *c, const amber__tensor *t, 
       break;
     amber__unshuffle(dst, r->scratch, n, isz);
     return 0;
+  case AMBER__ENC_SPARSE: {
+    if (c->hdr.kind == AMBER_KIND_FULL) break;
+    size_t k = (size_t)ch->stored, bound = amber__sparse_bound(n, k, isz), blen;
+    if ((rc = need_scratch(r, bound + k * isz))) return rc;
+    if (amber__zstd_decompress_bounded(r->dctx, r->scratch, bound, p, (size_t)ch->size,
+                                       &blen) != 0 ||
+        amber__sparse_apply(dst, r->scratch, blen, n, k, isz, r->scratch + bound) != 0)
+      break;
+    return 0;
+  }
+  case AMBER__ENC_XOR_ZSTD:
+    if (c->hdr.kind == AMBER_KIND_FULL) break;
+    if ((rc = need_scratch(r, 2 * bytes))) return rc;
+    if (amber__zstd_decompress(r->dctx, r->scratch, bytes, p, (size_t)ch->size) != 0) break;
+    amber__unshuffle(r->scratch + bytes, r->scratch, n, isz);
+    amber__xor(dst, dst, r->scratch + bytes, bytes);
+    return 0;
   default:
     if (c->hdr.kind == AMBER_KIND_FULL)
       return amber__fail(&r->err, AMBER_ECORRUPT, "%s: encoding %u is not allowed in a full "
                          "checkpoint", c->path, ch->encoding);
-    return amber__fail(&r->err, AMBER_EFORMAT, "%s: encoding %u is not supported yet", c->path,
+    return amber__fail(&r->err, AMBER_EFORMAT, "%s: unknown encoding %u", c->path,
                        ch->encoding);
   }
   return amber__fail(&r->err, AMBER_ECORRUPT,

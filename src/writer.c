@@ -1,54 +1,89 @@
 /*
- * writer.c - the writer: tensor declarations and the save of a checkpoint.
+ * writer.c - the writer: tensor declarations, the reference state, and the save
+ * of a full or delta checkpoint.
  *
- * A save streams header, chunk payloads, index and footer through one reused
- * amber__wfile (aligned staging buffers, O_DIRECT, background write), then
- * commits: fsync, rename, fsync of the directory, LATEST. Nothing is allocated per
- * save once the first save has sized the buffers. Tensor memory is read during
- * amber_writer_save only.
+ * The writer keeps the reference state: for every tensor, exactly the bytes that
+ * restoring the latest committed checkpoint yields. A delta stores, per chunk,
+ * what the tensor's policy selects from `live - reference` and moves only those
+ * elements of the reference; whatever is not stored stays in the difference and
+ * is carried to the next save (error feedback), so it is deferred, never lost.
+ *
+ * A save is a parallel loop over all chunks (pool.c): each worker scans and
+ * encodes a chunk into its own scratch, then appends the payload to the one
+ * amber__wfile under a lock (payload order in the file does not matter: the index
+ * records offsets). Header, payloads, index and footer are then committed: fsync,
+ * rename, fsync of the directory, LATEST. Buffers are sized at the first save and
+ * reused; nothing is allocated per save after that.
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation per chunk */
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
 #include <xxhash.h>
 
 #include "codec.h"
 #include "internal.h"
 #include "policy.h"
+#include "pool.h"
+#include "scan.h"
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
+#define DEFAULT_FULL_EVERY 50
+#define DEFAULT_FULL_SHARE 0.5
 #define STAGE_BYTES (8u << 20)
+#define SLICE (256u << 10)
+
+typedef struct scratch {
+  uint8_t *sel, *vals, *body, *zbuf, *xbuf, *zx;
+  uint32_t *keys, *idx;
+  void *cctx;
+} scratch;
 
 struct amber_writer {
   amber__err err;
   amber_store *st;
   amber_writer_opts opts;
-  amber__tensor *tensors; /* declarations; names owned here, policies point into rules */
-  const amber__rule **rule; /* the rule of each tensor at this save (NULL: exact) */
-  amber__rules rules;
-  const uint8_t **data;   /* host pointers, parallel to tensors */
+  amber__tensor *tensors;   /* declarations; names owned here, policies point into rules */
+  const uint8_t **data;     /* host pointers, parallel to tensors */
+  const amber__rule **rule; /* each tensor's rule at this save (NULL: exact) */
   size_t n, cap;
+  amber__rules rules;
   char *meta;
   size_t meta_len;
-  int frozen; /* declarations are fixed after the first save */
+  int frozen;           /* declarations are fixed after the first save */
   uint64_t n_chunks;
   amber__chunk *chunks; /* chunk table, reused by every save */
+  uint32_t *owner;      /* tensor of each chunk */
   uint8_t *ixbuf;       /* encoded index, reused */
   uint64_t ixcap;
-  uint8_t *scratch, *zbuf; /* shuffle / compress buffers, reused */
-  size_t scratch_cap, zcap;
-  void *cctx;
+  uint8_t **ref;        /* reference state per tensor */
+  int ref_valid;        /* ref equals the restore of the latest checkpoint */
+  amber__pool *pool;
+  scratch *ws;          /* one per pool worker */
+  size_t max_chunk_bytes;
   amber__wfile *wf;
+  pthread_mutex_t mu;   /* guards wf and rc during a save */
+  int rc;               /* first failure of a worker in this save */
+  int delta;            /* kind of the save in progress */
+  /* the store as this writer knows it */
   int have_latest;
   uint64_t latest_step, latest_state;
+  uint64_t deltas_since_full, bytes_since_full, last_full_bytes;
+  int cadence_known;
 };
 
 void amber_writer_opts_init(amber_writer_opts *opts) {
   memset(opts, 0, sizeof *opts);
+}
+
+static int online_cpus(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 1 ? 1 : n > 64 ? 64 : (int)n;
 }
 
 int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_opts *opts) {
@@ -59,8 +94,8 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   }
   if (!out || !st) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: NULL argument");
   *out = NULL;
-  for (int i = 0; i < 8; i++)
-    if (opts->reserved[i])
+  for (int i = 0; i < 6; i++)
+    if (opts->reserved[i] || opts->reserved0)
       return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: reserved option set");
   if (st->lockfd < 0)
     return amber__fail(NULL, AMBER_EREADONLY, "store %s is open read-only", st->path);
@@ -68,46 +103,72 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
     return amber__fail(NULL, AMBER_EBUSY, "store %s already has a writer", st->path);
   if (opts->zstd_level < -7 || opts->zstd_level > 19)
     return amber__fail(NULL, AMBER_EINVAL, "zstd level %d is out of range", opts->zstd_level);
+  if (opts->chunk_elems > AMBER__MAX_CHUNK_ELEMS)
+    return amber__fail(NULL, AMBER_EINVAL, "chunk_elems %" PRIu64 " is above the maximum %" PRIu64,
+                       opts->chunk_elems, (uint64_t)AMBER__MAX_CHUNK_ELEMS);
+  if (isnan(opts->full_share))
+    return amber__fail(NULL, AMBER_EINVAL, "full_share is NaN");
   amber_writer *w = calloc(1, sizeof *w);
   if (!w) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   w->st = st;
   w->opts = *opts;
   if (!w->opts.chunk_elems) w->opts.chunk_elems = DEFAULT_CHUNK_ELEMS;
   if (!w->opts.zstd_level) w->opts.zstd_level = 1;
+  if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
+  if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
+  pthread_mutex_init(&w->mu, NULL);
+  st->writers++;
   int rc = amber__read_latest(st, &w->latest_step, &w->latest_state);
   if (rc == 0) {
     w->have_latest = 1;
   } else if (rc != AMBER_ENOENT) {
     amber__err_adopt(NULL);
-    free(w);
+    amber_writer_close(w);
     return rc;
   }
-  rc = amber__wfile_create(&w->wf, STAGE_BYTES, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO));
-  if (rc) {
-    free(w);
-    return amber__fail(NULL, rc, "out of memory for the staging buffers");
+  int threads = st->threads ? (int)st->threads : online_cpus();
+  if (amber__wfile_create(&w->wf, STAGE_BYTES, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO)) ||
+      amber__pool_create(&w->pool, threads)) {
+    amber_writer_close(w);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory for the writer's buffers");
   }
-  st->writers++;
   *out = w;
   return 0;
+}
+
+static void free_scratch(scratch *s) {
+  free(s->sel);
+  free(s->vals);
+  free(s->body);
+  free(s->zbuf);
+  free(s->xbuf);
+  free(s->zx);
+  free(s->keys);
+  free(s->idx);
+  amber__zstd_cctx_free(s->cctx);
 }
 
 void amber_writer_close(amber_writer *w) {
   if (!w) return;
   for (size_t i = 0; i < w->n; i++) {
     free(w->tensors[i].name);
+    if (w->ref) free(w->ref[i]);
   }
-  free(w->rule);
-  amber__rules_free(&w->rules);
+  if (w->ws)
+    for (int i = 0; i < amber__pool_size(w->pool); i++) free_scratch(&w->ws[i]);
+  free(w->ws);
+  free(w->ref);
   free(w->tensors);
   free(w->data);
+  free(w->rule);
+  amber__rules_free(&w->rules);
   free(w->meta);
   free(w->chunks);
+  free(w->owner);
   free(w->ixbuf);
-  free(w->scratch);
-  free(w->zbuf);
-  amber__zstd_cctx_free(w->cctx);
+  amber__pool_destroy(w->pool);
   amber__wfile_destroy(w->wf);
+  pthread_mutex_destroy(&w->mu);
   w->st->writers--;
   free(w);
 }
@@ -150,18 +211,19 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
   }
   amber__tensor *t = &w->tensors[w->n];
   memset(t, 0, sizeof *t);
-  t->name = strdup(name);
-  if (!t->name) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
-  t->policy = (char *)"exact";
+  if (!(t->name = strdup(name))) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
   t->name_len = len;
   t->dtype = dtype;
   t->ndim = ndim;
   for (uint32_t d = 0; d < ndim; d++) t->shape[d] = (uint64_t)shape[d];
   t->nelems = nelems;
   t->nbytes = nbytes;
+  /* the chunk must stay within the format's per-chunk byte limit */
   t->chunk_elems = w->opts.chunk_elems;
+  if (t->chunk_elems * isz > AMBER__MAX_CHUNK_BYTES) t->chunk_elems = AMBER__MAX_CHUNK_BYTES / isz;
   t->n_chunks = nelems / t->chunk_elems + (nelems % t->chunk_elems != 0);
   t->first_chunk = w->n_chunks;
+  t->policy = (char *)"exact";
   w->n_chunks += t->n_chunks;
   w->data[w->n] = data;
   if (index) *index = w->n;
@@ -185,15 +247,6 @@ int amber_writer_add_policy(amber_writer *w, const char *rule) {
   return amber__rules_add(&w->err, &w->rules, rule);
 }
 
-/* Resolves each tensor's rule; rules may have changed since the last save. */
-static void resolve_policies(amber_writer *w) {
-  for (size_t i = 0; i < w->n; i++) {
-    amber__tensor *t = &w->tensors[i];
-    w->rule[i] = amber__rules_match(&w->rules, t->name, t->dtype);
-    t->policy = w->rule[i] ? w->rule[i]->spec : (char *)"exact";
-  }
-}
-
 int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
   if (!w || (len && !json)) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_meta: NULL");
   char *m = NULL;
@@ -212,67 +265,214 @@ int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
 static int prepare(amber_writer *w) {
   if (w->frozen) return 0;
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
-  if (!w->chunks) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the chunk table");
-  if (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) {
-    size_t max = 0;
-    for (size_t i = 0; i < w->n; i++) {
-      uint64_t cb = w->tensors[i].chunk_elems * amber_dtype_size(w->tensors[i].dtype);
-      if (w->tensors[i].nbytes < cb) cb = w->tensors[i].nbytes;
-      if (cb > max) max = (size_t)cb;
-    }
-    w->scratch_cap = max;
-    w->zcap = amber__zstd_bound(max);
-    w->scratch = malloc(max ? max : 1);
-    w->zbuf = malloc(w->zcap);
-    w->cctx = amber__zstd_cctx();
-    if (!w->scratch || !w->zbuf || !w->cctx)
-      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for compression buffers");
+  w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
+  w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
+  int nw = amber__pool_size(w->pool);
+  w->ws = calloc((size_t)nw, sizeof *w->ws);
+  if (!w->chunks || !w->owner || !w->ref || !w->ws)
+    return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the chunk table");
+  for (size_t i = 0; i < w->n; i++) {
+    const amber__tensor *t = &w->tensors[i];
+    for (uint64_t j = 0; j < t->n_chunks; j++) w->owner[t->first_chunk + j] = (uint32_t)i;
+    uint64_t cb = t->chunk_elems * amber_dtype_size(t->dtype);
+    if (t->nbytes < cb) cb = t->nbytes;
+    if (cb > w->max_chunk_bytes) w->max_chunk_bytes = (size_t)cb;
+    if (t->nbytes && !(w->ref[i] = malloc(t->nbytes)))
+      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the reference state of '%s'",
+                         t->name);
+  }
+  size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
+  for (int i = 0; i < nw; i++) {
+    scratch *s = &w->ws[i];
+    s->sel = malloc(mb);
+    s->keys = malloc(mb * 4);
+    s->idx = malloc(mb * 4);
+    s->vals = malloc(mb);
+    s->body = malloc(mb + 16);
+    s->zbuf = malloc(zb);
+    s->xbuf = malloc(mb);
+    s->zx = malloc(zb);
+    s->cctx = amber__zstd_cctx();
+    if (!s->sel || !s->keys || !s->idx || !s->vals || !s->body || !s->zbuf || !s->xbuf ||
+        !s->zx || !s->cctx)
+      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
   }
   w->frozen = 1;
   return 0;
 }
 
-/* Writes one chunk of a full checkpoint and fills its index entry. */
-static int put_full_chunk(amber_writer *w, const amber__tensor *t, const uint8_t *src,
-                          uint64_t n, amber__chunk *c) {
-  size_t isz = amber_dtype_size(t->dtype), bytes = (size_t)(n * isz);
-  c->offset = amber__wfile_pos(w->wf);
+/* Resolves each tensor's rule; rules may have changed since the last save. */
+static void resolve_policies(amber_writer *w) {
+  for (size_t i = 0; i < w->n; i++) {
+    amber__tensor *t = &w->tensors[i];
+    w->rule[i] = amber__rules_match(&w->rules, t->name, t->dtype);
+    t->policy = w->rule[i] ? w->rule[i]->spec : (char *)"exact";
+  }
+}
+
+/* Appends a payload and fills the chunk entry; the checksum is computed by the
+ * caller outside the lock. */
+static void emit(amber_writer *w, amber__chunk *c, const uint8_t *p, size_t len) {
+  pthread_mutex_lock(&w->mu);
+  if (!w->rc) {
+    c->offset = len ? amber__wfile_pos(w->wf) : AMBER__HEADER_SIZE;
+    c->size = len;
+    int rc = len ? amber__wfile_append(w->wf, p, len) : 0;
+    if (rc) __atomic_store_n(&w->rc, rc, __ATOMIC_RELAXED);
+  }
+  pthread_mutex_unlock(&w->mu);
+}
+
+static void fail_save(amber_writer *w, int rc, const char *tensor) {
+  pthread_mutex_lock(&w->mu);
+  if (!w->rc) w->rc = amber__fail(&w->err, rc, "cannot compress a chunk of tensor '%s'", tensor);
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* Full chunk: copy live into the reference (hashing the copy while it is in
+ * cache), then append it, raw or shuffled+zstd. */
+static void full_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size_t ti,
+                       uint64_t j, amber__chunk *c) {
+  size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
+  size_t off = (size_t)(j * t->chunk_elems * isz);
+  const uint8_t *src = w->data[ti] + off;
+  uint8_t *ref = w->ref[ti] + off;
   c->stored = n;
   if (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) {
     size_t zlen;
-    amber__shuffle(w->scratch, src, (size_t)n, isz);
-    if (amber__zstd_compress(w->cctx, w->opts.zstd_level, w->zbuf, w->zcap, w->scratch, bytes,
-                             &zlen) == 0 &&
+    memcpy(ref, src, bytes);
+    amber__shuffle(s->body, ref, n, isz);
+    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zbuf, amber__zstd_bound(bytes),
+                             s->body, bytes, &zlen) == 0 &&
         zlen < bytes) {
       c->encoding = AMBER__ENC_SHUF_ZSTD;
-      c->size = zlen;
-      c->checksum = amber__xxh3(w->zbuf, zlen);
-      return amber__wfile_append(w->wf, w->zbuf, zlen);
+      c->checksum = amber__xxh3(s->zbuf, zlen);
+      emit(w, c, s->zbuf, zlen);
+      return;
     }
+  } else {
+    XXH3_state_t hs;
+    XXH3_INITSTATE(&hs);
+    XXH3_64bits_reset(&hs);
+    for (size_t o = 0; o < bytes; o += SLICE) {
+      size_t k = bytes - o < SLICE ? bytes - o : SLICE;
+      memcpy(ref + o, src + o, k);
+      XXH3_64bits_update(&hs, ref + o, k);
+    }
+    c->encoding = AMBER__ENC_RAW;
+    c->checksum = XXH3_64bits_digest(&hs);
+    emit(w, c, ref, bytes);
+    return;
   }
   c->encoding = AMBER__ENC_RAW;
-  c->size = bytes;
-  return amber__wfile_append_hashed(w->wf, src, bytes, &c->checksum);
+  c->checksum = amber__xxh3(ref, bytes);
+  emit(w, c, ref, bytes);
 }
 
-static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t *state) {
+/* Delta chunk: scan under the tensor's policy, then store nothing (UNCHANGED),
+ * the selected elements (SPARSE), the XOR with the reference (exact policy, when
+ * smaller), or the whole chunk (RAW, when denser than sparse pays). */
+static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size_t ti,
+                        uint64_t j, amber__chunk *c) {
+  size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
+  size_t off = (size_t)(j * t->chunk_elems * isz);
+  const amber__rule *rule = w->rule[ti];
+  amber__scan_args a = {.kind = AMBER__SCAN_EXACT, .dtype = t->dtype, .n = n,
+                        .live = w->data[ti] + off, .ref = w->ref[ti] + off, .sel = s->sel,
+                        .keys = s->keys, .idx = s->idx, .vals = s->vals};
+  if (rule && rule->policy.kind == AMBER__POL_THRESHOLD) {
+    a.kind = AMBER__SCAN_THRESHOLD;
+    a.abs = rule->policy.abs;
+    a.rel = rule->policy.rel;
+  } else if (rule && rule->policy.kind == AMBER__POL_BUDGET) {
+    a.kind = AMBER__SCAN_BUDGET;
+    a.cap = rule->policy.cap;
+    a.budget = (size_t)(rule->policy.frac * (double)n);
+  }
+  amber__scan_flags(&a);
+  size_t xlen = 0; /* compressed XOR candidate, exact policy with dense changes */
+  if (a.kind == AMBER__SCAN_EXACT && amber__count_flags(s->sel, n) * 4 > n) {
+    amber__xor(s->xbuf, a.live, a.ref, bytes);
+    amber__shuffle(s->body, s->xbuf, n, isz);
+    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zx, amber__zstd_bound(bytes),
+                             s->body, bytes, &xlen) != 0)
+      xlen = 0;
+  }
+  size_t k = amber__scan_select(&a);
+  c->stored = k;
+  if (k == 0) {
+    c->encoding = AMBER__ENC_UNCHANGED;
+    c->checksum = 0;
+    emit(w, c, NULL, 0);
+    return;
+  }
+  const uint8_t *payload;
+  size_t plen;
+  size_t bitmap = (n + 7) / 8;
+  if (1 + bitmap + k * isz >= bytes) {
+    /* Dense: the whole chunk, and the reference takes every live value. */
+    memcpy(a.ref, a.live, bytes);
+    c->stored = n;
+    if (xlen && xlen < bytes) {
+      c->encoding = AMBER__ENC_XOR_ZSTD;
+      c->stored = k;
+      payload = s->zx;
+      plen = xlen;
+    } else {
+      c->encoding = AMBER__ENC_RAW;
+      payload = a.ref;
+      plen = bytes;
+    }
+  } else {
+    /* the body is at most 1 + bitmap + k * isz < bytes: it fits s->body */
+    size_t blen = amber__sparse_encode(s->body, s->idx, s->vals, k, n, isz);
+    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
+                             s->body, blen, &plen) != 0) {
+      fail_save(w, AMBER_ENOMEM, t->name);
+      return;
+    }
+    c->encoding = AMBER__ENC_SPARSE;
+    payload = s->zbuf;
+    if (xlen && xlen < plen) {
+      c->encoding = AMBER__ENC_XOR_ZSTD;
+      payload = s->zx;
+      plen = xlen;
+    }
+  }
+  c->checksum = amber__xxh3(payload, plen);
+  emit(w, c, payload, plen);
+}
+
+static void chunk_job(void *ctx, int worker, size_t j) {
+  amber_writer *w = ctx;
+  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED)) return; /* a failure stops the save */
+  size_t ti = w->owner[j];
+  const amber__tensor *t = &w->tensors[ti];
+  amber__chunk *c = &w->chunks[j];
+  if (w->delta)
+    delta_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
+  else
+    full_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
+}
+
+/* Writes header, chunks, index, footer to `tmp` and makes it durable. */
+static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t *state,
+                      uint64_t *file_bytes) {
   amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
                      .format_minor = AMBER_FORMAT_MINOR,
                      .step = step,
-                     .kind = AMBER_KIND_FULL,
-                     .parent_step = AMBER_NO_STEP};
+                     .kind = w->delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL,
+                     .parent_step = w->delta ? w->latest_step : AMBER_NO_STEP,
+                     .parent_state = w->delta ? w->latest_state : 0};
   uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
   amber__header_encode(&h, hb);
   int rc = amber__wfile_begin(w->wf, &w->err, tmp);
   if (rc) return rc;
   rc = amber__wfile_append(w->wf, hb, sizeof hb);
-  for (size_t i = 0; i < w->n && !rc; i++) {
-    const amber__tensor *t = &w->tensors[i];
-    size_t isz = amber_dtype_size(t->dtype);
-    for (uint64_t j = 0; j < t->n_chunks && !rc; j++) {
-      const uint8_t *src = w->data[i] + j * t->chunk_elems * isz;
-      rc = put_full_chunk(w, t, src, amber__chunk_n(t, j), &w->chunks[t->first_chunk + j]);
-    }
+  if (!rc) {
+    w->rc = 0;
+    amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
+    rc = w->rc;
   }
   amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
                      .n_chunks = w->n_chunks, .meta = w->meta, .meta_size = w->meta_len};
@@ -295,6 +495,7 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     f.content_hash = f.state_id = XXH3_64bits_digest(&hs);
     amber__footer_encode(&f, fb);
     *state = f.state_id;
+    *file_bytes = f.index_offset + isize + AMBER__FOOTER_SIZE;
     rc = amber__wfile_append(w->wf, w->ixbuf, isize);
     if (!rc) rc = amber__wfile_append(w->wf, fb, sizeof fb);
   }
@@ -303,6 +504,66 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     return rc;
   }
   return amber__wfile_finish(w->wf);
+}
+
+/* 1 when the latest checkpoint describes exactly the declared tensors. */
+static int same_tensors(amber_writer *w, amber_reader *r) {
+  if (amber_reader_count(r) != w->n) return 0;
+  for (size_t i = 0; i < w->n; i++) {
+    amber_tensor_info ti;
+    const amber__tensor *t = &w->tensors[i];
+    if (amber_reader_info(r, i, &ti) || strcmp(ti.name, t->name) || ti.dtype != t->dtype ||
+        ti.ndim != t->ndim || ti.chunk_elems != t->chunk_elems)
+      return 0;
+    for (uint32_t d = 0; d < t->ndim; d++)
+      if ((uint64_t)ti.shape[d] != t->shape[d]) return 0;
+  }
+  return 1;
+}
+
+/* Learns the cadence counters from the chain of the latest checkpoint. */
+static void load_cadence(amber_writer *w) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  w->deltas_since_full = w->bytes_since_full = w->last_full_bytes = 0;
+  if (amber_store_list(w->st, &info, &n) == 0) {
+    uint64_t want = w->latest_step;
+    for (size_t i = n; i-- > 0;) {
+      if (info[i].step != want) continue;
+      if (info[i].kind == AMBER_KIND_FULL) {
+        w->last_full_bytes = info[i].bytes;
+        break;
+      }
+      w->deltas_since_full++;
+      w->bytes_since_full += info[i].bytes;
+      want = info[i].parent;
+    }
+  }
+  amber_free(info);
+  w->cadence_known = 1;
+}
+
+/* Makes the reference equal to the latest checkpoint's restore; 1 if it could
+ * (same tensors and intact), 0 if the next save must be full. */
+static int load_reference(amber_writer *w) {
+  amber_reader *r = NULL;
+  if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return 0;
+  int ok = same_tensors(w, r);
+  for (size_t i = 0; ok && i < w->n; i++)
+    ok = amber_reader_read(r, i, w->ref[i], w->tensors[i].nbytes) == 0;
+  amber_reader_close(r);
+  return ok;
+}
+
+static int want_full(amber_writer *w, uint32_t flags) {
+  if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
+  if (!w->cadence_known) load_cadence(w);
+  if (w->opts.full_every != UINT32_MAX && w->deltas_since_full >= w->opts.full_every) return 1;
+  if (w->opts.full_share > 0 && w->last_full_bytes &&
+      (double)w->bytes_since_full >= w->opts.full_share * (double)w->last_full_bytes)
+    return 1;
+  if (!w->ref_valid) w->ref_valid = load_reference(w);
+  return !w->ref_valid;
 }
 
 int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
@@ -321,19 +582,31 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   int rc = prepare(w);
   if (rc) return rc;
   resolve_policies(w);
+  w->delta = !want_full(w, flags);
   char tmp[4200], dst[4200];
   amber__ckpt_path(w->st, step, ".tmp", tmp, sizeof tmp);
   amber__ckpt_path(w->st, step, NULL, dst, sizeof dst);
-  uint64_t state = 0;
-  rc = write_file(w, tmp, step, &state);
+  uint64_t state = 0, bytes = 0;
+  /* From here the reference is being moved: it is valid again only on success. */
+  w->ref_valid = 0;
+  rc = write_file(w, tmp, step, &state, &bytes);
   if (!rc && (rc = amber__commit_file(w->st, tmp, step)) != 0) amber__err_adopt(&w->err);
   if (!rc && (rc = amber__write_latest(w->st, step, state)) != 0) {
     amber__err_adopt(&w->err);
     unlink(dst); /* never committed; keep the store as it was */
   }
   if (rc) return rc;
+  w->ref_valid = 1;
   w->have_latest = 1;
   w->latest_step = step;
   w->latest_state = state;
+  if (w->delta) {
+    w->deltas_since_full++;
+    w->bytes_since_full += bytes;
+  } else {
+    w->deltas_since_full = w->bytes_since_full = 0;
+    w->last_full_bytes = bytes;
+  }
+  w->cadence_known = 1;
   return 0;
 }
