@@ -182,6 +182,18 @@ AMBER_API int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *c
 /* The latest committed step; AMBER_ENOENT when the store is empty. */
 AMBER_API int amber_store_latest(amber_store *st, uint64_t *step);
 
+/* Rewrites committed step `step` as a full checkpoint restoring exactly the same
+ * state (its restore is verified first). Later deltas and LATEST stay valid:
+ * the new file keeps the step's state id. A crash leaves the old or the new
+ * file, never neither. No-op for a step that is already full. Needs the store
+ * open writable. */
+AMBER_API int amber_store_compact(amber_store *st, uint64_t step);
+
+/* Deletes every checkpoint except the newest `keep_last` and the checkpoints
+ * their restores need (parents back to a full checkpoint). keep_last >= 1.
+ * removed: if not NULL, receives the number of files deleted. */
+AMBER_API int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed);
+
 /* ---- Writer ------------------------------------------------------------------- */
 
 typedef struct amber_writer amber_writer;

@@ -237,6 +237,9 @@ int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                       amber__stage *stage, const uint8_t **payload);
 void amber__stage_free(amber__stage *s);
 
+/* The index of the step a reader opened (for compaction). */
+amber__index *amber__reader_index(amber_reader *r);
+
 /* ---- codec (src/codec.c) ---- */
 
 void amber__shuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t width);

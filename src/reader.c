@@ -137,6 +137,10 @@ static const amber__ckpt *target(const amber_reader *r) {
   return &r->chain[r->nchain - 1];
 }
 
+amber__index *amber__reader_index(amber_reader *r) {
+  return &r->chain[r->nchain - 1].ix;
+}
+
 uint64_t amber_reader_step(const amber_reader *r) {
   return target(r)->hdr.step;
 }

@@ -75,6 +75,7 @@ struct amber_writer {
   uint64_t latest_step, latest_state;
   uint64_t deltas_since_full, bytes_since_full, last_full_bytes;
   int cadence_known;
+  int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
 };
 
 void amber_writer_opts_init(amber_writer_opts *opts) {
@@ -112,6 +113,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   w->st = st;
   w->opts = *opts;
+  w->chunk_given = opts->chunk_elems != 0;
   if (!w->opts.chunk_elems) w->opts.chunk_elems = DEFAULT_CHUNK_ELEMS;
   if (!w->opts.zstd_level) w->opts.zstd_level = 1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
@@ -261,9 +263,32 @@ int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
   return 0;
 }
 
+/* A delta needs the latest checkpoint's chunking: unless the caller chose one,
+ * tensors that the latest checkpoint also holds take its chunk size. */
+static void adopt_chunking(amber_writer *w) {
+  amber_reader *r = NULL;
+  if (w->chunk_given || !w->have_latest ||
+      amber_reader_open(&r, w->st, w->latest_step, NULL) != 0)
+    return;
+  w->n_chunks = 0;
+  for (size_t i = 0; i < w->n; i++) {
+    amber__tensor *t = &w->tensors[i];
+    size_t k;
+    amber_tensor_info ti;
+    if (amber_reader_find(r, t->name, &k) == 0 && amber_reader_info(r, k, &ti) == 0 &&
+        ti.dtype == t->dtype && ti.nelems == t->nelems)
+      t->chunk_elems = ti.chunk_elems;
+    t->n_chunks = t->nelems / t->chunk_elems + (t->nelems % t->chunk_elems != 0);
+    t->first_chunk = w->n_chunks;
+    w->n_chunks += t->n_chunks;
+  }
+  amber_reader_close(r);
+}
+
 /* Sizes the reused buffers for the declared tensors (first save only). */
 static int prepare(amber_writer *w) {
   if (w->frozen) return 0;
+  adopt_chunking(w);
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
   w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
   w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);

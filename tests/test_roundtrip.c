@@ -65,7 +65,7 @@ static uint8_t **save_steps(const char *dir, int steps, uint64_t chunk, const ch
   for (int s = 0; s < steps; s++) {
     for (size_t i = 0; i < NSPEC; i++)
       tu_fill_random(data[i], nbytes_of(&specs[i]), (uint64_t)(s * 100 + (int)i));
-    CHECK_OK(amber_writer_save(w, (uint64_t)(10 * s + 10), 0));
+    CHECK_OK(amber_writer_save(w, (uint64_t)(10 * s + 10), AMBER_SAVE_FULL));
   }
   amber_writer_close(w);
   amber_store_close(st);

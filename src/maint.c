@@ -1,0 +1,167 @@
+/*
+ * maint.c - offline maintenance of a store: compact (rewrite a step as a full
+ * checkpoint) and prune (drop old checkpoints that no kept one needs).
+ *
+ * Compaction writes the restored state of step N as a full file with the same
+ * step and the same state id, then renames it over the old file: children of N
+ * and LATEST name N by state id, so they stay valid, and a crash at any point
+ * leaves either the old or the new file, both restoring the same state.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define STAGE_BYTES (8u << 20)
+
+/* Writes the full file for the reader's step into `tmp`. */
+static int write_compacted(amber_store *st, amber_reader *r, const amber__index *src,
+                           uint64_t state_id, const char *tmp) {
+  amber__wfile *wf = NULL;
+  if (amber__wfile_create(&wf, STAGE_BYTES, 1))
+    return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  amber__index ix = *src;
+  ix.chunks = calloc(src->n_chunks ? src->n_chunks : 1, sizeof *ix.chunks);
+  uint64_t max = 0;
+  for (uint64_t i = 0; i < src->n_tensors; i++)
+    if (src->tensors[i].nbytes > max) max = src->tensors[i].nbytes;
+  uint8_t *buf = malloc(max ? max : 1), *ixbuf = NULL;
+  int rc = 0;
+  if (!ix.chunks || !buf) rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  amber__header h = {.format_major = AMBER_FORMAT_MAJOR, .format_minor = AMBER_FORMAT_MINOR,
+                     .step = amber_reader_step(r), .kind = AMBER_KIND_FULL,
+                     .parent_step = AMBER_NO_STEP};
+  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
+  amber__header_encode(&h, hb);
+  if (!rc && (rc = amber__wfile_begin(wf, &st->err, tmp)) == 0)
+    rc = amber__wfile_append(wf, hb, sizeof hb);
+  for (uint64_t i = 0; i < src->n_tensors && !rc; i++) {
+    const amber__tensor *t = &src->tensors[i];
+    if ((rc = amber_reader_read(r, (size_t)i, buf, t->nbytes)) != 0) {
+      amber__err_adopt(&st->err);
+      break;
+    }
+    size_t isz = amber_dtype_size(t->dtype);
+    for (uint64_t j = 0; j < t->n_chunks && !rc; j++) {
+      amber__chunk *c = &ix.chunks[t->first_chunk + j];
+      uint64_t n = amber__chunk_n(t, j);
+      c->offset = amber__wfile_pos(wf);
+      c->size = n * isz;
+      c->stored = n;
+      c->encoding = AMBER__ENC_RAW;
+      rc = amber__wfile_append_hashed(wf, buf + j * t->chunk_elems * isz, (size_t)c->size,
+                                      &c->checksum);
+    }
+  }
+  uint64_t isize = amber__index_size(&ix);
+  if (!rc && !(ixbuf = malloc(isize))) rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  if (!rc) {
+    amber__index_encode(&ix, ixbuf);
+    amber__footer f = {.index_offset = amber__wfile_pos(wf), .index_size = isize,
+                       .index_checksum = amber__xxh3(ixbuf, isize), .state_id = state_id};
+    uint8_t *both = malloc(sizeof hb + isize);
+    if (!both) {
+      rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+    } else {
+      memcpy(both, hb, sizeof hb);
+      memcpy(both + sizeof hb, ixbuf, isize);
+      f.content_hash = amber__xxh3(both, sizeof hb + isize);
+      free(both);
+      amber__footer_encode(&f, fb);
+      rc = amber__wfile_append(wf, ixbuf, isize);
+      if (!rc) rc = amber__wfile_append(wf, fb, sizeof fb);
+    }
+  }
+  if (rc) amber__wfile_abort(wf);
+  else rc = amber__wfile_finish(wf);
+  amber__wfile_destroy(wf);
+  free(ix.chunks);
+  free(buf);
+  free(ixbuf);
+  return rc;
+}
+
+int amber_store_compact(amber_store *st, uint64_t step) {
+  if (!st) return amber__fail(NULL, AMBER_EINVAL, "amber_store_compact: NULL store");
+  if (st->lockfd < 0)
+    return amber__fail(&st->err, AMBER_EREADONLY, "store %s is open read-only", st->path);
+  amber_reader *r = NULL;
+  int rc = amber_reader_open(&r, st, step, NULL);
+  if (rc) {
+    amber__err_adopt(&st->err);
+    return rc;
+  }
+  /* Verify first: a compacted file must not bake damage into a full checkpoint. */
+  if ((rc = amber_reader_verify(r)) != 0) {
+    amber__err_adopt(&st->err);
+    amber_reader_close(r);
+    return rc;
+  }
+  amber_ckpt_info ci;
+  amber_reader_ckpt_info(r, &ci);
+  if (ci.kind == AMBER_KIND_FULL) {
+    amber_reader_close(r);
+    return 0; /* already full */
+  }
+  amber__index *ix = amber__reader_index(r);
+  char tmp[4200];
+  amber__ckpt_path(st, ci.step, ".tmp", tmp, sizeof tmp);
+  rc = write_compacted(st, r, ix, ci.hash, tmp);
+  amber_reader_close(r);
+  if (!rc) rc = amber__commit_file(st, tmp, ci.step);
+  return rc;
+}
+
+int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed) {
+  if (!st) return amber__fail(NULL, AMBER_EINVAL, "amber_store_prune: NULL store");
+  if (removed) *removed = 0;
+  if (keep_last == 0)
+    return amber__fail(&st->err, AMBER_EINVAL, "prune must keep at least one checkpoint");
+  if (st->lockfd < 0)
+    return amber__fail(&st->err, AMBER_EREADONLY, "store %s is open read-only", st->path);
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  int rc = amber_store_list(st, &info, &n);
+  if (rc) return rc;
+  char *keep = calloc(n ? n : 1, 1);
+  if (!keep) {
+    amber_free(info);
+    return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  }
+  /* Keep the newest K and everything their restores need (parents, back to a
+   * full checkpoint). A damaged file's parent is unknown: keep everything older
+   * than it too, rather than guess. */
+  for (size_t i = n > keep_last ? n - keep_last : 0; i < n; i++) {
+    size_t k = i;
+    for (;;) {
+      keep[k] = 1;
+      if (info[k].kind == AMBER_KIND_FULL && info[k].hash) break;
+      if (!info[k].hash) { /* unreadable header or footer */
+        for (size_t m = 0; m < k; m++) keep[m] = 1;
+        break;
+      }
+      size_t p = k;
+      while (p > 0 && info[p - 1].step != info[k].parent) p--;
+      if (p == 0) break; /* the parent is missing: nothing older is needed */
+      k = p - 1;
+    }
+  }
+  for (size_t i = 0; i < n && !rc; i++) {
+    if (keep[i]) continue;
+    char path[4200];
+    amber__ckpt_path(st, info[i].step, NULL, path, sizeof path);
+    if (unlink(path) != 0 && errno != ENOENT)
+      rc = amber__fail(&st->err, amber__errno_code(errno), "cannot remove %s: %s", path,
+                       strerror(errno));
+    else if (removed)
+      (*removed)++;
+  }
+  if (amber__fsync_dir(st->path) != 0 && !rc)
+    rc = amber__fail(&st->err, AMBER_EIO, "cannot fsync %s", st->path);
+  free(keep);
+  amber_free(info);
+  return rc;
+}

@@ -1,0 +1,167 @@
+/*
+ * test_maint.c - compact and prune: every kept step restores bit-identically
+ * afterwards, compaction keeps later deltas and LATEST valid, prune never removes
+ * a file that a kept step needs, and both refuse what they must.
+ */
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+#define STEPS 12
+#define N 5000
+
+static float states[STEPS + 1][N]; /* live state at each step (exact policy) */
+
+/* Builds a chain: full at step 1, deltas after, with full_every = 5. */
+static void build(const char *dir) {
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, NULL));
+  amber_writer_opts wo;
+  amber_writer_opts_init(&wo);
+  wo.chunk_elems = 512;
+  wo.full_every = 5;
+  wo.full_share = -1;
+  amber_writer *w = NULL;
+  CHECK_OK(amber_writer_open(&w, st, &wo));
+  float live[N];
+  int64_t n = N;
+  uint64_t seed = 42;
+  for (int i = 0; i < N; i++) live[i] = (float)(tu_rand(&seed) % 1000) / 7.0f;
+  CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 1, &n, live, NULL));
+  for (int s = 1; s <= STEPS; s++) {
+    for (int k = 0; k < 50; k++) live[tu_rand(&seed) % N] += 1.0f;
+    memcpy(states[s], live, sizeof live);
+    CHECK_OK(amber_writer_save(w, (uint64_t)s, 0));
+  }
+  amber_writer_close(w);
+  amber_store_close(st);
+}
+
+static void check_step(amber_store *st, uint64_t s) {
+  amber_reader *r = NULL;
+  CHECK_OK(amber_reader_open(&r, st, s, NULL));
+  if (!r) return;
+  static float got[N];
+  CHECK_OK(amber_reader_read(r, 0, got, sizeof got));
+  CHECK(memcmp(got, states[s], sizeof got) == 0);
+  CHECK_OK(amber_reader_verify(r));
+  amber_reader_close(r);
+}
+
+static uint32_t kind_of(amber_store *st, uint64_t step) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  uint32_t kind = 99;
+  CHECK_OK(amber_store_list(st, &info, &n));
+  for (size_t i = 0; i < n; i++)
+    if (info[i].step == step) kind = info[i].kind;
+  amber_free(info);
+  return kind;
+}
+
+static void test_compact_keeps_every_step_identical(void) {
+  const char *dir = tu_tmpdir();
+  build(dir);
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, NULL));
+  CHECK(kind_of(st, 8) == AMBER_KIND_DELTA);
+  CHECK_OK(amber_store_compact(st, 8));
+  CHECK(kind_of(st, 8) == AMBER_KIND_FULL);
+  for (uint64_t s = 1; s <= STEPS; s++) check_step(st, s); /* 9..12 chain through 8 */
+  CHECK_OK(amber_store_compact(st, STEPS));                /* the latest: LATEST stays valid */
+  CHECK(kind_of(st, STEPS) == AMBER_KIND_FULL);
+  check_step(st, STEPS);
+  CHECK_OK(amber_store_compact(st, 1)); /* already full: no-op */
+  CHECK_RC(amber_store_compact(st, 99), AMBER_ENOENT);
+  amber_store_close(st);
+}
+
+static void test_writer_continues_after_compaction(void) {
+  const char *dir = tu_tmpdir();
+  build(dir);
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, NULL));
+  CHECK_OK(amber_store_compact(st, STEPS));
+  amber_writer *w = NULL;
+  CHECK_OK(amber_writer_open(&w, st, NULL));
+  int64_t n = N;
+  static float live[N];
+  memcpy(live, states[STEPS], sizeof live);
+  live[7] = -1;
+  CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 1, &n, live, NULL));
+  CHECK_OK(amber_writer_save(w, STEPS + 1, 0)); /* a delta against the compacted full */
+  amber_writer_close(w);
+  CHECK(kind_of(st, STEPS + 1) == AMBER_KIND_DELTA);
+  amber_reader *r = NULL;
+  CHECK_OK(amber_reader_open(&r, st, STEPS + 1, NULL));
+  static float got[N];
+  if (r) CHECK_OK(amber_reader_read(r, 0, got, sizeof got));
+  CHECK(memcmp(got, live, sizeof got) == 0);
+  amber_reader_close(r);
+  amber_store_close(st);
+}
+
+static void test_prune_keeps_what_kept_steps_need(void) {
+  const char *dir = tu_tmpdir();
+  build(dir); /* fulls at 1, 7 (after 5 deltas: 2..6), 13 would be next */
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, NULL));
+  size_t removed = 0;
+  CHECK_OK(amber_store_prune(st, 3, &removed)); /* keep 10, 11, 12: need 7, 8, 9 too */
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  CHECK_OK(amber_store_list(st, &info, &n));
+  CHECK(n == 6 && removed == 6);
+  for (size_t i = 0; i < n && n == 6; i++) CHECK(info[i].step == 7 + i);
+  amber_free(info);
+  for (uint64_t s = 7; s <= STEPS; s++) check_step(st, s);
+  amber_reader *r = NULL;
+  CHECK_RC(amber_reader_open(&r, st, 3, NULL), AMBER_ENOENT);
+  CHECK_RC(amber_store_prune(st, 0, NULL), AMBER_EINVAL);
+  CHECK_OK(amber_store_prune(st, 1, &removed)); /* keep 12: chain 7..12 stays */
+  CHECK(removed == 0);
+  amber_store_close(st);
+}
+
+static void test_maintenance_needs_a_writable_store(void) {
+  const char *dir = tu_tmpdir();
+  build(dir);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY;
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, &so));
+  CHECK_RC(amber_store_compact(st, 8), AMBER_EREADONLY);
+  CHECK_RC(amber_store_prune(st, 1, NULL), AMBER_EREADONLY);
+  amber_store_close(st);
+}
+
+static void test_compact_refuses_a_damaged_chain(void) {
+  const char *dir = tu_tmpdir();
+  build(dir);
+  char path[4200];
+  snprintf(path, sizeof path, "%s/ckpt-%020d.amber", dir, 3);
+  size_t len = 0;
+  uint8_t *b = tu_read_file(path, &len);
+  CHECK(b && len > 200);
+  if (!b) return;
+  b[100] ^= 0x40; /* inside the first chunk payload */
+  tu_write_file(path, b, len);
+  free(b);
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, NULL));
+  CHECK_RC(amber_store_compact(st, 5), AMBER_ECORRUPT);
+  CHECK(kind_of(st, 5) == AMBER_KIND_DELTA); /* untouched */
+  amber_store_close(st);
+}
+
+int main(void) {
+  TEST_RUN(test_compact_keeps_every_step_identical);
+  TEST_RUN(test_writer_continues_after_compaction);
+  TEST_RUN(test_prune_keeps_what_kept_steps_need);
+  TEST_RUN(test_maintenance_needs_a_writable_store);
+  TEST_RUN(test_compact_refuses_a_damaged_chain);
+  return tu_finish();
+}
