@@ -158,6 +158,7 @@ static inline uint64_t amber__chunk_n(const amber__tensor *t, uint64_t j) {
 /* ---- files ---- */
 
 #define AMBER__ALIGN 4096u
+#define AMBER__DIRECT_MIN (1u << 20) /* smallest payload read with O_DIRECT */
 
 /* Sequential writer of one file through reused aligned staging buffers, with
  * O_DIRECT where the file system allows it and a background thread doing the
@@ -236,6 +237,20 @@ typedef struct amber__stage {
 int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                       amber__stage *stage, const uint8_t **payload);
 void amber__stage_free(amber__stage *s);
+
+/* Where the time of the writer's last save went (for `amber bench`). */
+typedef struct amber__save_stats {
+  int delta, workers;
+  uint64_t bytes;     /* file size */
+  double prepare_s;   /* deciding full/delta, loading the reference if needed */
+  double chunks_s;    /* wall time of the parallel scan/encode/append loop */
+  double scan_cpu_s;  /* summed over workers */
+  double encode_cpu_s;
+  double finish_s;    /* last writes and fsync of the file */
+  double commit_s;    /* rename, directory fsync, LATEST */
+  double total_s;
+} amber__save_stats;
+void amber__writer_stats(const amber_writer *w, amber__save_stats *out);
 
 /* The index of the step a reader opened (for compaction). */
 amber__index *amber__reader_index(amber_reader *r);

@@ -8,21 +8,38 @@
  * checksum is checked before its bytes are used.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "codec.h"
 #include "internal.h"
+#include "pool.h"
+
+/* What one worker needs to load and decode chunks. */
+typedef struct rctx {
+  amber__err err;
+  amber__stage stage;
+  uint8_t *scratch; /* decompressed payloads */
+  size_t scratch_cap;
+  void *dctx;
+  uint8_t *buf; /* verify: one restored chunk */
+  size_t buf_cap;
+} rctx;
 
 struct amber_reader {
   amber__err err;
   amber_store *st;
   amber__ckpt *chain; /* chain[0] is the full checkpoint, chain[n-1] the step read */
   size_t nchain;
-  amber__stage stage;
-  uint8_t *scratch; /* decompressed payloads */
-  size_t scratch_cap;
-  void *dctx;
+  amber__pool *pool;
+  rctx *ctx; /* one per pool worker */
+  pthread_mutex_t mu;
+  int rc; /* first failure of the parallel loop in progress */
+  /* the loop in progress */
+  size_t tensor;
+  uint8_t *dst;
 };
 
 void amber_reader_opts_init(amber_reader_opts *opts) {
@@ -67,6 +84,14 @@ int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
   amber_reader *r = calloc(1, sizeof *r);
   if (!r) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   r->st = st;
+  pthread_mutex_init(&r->mu, NULL);
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int threads = st->threads ? (int)st->threads : cpus < 1 ? 1 : cpus > 64 ? 64 : (int)cpus;
+  if (amber__pool_create(&r->pool, threads) != 0 ||
+      !(r->ctx = calloc((size_t)amber__pool_size(r->pool), sizeof *r->ctx))) {
+    amber_reader_close(r);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
   uint64_t latest, latest_state;
   int rc = amber__read_latest(st, &latest, &latest_state);
   if (rc == AMBER_ENOENT) rc = no_latest(r);
@@ -127,9 +152,16 @@ void amber_reader_close(amber_reader *r) {
   if (!r) return;
   for (size_t i = 0; i < r->nchain; i++) amber__ckpt_close(&r->chain[i]);
   free(r->chain);
-  amber__stage_free(&r->stage);
-  free(r->scratch);
-  amber__zstd_dctx_free(r->dctx);
+  if (r->ctx)
+    for (int i = 0; i < amber__pool_size(r->pool); i++) {
+      amber__stage_free(&r->ctx[i].stage);
+      free(r->ctx[i].scratch);
+      free(r->ctx[i].buf);
+      amber__zstd_dctx_free(r->ctx[i].dctx);
+    }
+  free(r->ctx);
+  amber__pool_destroy(r->pool);
+  pthread_mutex_destroy(&r->mu);
   free(r);
 }
 
@@ -201,7 +233,7 @@ int amber_reader_meta(const amber_reader *r, const char **json, size_t *len) {
   return 0;
 }
 
-static int need_scratch(amber_reader *r, size_t n) {
+static int need_scratch(rctx *r, size_t n) {
   if (!r->dctx && !(r->dctx = amber__zstd_dctx()))
     return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
   if (r->scratch_cap >= n) return 0;
@@ -214,7 +246,7 @@ static int need_scratch(amber_reader *r, size_t n) {
 
 /* Decodes chunk `j` of tensor `t` in file `c` onto `dst` (the chunk's bytes, already
  * holding the parent's values for a delta). */
-static int apply_chunk(amber_reader *r, amber__ckpt *c, const amber__tensor *t, uint64_t j,
+static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t j,
                        uint8_t *dst) {
   const amber__chunk *ch = &c->ix.chunks[t->first_chunk + j];
   if (ch->encoding == AMBER__ENC_UNCHANGED) {
@@ -266,6 +298,57 @@ static int apply_chunk(amber_reader *r, amber__ckpt *c, const amber__tensor *t, 
                      c->path, c->hdr.step, t->name, j);
 }
 
+/* Restores chunk j of the current tensor: the full checkpoint's chunk, then every
+ * delta's, while the chunk is in cache. */
+static void restore_job(void *arg, int worker, size_t j) {
+  amber_reader *r = arg;
+  if (__atomic_load_n(&r->rc, __ATOMIC_RELAXED)) return;
+  rctx *x = &r->ctx[worker];
+  const amber__tensor *tt = &r->chain[r->nchain - 1].ix.tensors[r->tensor];
+  size_t bytes = (size_t)amber__chunk_n(tt, j) * amber_dtype_size(tt->dtype);
+  uint8_t *dst = r->dst;
+  if (!dst) { /* verify: decode into the worker's buffer */
+    if (x->buf_cap < bytes) {
+      free(x->buf);
+      x->buf_cap = 0;
+      if (!(x->buf = malloc(bytes))) {
+        pthread_mutex_lock(&r->mu);
+        if (!r->rc) r->rc = amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+        pthread_mutex_unlock(&r->mu);
+        return;
+      }
+      x->buf_cap = bytes;
+    }
+    dst = x->buf;
+  } else {
+    dst += (size_t)(j * tt->chunk_elems) * amber_dtype_size(tt->dtype);
+  }
+  for (size_t k = 0; k < r->nchain; k++) {
+    amber__ckpt *c = &r->chain[k];
+    int rc = apply_chunk(x, c, &c->ix.tensors[r->tensor], j, dst);
+    if (rc) {
+      pthread_mutex_lock(&r->mu);
+      if (!r->rc) {
+        memcpy(r->err.msg, x->err.msg, sizeof r->err.msg);
+        __atomic_store_n(&r->rc, rc, __ATOMIC_RELAXED);
+      }
+      pthread_mutex_unlock(&r->mu);
+      return;
+    }
+  }
+}
+
+/* Restores tensor `index` into dst (NULL: only decode and check, for verify). */
+static int restore(amber_reader *r, size_t index, uint8_t *dst) {
+  r->rc = 0;
+  r->tensor = index;
+  r->dst = dst;
+  amber__pool_for(r->pool, (size_t)r->chain[r->nchain - 1].ix.tensors[index].n_chunks,
+                  restore_job, r);
+  if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg); /* also the thread's message */
+  return r->rc;
+}
+
 int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
   if (!r || (!buf && size)) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read: NULL");
   const amber__index *ix = &target(r)->ix;
@@ -276,41 +359,15 @@ int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
     return amber__fail(&r->err, AMBER_EINVAL,
                        "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64, tt->name,
                        tt->nbytes, size);
-  size_t isz = amber_dtype_size(tt->dtype);
-  for (size_t k = 0; k < r->nchain; k++) {
-    amber__ckpt *c = &r->chain[k];
-    const amber__tensor *t = &c->ix.tensors[index];
-    for (uint64_t j = 0; j < t->n_chunks; j++) {
-      int rc = apply_chunk(r, c, t, j, (uint8_t *)buf + j * t->chunk_elems * isz);
-      if (rc) return rc;
-    }
-  }
-  return 0;
+  return size ? restore(r, index, buf) : 0;
 }
 
 int amber_reader_verify(amber_reader *r) {
   if (!r) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_verify: NULL reader");
-  /* Restoring each tensor into scratch memory exercises every check a restore
+  /* Restoring every chunk into scratch memory exercises every check a restore
    * makes: checksums, frame sizes, decodability. */
-  uint8_t *buf = NULL;
-  size_t cap = 0;
   int rc = 0;
   const amber__index *ix = &target(r)->ix;
-  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) {
-    uint64_t nb = ix->tensors[i].nbytes;
-    uint64_t ce = ix->tensors[i].chunk_elems * amber_dtype_size(ix->tensors[i].dtype);
-    size_t want = (size_t)(nb < ce ? nb : ce);
-    if (want > cap) {
-      free(buf);
-      if (!(buf = malloc(want))) return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
-      cap = want;
-    }
-    for (size_t k = 0; k < r->nchain && !rc; k++) {
-      amber__ckpt *c = &r->chain[k];
-      const amber__tensor *t = &c->ix.tensors[i];
-      for (uint64_t j = 0; j < t->n_chunks && !rc; j++) rc = apply_chunk(r, c, t, j, buf);
-    }
-  }
-  free(buf);
+  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) rc = restore(r, (size_t)i, NULL);
   return rc;
 }

@@ -1,16 +1,27 @@
 /*
- * scan.c - the scan kernels: compare a chunk of live values with the reference
- * state, decide which elements a delta stores, copy those into the reference.
+ * scan.c - the scan kernel: compare a chunk of live values with the reference
+ * state, select what a delta stores, and move the selected elements into the
+ * reference, in one pass over both arrays.
  *
- * Each policy has a flag pass that reads live and reference once, written as a
- * plain loop over arrays so that the compiler vectorizes it (this file is built
- * with -O3, and the kernels are cloned for AVX2 with a run-time dispatch; see
- * `make vecreport`), followed by one compaction pass over the flags that skips
- * unselected elements eight at a time. Policies compare f16, bf16 and f8 values
- * in f32 and f32/f64 values in f64, so that the bound test is exact enough to be
- * a guarantee. A change to or from NaN or Inf is always selected.
+ * The chunk is walked in blocks of 256 elements. For each block a flag kernel,
+ * written as a plain loop so that the compiler vectorizes it (this file is built
+ * with -O3 and the kernels are cloned for AVX2 with run-time dispatch; `make
+ * vecreport` shows it), computes one flag per element; a compaction loop then
+ * gathers the flagged indices and values while the block is still in L1 and
+ * updates the reference. Live and reference memory are read once.
+ *
+ * Policies (DESIGN.md): exact selects changed bits; threshold selects
+ * |x - r| > ABS + REL*|r|; budget selects the FRAC*n largest changes plus all
+ * above CAP. Budget finds its cut without sorting: a threshold estimated from a
+ * strided sample of the chunk selects a few more candidates than the budget,
+ * and, if there are too many, a 12-bit histogram of the candidates' changes
+ * picks the exact cut and the surplus is put back into the reference. A change
+ * to or from NaN or Inf is always selected. f16, bf16 and f8 compare in f32,
+ * f32 compares in f32 with a bound shrunk by 2^-20 so that float rounding can
+ * only select more, never less, than the exact rule; f64 compares in f64.
  */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "scan.h"
@@ -22,6 +33,11 @@
 #define KERNEL
 #endif
 
+#define BLK 256
+#define EXP32 0x7f800000u
+#define EXP64 0x7ff0000000000000ull
+#define SHRINK (1.0 - 1.0 / 1048576.0) /* 1 - 2^-20 */
+
 /* ---- small-float conversions ---- */
 
 static inline float bits_f32(uint32_t u) {
@@ -32,20 +48,15 @@ static inline float bits_f32(uint32_t u) {
 
 static inline float f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  if (exp == 0x1f) return bits_f32(sign | 0x7f800000 | (man << 13)); /* Inf / NaN */
+  if (exp == 0x1f) return bits_f32(sign | EXP32 | (man << 13)); /* Inf / NaN */
   if (exp == 0) {
-    /* zero or subnormal: man * 2^-24, exactly representable in f32 */
-    float v = (float)man * 5.9604644775390625e-8f;
+    float v = (float)man * 5.9604644775390625e-8f; /* subnormal: man * 2^-24, exact */
     return sign ? -v : v;
   }
   return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-  return bits_f32((uint32_t)h << 16);
-}
-
-/* f8 e4m3 (OCP "fn" variant): no Inf, NaN is S.1111.111. */
+/* f8 e4m3 (OCP "fn" variant): no Inf; NaN is S.1111.111. */
 static inline float e4m3_to_f32(uint8_t b) {
   uint32_t sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
   float v;
@@ -55,33 +66,25 @@ static inline float e4m3_to_f32(uint8_t b) {
   return sign ? -v : v;
 }
 
-static inline float e5m2_to_f32(uint8_t b) {
-  return f16_to_f32((uint16_t)(b << 8));
-}
-
-/* Converts n elements of a small float type to f32. */
 static void widen(int dtype, const uint8_t *src, float *dst, size_t n) {
-  switch (dtype) {
-  case AMBER_F16:
-    for (size_t i = 0; i < n; i++) {
-      uint16_t h;
+  for (size_t i = 0; i < n; i++) {
+    uint16_t h;
+    switch (dtype) {
+    case AMBER_F16:
       memcpy(&h, src + 2 * i, 2);
       dst[i] = f16_to_f32(h);
-    }
-    break;
-  case AMBER_BF16:
-    for (size_t i = 0; i < n; i++) {
-      uint16_t h;
+      break;
+    case AMBER_BF16:
       memcpy(&h, src + 2 * i, 2);
-      dst[i] = bf16_to_f32(h);
+      dst[i] = bits_f32((uint32_t)h << 16);
+      break;
+    case AMBER_F8_E4M3:
+      dst[i] = e4m3_to_f32(src[i]);
+      break;
+    default: /* AMBER_F8_E5M2: the top byte of an f16 */
+      dst[i] = f16_to_f32((uint16_t)(src[i] << 8));
+      break;
     }
-    break;
-  case AMBER_F8_E4M3:
-    for (size_t i = 0; i < n; i++) dst[i] = e4m3_to_f32(src[i]);
-    break;
-  case AMBER_F8_E5M2:
-    for (size_t i = 0; i < n; i++) dst[i] = e5m2_to_f32(src[i]);
-    break;
   }
 }
 
@@ -97,127 +100,108 @@ double amber__to_f64(int dtype, const void *p) {
   return f;
 }
 
-/* ---- flag passes ---- */
+/* ---- flag kernels over one block ---- */
 
-KERNEL static void flags_exact4(const uint32_t *x, const uint32_t *r, uint8_t *sel, size_t n) {
-  for (size_t i = 0; i < n; i++) sel[i] = x[i] != r[i];
-}
-KERNEL static void flags_exact2(const uint16_t *x, const uint16_t *r, uint8_t *sel, size_t n) {
-  for (size_t i = 0; i < n; i++) sel[i] = x[i] != r[i];
-}
-KERNEL static void flags_exact8(const uint64_t *x, const uint64_t *r, uint8_t *sel, size_t n) {
-  for (size_t i = 0; i < n; i++) sel[i] = x[i] != r[i];
-}
-KERNEL static void flags_exact1(const uint8_t *x, const uint8_t *r, uint8_t *sel, size_t n) {
-  for (size_t i = 0; i < n; i++) sel[i] = x[i] != r[i];
-}
-
-/* threshold on f32: |x - r| > abs + rel * |r| in double, or a non-finite change. */
-KERNEL static void flags_thr_f32(const float *x, const float *r, uint8_t *sel, size_t n,
-                                 double abs_, double rel) {
-  const uint32_t *xb = (const uint32_t *)x, *rb = (const uint32_t *)r;
-  for (size_t i = 0; i < n; i++) {
-    double d = fabs((double)x[i] - (double)r[i]);
-    double b = abs_ + rel * fabs((double)r[i]);
-    int nf = ((xb[i] & 0x7f800000u) == 0x7f800000u) | ((rb[i] & 0x7f800000u) == 0x7f800000u);
-    sel[i] = (uint8_t)((d > b) | (nf & (xb[i] != rb[i])));
+KERNEL static void flags_exact(const uint8_t *x, const uint8_t *r, uint8_t *sel, size_t m,
+                               size_t w) {
+  switch (w) {
+  case 1:
+    for (size_t i = 0; i < m; i++) sel[i] = x[i] != r[i];
+    break;
+  case 2:
+    for (size_t i = 0; i < m; i++) {
+      uint16_t a, b;
+      memcpy(&a, x + 2 * i, 2);
+      memcpy(&b, r + 2 * i, 2);
+      sel[i] = a != b;
+    }
+    break;
+  case 4:
+    for (size_t i = 0; i < m; i++) {
+      uint32_t a, b;
+      memcpy(&a, x + 4 * i, 4);
+      memcpy(&b, r + 4 * i, 4);
+      sel[i] = a != b;
+    }
+    break;
+  default:
+    for (size_t i = 0; i < m; i++) {
+      uint64_t a, b;
+      memcpy(&a, x + 8 * i, 8);
+      memcpy(&b, r + 8 * i, 8);
+      sel[i] = a != b;
+    }
   }
 }
 
-KERNEL static void flags_thr_f64(const double *x, const double *r, uint8_t *sel, size_t n,
-                                 double abs_, double rel) {
-  const uint64_t *xb = (const uint64_t *)x, *rb = (const uint64_t *)r;
-  const uint64_t em = 0x7ff0000000000000ull;
-  for (size_t i = 0; i < n; i++) {
+/* f32 (or widened): sel = d > thr(r) or a forced change; key = bits of d. */
+KERNEL static void flags_f32(const float *x, const float *r, uint8_t *sel, uint32_t *key,
+                             size_t m, float abs_, float rel, float cap) {
+  for (size_t i = 0; i < m; i++) {
+    uint32_t xb, rb, kb;
+    memcpy(&xb, &x[i], 4);
+    memcpy(&rb, &r[i], 4);
+    float d = fabsf(x[i] - r[i]);
+    float b = abs_ + rel * fabsf(r[i]);
+    int nf = ((xb & EXP32) == EXP32) | ((rb & EXP32) == EXP32);
+    int forced = (nf & (xb != rb)) | (d > cap);
+    memcpy(&kb, &d, 4);
+    sel[i] = (uint8_t)((d > b) | forced);
+    key[i] = forced ? AMBER__KEY_FORCED : nf ? 0 : kb;
+  }
+}
+
+KERNEL static void flags_f64(const double *x, const double *r, uint8_t *sel, uint32_t *key,
+                             size_t m, double abs_, double rel, double cap) {
+  for (size_t i = 0; i < m; i++) {
+    uint64_t xb, rb;
+    memcpy(&xb, &x[i], 8);
+    memcpy(&rb, &r[i], 8);
     double d = fabs(x[i] - r[i]);
     double b = abs_ + rel * fabs(r[i]);
-    int nf = ((xb[i] & em) == em) | ((rb[i] & em) == em);
-    sel[i] = (uint8_t)((d > b) | (nf & (xb[i] != rb[i])));
-  }
-}
-
-/* budget keys: the f32 bits of |x - r| (monotone in the change), with
- * AMBER__KEY_FORCED for changes above `cap` and non-finite changes. */
-KERNEL static void keys_f32(const float *x, const float *r, uint32_t *key, size_t n, double cap) {
-  const uint32_t *xb = (const uint32_t *)x, *rb = (const uint32_t *)r;
-  for (size_t i = 0; i < n; i++) {
-    double d = fabs((double)x[i] - (double)r[i]);
-    float df = (float)d;
-    uint32_t k;
-    memcpy(&k, &df, 4);
-    int nf = ((xb[i] & 0x7f800000u) == 0x7f800000u) | ((rb[i] & 0x7f800000u) == 0x7f800000u);
-    int forced = (d > cap) | (nf & (xb[i] != rb[i]));
-    key[i] = forced ? AMBER__KEY_FORCED : (nf ? 0 : k);
-  }
-}
-
-KERNEL static void keys_f64(const double *x, const double *r, uint32_t *key, size_t n,
-                            double cap) {
-  const uint64_t *xb = (const uint64_t *)x, *rb = (const uint64_t *)r;
-  const uint64_t em = 0x7ff0000000000000ull;
-  for (size_t i = 0; i < n; i++) {
-    double d = fabs(x[i] - r[i]);
+    int nf = ((xb & EXP64) == EXP64) | ((rb & EXP64) == EXP64);
+    int forced = (nf & (xb != rb)) | (d > cap);
     float df = d > 3e38 ? 3e38f : (float)d;
-    uint32_t k;
-    memcpy(&k, &df, 4);
-    int nf = ((xb[i] & em) == em) | ((rb[i] & em) == em);
-    int forced = (d > cap) | (nf & (xb[i] != rb[i]));
-    key[i] = forced ? AMBER__KEY_FORCED : (nf ? 0 : k);
+    uint32_t kb;
+    memcpy(&kb, &df, 4);
+    sel[i] = (uint8_t)((d > b) | forced);
+    key[i] = forced ? AMBER__KEY_FORCED : nf ? 0 : kb;
   }
 }
 
-/* Selects from keys: every forced element, then up to `budget` of the largest
- * changes, found with a histogram on the top 12 bits of the key (sign, exponent
- * and 3 mantissa bits: buckets 12.5% wide), never a sort. Writes sel[]. */
-static void select_budget(const uint32_t *key, uint8_t *sel, size_t n, size_t budget) {
-  uint32_t hist[4096] = {0};
-  for (size_t i = 0; i < n; i++) hist[key[i] >> 20]++;
-  hist[AMBER__KEY_FORCED >> 20] = 0; /* forced ones do not count against the budget */
-  hist[0] = 0;                        /* nor are tiny changes worth a bucket walk */
-  size_t taken = 0;
-  int cut = 0;
-  for (cut = 4094; cut > 0; cut--) {
-    if (taken + hist[cut] > budget) break;
-    taken += hist[cut];
-  }
-  size_t partial = budget - taken; /* taken from the cut bucket, in index order */
-  for (size_t i = 0; i < n; i++) {
-    uint32_t b = key[i] >> 20;
-    int s = key[i] == AMBER__KEY_FORCED || (b > (uint32_t)cut && b < 4095 && key[i] != 0);
-    if (!s && b == (uint32_t)cut && cut > 0 && partial) {
-      s = 1;
-      partial--;
-    }
-    sel[i] = (uint8_t)s;
-  }
-}
+/* ---- the pass ---- */
 
-/* ---- compaction ---- */
+typedef struct pass {
+  const amber__scan_args *a;
+  size_t w, k;
+  int keep_old; /* budget: remember reference values, the cut may put some back */
+} pass;
 
-/* Gathers selected indices and live values, and copies them into the reference. */
-static size_t compact(const uint8_t *sel, const uint8_t *live, uint8_t *ref, size_t n,
-                      size_t w, uint32_t *idx, uint8_t *vals) {
-  size_t k = 0, i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t word;
-    memcpy(&word, sel + i, 8);
+/* Gathers the flagged elements of block [base, base+m) and moves them into the
+ * reference. */
+static void compact(pass *p, size_t base, const uint8_t *sel, const uint32_t *key, size_t m) {
+  const amber__scan_args *a = p->a;
+  const uint8_t *live = (const uint8_t *)a->live + base * p->w;
+  uint8_t *ref = (uint8_t *)a->ref + base * p->w;
+  size_t w = p->w, k = p->k;
+  for (size_t i = 0; i < m; i += 8) {
+    uint64_t word = 0;
+    size_t left = m - i < 8 ? m - i : 8;
+    memcpy(&word, sel + i, left);
     if (!word) continue;
-    for (size_t j = i; j < i + 8; j++)
-      if (sel[j]) {
-        idx[k] = (uint32_t)j;
-        memcpy(vals + k * w, live + j * w, w);
-        memcpy(ref + j * w, live + j * w, w);
-        k++;
+    for (size_t j = i; j < i + left; j++) {
+      if (!sel[j]) continue;
+      a->idx[k] = (uint32_t)(base + j);
+      if (p->keep_old) {
+        a->keys[k] = key[j];
+        memcpy(a->olds + k * w, ref + j * w, w);
       }
-  }
-  for (; i < n; i++)
-    if (sel[i]) {
-      idx[k] = (uint32_t)i;
-      memcpy(vals + k * w, live + i * w, w);
-      memcpy(ref + i * w, live + i * w, w);
+      memcpy(a->vals + k * w, live + j * w, w);
+      memcpy(ref + j * w, live + j * w, w);
       k++;
     }
-  return k;
+  }
+  p->k = k;
 }
 
 static int is_small_float(int dtype) {
@@ -225,54 +209,152 @@ static int is_small_float(int dtype) {
          dtype == AMBER_F8_E5M2;
 }
 
-void amber__scan_flags(const amber__scan_args *a) {
-  size_t n = a->n, w = amber_dtype_size(a->dtype);
-  const uint8_t *x = a->live;
-  const uint8_t *r = a->ref;
-  if (a->kind == AMBER__SCAN_EXACT) {
-    switch (w) {
-    case 1: flags_exact1(x, r, a->sel, n); break;
-    case 2: flags_exact2((const uint16_t *)x, (const uint16_t *)r, a->sel, n); break;
-    case 4: flags_exact4((const uint32_t *)x, (const uint32_t *)r, a->sel, n); break;
-    default: flags_exact8((const uint64_t *)x, (const uint64_t *)r, a->sel, n); break;
-    }
-    return;
-  }
-  /* Small floats are widened to f32 in blocks that stay in cache. */
-  if (is_small_float(a->dtype)) {
-    enum { B = 4096 };
-    float fx[B], fr[B];
-    for (size_t o = 0; o < n; o += B) {
-      size_t m = n - o < B ? n - o : B;
-      widen(a->dtype, x + o * w, fx, m);
-      widen(a->dtype, r + o * w, fr, m);
-      if (a->kind == AMBER__SCAN_THRESHOLD) {
-        flags_thr_f32(fx, fr, a->sel + o, m, a->abs, a->rel);
-        /* the widened values may compare equal while the bits differ (NaN payloads) */
-      } else {
-        keys_f32(fx, fr, a->keys + o, m, a->cap);
+/* k-th largest of v[0..n) (0-based), by quickselect; reorders v. */
+static float kth_largest(float *v, size_t n, size_t k) {
+  size_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    float piv = v[lo + (hi - lo) / 2];
+    size_t i = lo, j = hi;
+    while (i <= j) {
+      while (v[i] > piv) i++;
+      while (v[j] < piv) j--;
+      if (i <= j) {
+        float t = v[i];
+        v[i] = v[j];
+        v[j] = t;
+        i++;
+        if (j == 0) break;
+        j--;
       }
     }
-  } else if (a->dtype == AMBER_F32) {
-    if (a->kind == AMBER__SCAN_THRESHOLD)
-      flags_thr_f32((const float *)x, (const float *)r, a->sel, n, a->abs, a->rel);
-    else
-      keys_f32((const float *)x, (const float *)r, a->keys, n, a->cap);
-  } else {
-    if (a->kind == AMBER__SCAN_THRESHOLD)
-      flags_thr_f64((const double *)x, (const double *)r, a->sel, n, a->abs, a->rel);
-    else
-      keys_f64((const double *)x, (const double *)r, a->keys, n, a->cap);
+    if (k <= j) hi = j;
+    else if (k >= i) lo = i;
+    else break;
   }
-  if (a->kind == AMBER__SCAN_BUDGET) select_budget(a->keys, a->sel, n, a->budget);
+  return v[k];
 }
 
-size_t amber__scan_select(const amber__scan_args *a) {
-  return compact(a->sel, a->live, a->ref, a->n, amber_dtype_size(a->dtype), a->idx, a->vals);
+/* Budget: a threshold that a strided sample says 1.25x the budget exceeds. */
+static double budget_threshold(const amber__scan_args *a, size_t w) {
+  enum { S = 2048 };
+  float d[S];
+  size_t n = a->n, m = n < S ? n : S, stride = n / m, want = (size_t)(1.25 * (double)a->budget *
+                                                                      (double)m / (double)n);
+  if (want == 0) want = 1;
+  if (want >= m) return 0;
+  for (size_t i = 0; i < m; i++) {
+    double x = amber__to_f64(a->dtype, (const uint8_t *)a->live + i * stride * w);
+    double r = amber__to_f64(a->dtype, (const uint8_t *)a->ref + i * stride * w);
+    double v = fabs(x - r);
+    d[i] = isfinite(v) ? (float)v : 0;
+  }
+  return kth_largest(d, m, want);
 }
 
-size_t amber__count_flags(const uint8_t *sel, size_t n) {
+/* Too many candidates: keep the forced ones and the `budget` largest (by a
+ * 12-bit histogram of their keys, ties in the cut bucket in index order); put
+ * the others' reference values back. */
+static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w) {
+  uint32_t hist[4096] = {0};
+  for (size_t i = 0; i < k; i++)
+    if (a->keys[i] != AMBER__KEY_FORCED) hist[a->keys[i] >> 20]++;
+  size_t taken = 0;
+  int cut;
+  for (cut = 4095; cut >= 0; cut--) {
+    if (taken + hist[cut] > a->budget) break;
+    taken += hist[cut];
+  }
+  size_t partial = cut >= 0 ? a->budget - taken : 0, out = 0;
+  uint8_t *ref = a->ref;
+  for (size_t i = 0; i < k; i++) {
+    uint32_t key = a->keys[i];
+    int keep = key == AMBER__KEY_FORCED || (int)(key >> 20) > cut;
+    if (!keep && (int)(key >> 20) == cut && partial) {
+      keep = 1;
+      partial--;
+    }
+    if (keep) {
+      a->idx[out] = a->idx[i];
+      memmove(a->vals + out * w, a->vals + i * w, w);
+      out++;
+    } else {
+      memcpy(ref + (size_t)a->idx[i] * w, a->olds + i * w, w);
+    }
+  }
+  return out;
+}
+
+size_t amber__scan(const amber__scan_args *a) {
+  size_t w = amber_dtype_size(a->dtype), n = a->n;
+  /* budget may put candidates back; exact callers build XOR payloads from olds */
+  pass p = {.a = a, .w = w, .keep_old = a->kind != AMBER__SCAN_THRESHOLD};
+  uint8_t sel[BLK];
+  uint32_t key[BLK];
+  double abs_ = a->abs, rel = a->rel, cap = INFINITY;
+  if (a->kind == AMBER__SCAN_BUDGET) {
+    if (a->budget >= n) { /* everything fits: a threshold of 0 takes every change */
+      abs_ = 0;
+    } else {
+      abs_ = budget_threshold(a, w);
+    }
+    rel = 0;
+    cap = a->cap;
+    if (abs_ > cap) abs_ = cap;
+  }
+  /* f32 arithmetic may round a change down: shrink bounds so it errs on storing */
+  float abs_f = (float)(abs_ * SHRINK), rel_f = (float)(rel * SHRINK);
+  float cap_f = isinf(cap) ? INFINITY : (float)(cap * SHRINK);
+  if ((double)abs_f > abs_ * SHRINK) abs_f = nextafterf(abs_f, 0);
+  if ((double)rel_f > rel * SHRINK) rel_f = nextafterf(rel_f, 0);
+  if (!isinf(cap_f) && (double)cap_f > cap * SHRINK) cap_f = nextafterf(cap_f, 0);
+  float fx[BLK], fr[BLK];
+  double dx[BLK], dr[BLK];
+  /* Tensors inside a safetensors file may sit at any address. */
+  int aligned = (uintptr_t)a->live % w == 0 && (uintptr_t)a->ref % w == 0;
+  for (size_t base = 0; base < n; base += BLK) {
+    size_t m = n - base < BLK ? n - base : BLK;
+    const uint8_t *x = (const uint8_t *)a->live + base * w;
+    const uint8_t *r = (const uint8_t *)a->ref + base * w;
+    if (!aligned && (a->dtype == AMBER_F32 || a->dtype == AMBER_F64) &&
+        a->kind != AMBER__SCAN_EXACT) {
+      memcpy(a->dtype == AMBER_F32 ? (void *)fx : (void *)dx, x, m * w);
+      memcpy(a->dtype == AMBER_F32 ? (void *)fr : (void *)dr, r, m * w);
+      if (a->dtype == AMBER_F32)
+        flags_f32(fx, fr, sel, key, m, abs_f, rel_f, cap_f);
+      else
+        flags_f64(dx, dr, sel, key, m, abs_, rel, cap);
+    } else if (a->kind == AMBER__SCAN_EXACT) {
+      flags_exact(x, r, sel, m, w);
+    } else if (a->dtype == AMBER_F32) {
+      flags_f32((const float *)x, (const float *)r, sel, key, m, abs_f, rel_f, cap_f);
+    } else if (a->dtype == AMBER_F64) {
+      flags_f64((const double *)x, (const double *)r, sel, key, m, abs_, rel, cap);
+    } else if (is_small_float(a->dtype)) {
+      widen(a->dtype, x, fx, m);
+      widen(a->dtype, r, fr, m);
+      flags_f32(fx, fr, sel, key, m, abs_f, rel_f, cap_f);
+      /* distinct NaN encodings of small floats may widen to equal bits */
+      for (size_t i = 0; i < m; i++)
+        if (!sel[i] && isnan(fx[i]) && memcmp(x + i * w, r + i * w, w)) {
+          sel[i] = 1;
+          key[i] = AMBER__KEY_FORCED;
+        }
+    } else {
+      flags_exact(x, r, sel, m, w); /* integers are always exact */
+    }
+    compact(&p, base, sel, key, m);
+  }
+  if (a->kind == AMBER__SCAN_BUDGET && p.k > a->budget) return budget_cut(a, p.k, w);
+  return p.k;
+}
+
+size_t amber__count_changed(const void *live, const void *ref, size_t n, size_t w) {
+  uint8_t sel[BLK];
   size_t k = 0;
-  for (size_t i = 0; i < n; i++) k += sel[i];
+  for (size_t base = 0; base < n; base += BLK) {
+    size_t m = n - base < BLK ? n - base : BLK;
+    flags_exact((const uint8_t *)live + base * w, (const uint8_t *)ref + base * w, sel, m, w);
+    for (size_t i = 0; i < m; i++) k += sel[i];
+  }
   return k;
 }

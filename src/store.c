@@ -428,7 +428,9 @@ int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
     stage->cap = need;
   }
   int rc = -1;
-  if (c->dfd >= 0) {
+  /* O_DIRECT pays for large payloads; small ones (deltas) would each cost a disk
+   * round trip, while buffered reads get the kernel's read-ahead. */
+  if (c->dfd >= 0 && ch->size >= AMBER__DIRECT_MIN) {
     /* The final block may be short (file end): read what is there. */
     size_t want = hi > c->size ? (size_t)(c->size - lo) : need;
     ssize_t got = 0;

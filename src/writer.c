@@ -21,6 +21,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
@@ -39,10 +40,17 @@
 #define SLICE (256u << 10)
 
 typedef struct scratch {
-  uint8_t *sel, *vals, *body, *zbuf, *xbuf, *zx;
+  uint8_t *vals, *body, *zbuf, *xbuf, *zx;
   uint32_t *keys, *idx;
   void *cctx;
+  double scan_s, encode_s; /* this save's time in each phase */
 } scratch;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 struct amber_writer {
   amber__err err;
@@ -76,7 +84,12 @@ struct amber_writer {
   uint64_t deltas_since_full, bytes_since_full, last_full_bytes;
   int cadence_known;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
+  amber__save_stats stats; /* of the last save */
 };
+
+void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
+  *out = w->stats;
+}
 
 void amber_writer_opts_init(amber_writer_opts *opts) {
   memset(opts, 0, sizeof *opts);
@@ -139,7 +152,6 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
 }
 
 static void free_scratch(scratch *s) {
-  free(s->sel);
   free(s->vals);
   free(s->body);
   free(s->zbuf);
@@ -309,7 +321,6 @@ static int prepare(amber_writer *w) {
   size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
   for (int i = 0; i < nw; i++) {
     scratch *s = &w->ws[i];
-    s->sel = malloc(mb);
     s->keys = malloc(mb * 4);
     s->idx = malloc(mb * 4);
     s->vals = malloc(mb);
@@ -318,7 +329,7 @@ static int prepare(amber_writer *w) {
     s->xbuf = malloc(mb);
     s->zx = malloc(zb);
     s->cctx = amber__zstd_cctx();
-    if (!s->sel || !s->keys || !s->idx || !s->vals || !s->body || !s->zbuf || !s->xbuf ||
+    if (!s->keys || !s->idx || !s->vals || !s->body || !s->zbuf || !s->xbuf ||
         !s->zx || !s->cctx)
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
   }
@@ -403,8 +414,8 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
   size_t off = (size_t)(j * t->chunk_elems * isz);
   const amber__rule *rule = w->rule[ti];
   amber__scan_args a = {.kind = AMBER__SCAN_EXACT, .dtype = t->dtype, .n = n,
-                        .live = w->data[ti] + off, .ref = w->ref[ti] + off, .sel = s->sel,
-                        .keys = s->keys, .idx = s->idx, .vals = s->vals};
+                        .live = w->data[ti] + off, .ref = w->ref[ti] + off, .keys = s->keys,
+                        .idx = s->idx, .vals = s->vals, .olds = s->xbuf};
   if (rule && rule->policy.kind == AMBER__POL_THRESHOLD) {
     a.kind = AMBER__SCAN_THRESHOLD;
     a.abs = rule->policy.abs;
@@ -414,22 +425,31 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
     a.cap = rule->policy.cap;
     a.budget = (size_t)(rule->policy.frac * (double)n);
   }
-  amber__scan_flags(&a);
-  size_t xlen = 0; /* compressed XOR candidate, exact policy with dense changes */
-  if (a.kind == AMBER__SCAN_EXACT && amber__count_flags(s->sel, n) * 4 > n) {
-    amber__xor(s->xbuf, a.live, a.ref, bytes);
-    amber__shuffle(s->body, s->xbuf, n, isz);
-    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zx, amber__zstd_bound(bytes),
-                             s->body, bytes, &xlen) != 0)
-      xlen = 0;
-  }
-  size_t k = amber__scan_select(&a);
+  double t0 = now_s();
+  size_t k = amber__scan(&a);
+  double t1 = now_s();
+  s->scan_s += t1 - t0;
   c->stored = k;
   if (k == 0) {
     c->encoding = AMBER__ENC_UNCHANGED;
     c->checksum = 0;
     emit(w, c, NULL, 0);
+    s->encode_s += now_s() - t1;
     return;
+  }
+  /* Exact policy with dense changes: also try the XOR with the old reference,
+   * rebuilt from the selected elements' old and new values. */
+  size_t xlen = 0;
+  if (a.kind == AMBER__SCAN_EXACT && k * 4 > n) {
+    memset(s->body, 0, bytes);
+    for (size_t i = 0; i < k; i++)
+      for (size_t b = 0; b < isz; b++)
+        s->body[(size_t)s->idx[i] * isz + b] = s->vals[i * isz + b] ^ s->xbuf[i * isz + b];
+    amber__shuffle(s->zx, s->body, n, isz); /* zx is free until compression */
+    memcpy(s->body, s->zx, bytes);
+    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zx, amber__zstd_bound(bytes),
+                             s->body, bytes, &xlen) != 0)
+      xlen = 0;
   }
   const uint8_t *payload;
   size_t plen;
@@ -466,6 +486,7 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
   }
   c->checksum = amber__xxh3(payload, plen);
   emit(w, c, payload, plen);
+  s->encode_s += now_s() - t1;
 }
 
 static void chunk_job(void *ctx, int worker, size_t j) {
@@ -496,7 +517,16 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
   rc = amber__wfile_append(w->wf, hb, sizeof hb);
   if (!rc) {
     w->rc = 0;
+    int nw = amber__pool_size(w->pool);
+    for (int i = 0; i < nw; i++) w->ws[i].scan_s = w->ws[i].encode_s = 0;
+    double t0 = now_s();
     amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
+    w->stats.chunks_s = now_s() - t0;
+    for (int i = 0; i < nw; i++) {
+      w->stats.scan_cpu_s += w->ws[i].scan_s;
+      w->stats.encode_cpu_s += w->ws[i].encode_s;
+    }
+    w->stats.workers = nw;
     rc = w->rc;
   }
   amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
@@ -528,7 +558,10 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     amber__wfile_abort(w->wf);
     return rc;
   }
-  return amber__wfile_finish(w->wf);
+  double t0 = now_s();
+  rc = amber__wfile_finish(w->wf);
+  w->stats.finish_s = now_s() - t0;
+  return rc;
 }
 
 /* 1 when the latest checkpoint describes exactly the declared tensors. */
@@ -604,6 +637,8 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   for (size_t i = 0; i < w->n; i++)
     if (w->tensors[i].nbytes && !w->data[i])
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
+  memset(&w->stats, 0, sizeof w->stats);
+  double t_start = now_s();
   int rc = prepare(w);
   if (rc) return rc;
   resolve_policies(w);
@@ -614,13 +649,19 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   uint64_t state = 0, bytes = 0;
   /* From here the reference is being moved: it is valid again only on success. */
   w->ref_valid = 0;
+  w->stats.prepare_s = now_s() - t_start;
   rc = write_file(w, tmp, step, &state, &bytes);
+  double t_commit = now_s();
   if (!rc && (rc = amber__commit_file(w->st, tmp, step)) != 0) amber__err_adopt(&w->err);
   if (!rc && (rc = amber__write_latest(w->st, step, state)) != 0) {
     amber__err_adopt(&w->err);
     unlink(dst); /* never committed; keep the store as it was */
   }
   if (rc) return rc;
+  w->stats.commit_s = now_s() - t_commit;
+  w->stats.total_s = now_s() - t_start;
+  w->stats.delta = w->delta;
+  w->stats.bytes = bytes;
   w->ref_valid = 1;
   w->have_latest = 1;
   w->latest_step = step;

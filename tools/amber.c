@@ -1,1 +1,881 @@
-int main(void){return 0;}
+/*
+ * amber.c - the `amber` command-line tool.
+ *
+ * A thin layer over the public API (include/amber.h) plus the internal safetensors
+ * header code (src/safetensors.h): `import` turns a safetensors file into a step of
+ * a store, `export` writes a step back as a standard safetensors file, `ls`, `info`
+ * and `verify` inspect a store, and `bench` forwards to tools/bench.c. The command
+ * line is a contract (DESIGN.md, "Interfaces other programs depend on"): exit 0 on
+ * success, 1 on failure, 2 on a usage error; `--json` prints machine output, built
+ * with jansson, on stdout. Errors go to stderr as "amber: <what failed>: <why>",
+ * naming the file and the step. Nothing here knows the store's file format.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "amber.h"
+#include "safetensors.h"
+
+/* Defined in tools/bench.c; receives argv starting at "bench". */
+int amber__bench_main(int argc, char **argv);
+
+/* ---- command-line parsing ---------------------------------------------------- */
+
+enum {
+  OPT_STEP = 1u << 0,
+  OPT_JSON = 1u << 1,
+  OPT_OUT = 1u << 2,
+  OPT_POLICY = 1u << 3,
+  OPT_FULL = 1u << 4,
+  OPT_CHUNK = 1u << 5,
+};
+
+typedef struct args {
+  const char *pos[2];
+  int npos;
+  int json, full, have_step;
+  uint64_t step, chunk_elems;
+  const char *out;
+  const char **policies; /* point into argv */
+  size_t npolicies;
+} args;
+
+typedef struct command {
+  const char *name;
+  int (*run)(const args *a);
+  unsigned opts;
+  int npos;      /* positional arguments, all required */
+  unsigned need; /* options that are required */
+  const char *synopsis;
+  const char *help; /* description and options, for --help */
+} command;
+
+/* A decimal integer with nothing else around it: no sign, no spaces, no overflow. */
+static int parse_u64(const char *s, uint64_t *v) {
+  if (!s || *s < '0' || *s > '9') return -1;
+  char *end;
+  errno = 0;
+  unsigned long long x = strtoull(s, &end, 10);
+  if (*end || errno) return -1;
+  *v = x;
+  return 0;
+}
+
+static void usage_line(FILE *f, const command *c) {
+  fprintf(f, "usage: amber %s %s\n", c->name, c->synopsis);
+}
+
+__attribute__((format(printf, 2, 3))) static int usage_error(const command *c,
+                                                             const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "amber %s: ", c->name);
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n");
+  va_end(ap);
+  usage_line(stderr, c);
+  fprintf(stderr, "Try 'amber %s --help'.\n", c->name);
+  return 2;
+}
+
+/* Takes the value of option argv[*i], given as "--opt=value" or "--opt value". */
+static const char *opt_value(int argc, char **argv, int *i, const char *eq) {
+  if (eq) return eq + 1;
+  if (*i + 1 >= argc) return NULL;
+  return argv[++*i];
+}
+
+/* Fills `a` from argv[1..]; returns -1 to go on, or the exit status (0 after
+ * --help, 2 after a usage error). */
+static int parse_args(const command *c, int argc, char **argv, args *a) {
+  int only_pos = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *s = argv[i];
+    if (only_pos || s[0] != '-' || !s[1]) {
+      if (a->npos == c->npos) return usage_error(c, "unexpected argument '%s'", s);
+      a->pos[a->npos++] = s;
+      continue;
+    }
+    if (!strcmp(s, "--")) {
+      only_pos = 1;
+      continue;
+    }
+    if (!strcmp(s, "--help") || !strcmp(s, "-h")) {
+      usage_line(stdout, c);
+      fputs(c->help, stdout);
+      return 0;
+    }
+    const char *eq = strncmp(s, "--", 2) ? NULL : strchr(s, '=');
+    size_t len = eq ? (size_t)(eq - s) : strlen(s);
+#define IS(name) (strlen(name) == len && !strncmp(s, name, len))
+    unsigned opt = IS("--step")                 ? OPT_STEP
+                   : IS("--json")               ? OPT_JSON
+                   : IS("-o") || IS("--output") ? OPT_OUT
+                   : IS("--policy")             ? OPT_POLICY
+                   : IS("--full")               ? OPT_FULL
+                   : IS("--chunk-elems")        ? OPT_CHUNK
+                                                : 0;
+#undef IS
+    if (!(opt & c->opts)) return usage_error(c, "unknown option '%s'", s);
+    if ((opt == OPT_JSON || opt == OPT_FULL) && eq)
+      return usage_error(c, "option '%.*s' takes no value", (int)len, s);
+    const char *v = NULL;
+    if (opt != OPT_JSON && opt != OPT_FULL && !(v = opt_value(argc, argv, &i, eq)))
+      return usage_error(c, "option '%s' needs a value", s);
+    if (opt == OPT_JSON) {
+      a->json = 1;
+    } else if (opt == OPT_FULL) {
+      a->full = 1;
+    } else if (opt == OPT_OUT) {
+      if (!*v) return usage_error(c, "empty output path");
+      a->out = v;
+    } else if (opt == OPT_POLICY) {
+      a->policies[a->npolicies++] = v;
+    } else if (opt == OPT_STEP) {
+      if (parse_u64(v, &a->step) || a->step == AMBER_NO_STEP)
+        return usage_error(c, "bad step '%s' (a decimal number below 2^64-1)", v);
+      a->have_step = 1;
+    } else if (parse_u64(v, &a->chunk_elems) || !a->chunk_elems) {
+      return usage_error(c, "bad --chunk-elems '%s' (a positive decimal number)", v);
+    }
+  }
+  if (a->npos < c->npos) return usage_error(c, "missing arguments");
+  if ((c->need & OPT_STEP) && !a->have_step) return usage_error(c, "--step is required");
+  if ((c->need & OPT_OUT) && !a->out) return usage_error(c, "-o OUT is required");
+  return -1;
+}
+
+/* ---- small helpers ----------------------------------------------------------- */
+
+/* Prints "amber: <what>: <the library's message>" and returns 1. */
+__attribute__((format(printf, 3, 4))) static int fail(int rc, const void *handle,
+                                                      const char *fmt, ...) {
+  const char *why = amber_last_error(handle);
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "amber: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, ": %s\n", *why ? why : amber_strerror(rc));
+  va_end(ap);
+  return 1;
+}
+
+/* Prints "amber: <what>: <strerror(errno)>" and returns 1. */
+__attribute__((format(printf, 1, 2))) static int sys_fail(const char *fmt, ...) {
+  int err = errno;
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "amber: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, ": %s\n", strerror(err));
+  va_end(ap);
+  return 1;
+}
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const char *human_bytes(uint64_t b, char buf[32]) {
+  static const char *const unit[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB"};
+  double v = (double)b;
+  int u = 0;
+  while (v >= 1000 && u < 6)
+    v /= 1000, u++;
+  snprintf(buf, 32, u ? "%.1f %s" : "%.0f %s", v, unit[u]);
+  return buf;
+}
+
+static const char *kind_name(uint32_t kind) {
+  return kind == AMBER_KIND_FULL    ? "full"
+         : kind == AMBER_KIND_DELTA ? "delta"
+                                    : "unknown";
+}
+
+/* JSON integers are signed 64-bit in jansson; a larger value becomes a real. */
+static json_t *ju64(uint64_t v) {
+  return v <= INT64_MAX ? json_integer((json_int_t)v) : json_real((double)v);
+}
+
+static json_t *jstep_or_null(uint64_t step) {
+  return step == AMBER_NO_STEP ? json_null() : ju64(step);
+}
+
+static json_t *jhash(uint64_t h) {
+  char hex[17];
+  snprintf(hex, sizeof hex, "%016" PRIx64, h);
+  return json_string(hex);
+}
+
+/* Prints `j` and releases it. NULL means that building it failed: out of memory,
+ * or a string (a path, a tensor name) that is not valid UTF-8. */
+static int print_json(json_t *j) {
+  if (!j) {
+    fprintf(stderr, "amber: cannot build the JSON output (out of memory, or a name or "
+                    "path that is not valid UTF-8)\n");
+    return 1;
+  }
+  int rc = json_dumpf(j, stdout, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+  json_decref(j);
+  if (rc == 0 && fputc('\n', stdout) != EOF && fflush(stdout) == 0) return 0;
+  fprintf(stderr, "amber: cannot write the output: %s\n", strerror(errno));
+  return 1;
+}
+
+static int open_store_ro(const char *path, amber_store **st) {
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  int rc = amber_store_open(st, path, &so);
+  return rc ? fail(rc, NULL, "cannot open store %s", path) : 0;
+}
+
+/* "step 12" or "the latest step", for messages. */
+static const char *step_words(const args *a, char buf[48]) {
+  if (!a->have_step) return "the latest step";
+  snprintf(buf, 48, "step %" PRIu64, a->step);
+  return buf;
+}
+
+static int open_reader(amber_store *st, const args *a, amber_reader **r) {
+  char sw[48];
+  int rc = amber_reader_open(r, st, a->have_step ? a->step : AMBER_LATEST, NULL);
+  return rc ? fail(rc, NULL, "cannot open %s of %s", step_words(a, sw), a->pos[0]) : 0;
+}
+
+static void shape_text(const int64_t *shape, uint32_t ndim, char *buf, size_t len) {
+  size_t pos = (size_t)snprintf(buf, len, "[");
+  for (uint32_t d = 0; d < ndim && pos < len; d++)
+    pos += (size_t)snprintf(buf + pos, len - pos, "%s%" PRId64, d ? ", " : "", shape[d]);
+  if (pos < len) snprintf(buf + pos, len - pos, "]");
+}
+
+/* ---- import ------------------------------------------------------------------- */
+
+/* The checkpoint meta for a safetensors __metadata__ object (FORMAT.md,
+ * "Metadata"): {"__metadata__": {...}}, malloc'ed; NULL when out of memory. */
+static char *wrap_metadata(const char *metadata) {
+  json_t *m = json_loads(metadata, JSON_REJECT_DUPLICATES, NULL);
+  json_t *root = m ? json_pack("{s:o}", "__metadata__", m) : NULL;
+  char *text = root ? json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+  json_decref(root);
+  return text;
+}
+
+/* Kind and file size of a just-committed step, for the summary. */
+static void committed_info(amber_store *st, uint64_t step, amber_ckpt_info *out) {
+  amber_ckpt_info *list = NULL;
+  size_t n = 0;
+  memset(out, 0, sizeof *out);
+  out->step = step;
+  out->kind = UINT32_MAX;
+  if (amber_store_list(st, &list, &n) == 0)
+    for (size_t i = 0; i < n; i++)
+      if (list[i].step == step) *out = list[i];
+  amber_free(list);
+}
+
+/* Declares the file's tensors, policies and metadata, then saves step N. */
+static int import_save(const args *a, amber_writer *w, const amber__st_header *h,
+                       const uint8_t *map) {
+  const char *file = a->pos[0], *dir = a->pos[1];
+  for (size_t i = 0; i < h->count; i++) {
+    const amber__st_tensor *t = &h->tensors[i];
+    int rc = amber_writer_add(w, t->name, t->dtype, t->ndim, t->shape,
+                              t->nbytes ? map + t->offset : map, NULL);
+    if (rc) return fail(rc, w, "%s: tensor '%s'", file, t->name);
+  }
+  for (size_t i = 0; i < a->npolicies; i++) {
+    int rc = amber_writer_add_policy(w, a->policies[i]);
+    if (rc) return fail(rc, w, "--policy '%s'", a->policies[i]);
+  }
+  if (h->metadata) {
+    char *meta = wrap_metadata(h->metadata);
+    int rc = meta ? amber_writer_set_meta(w, meta, strlen(meta)) : AMBER_ENOMEM;
+    free(meta);
+    if (rc) return fail(rc, w, "%s: keeping __metadata__", file);
+  }
+  int rc = amber_writer_save(w, a->step, a->full ? AMBER_SAVE_FULL : 0);
+  if (rc) return fail(rc, w, "import of %s into %s as step %" PRIu64, file, dir, a->step);
+  return 0;
+}
+
+static int import_report(const args *a, amber_store *st, const amber__st_header *h,
+                         double secs) {
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < h->count; i++)
+    bytes += h->tensors[i].nbytes;
+  amber_ckpt_info ci;
+  committed_info(st, a->step, &ci);
+  if (a->json)
+    return print_json(json_pack("{s:o,s:s,s:s,s:s,s:I,s:o,s:o,s:f}", "step",
+                                ju64(a->step), "kind", kind_name(ci.kind), "file",
+                                a->pos[0], "store", a->pos[1], "tensors",
+                                (json_int_t)h->count, "bytes", ju64(bytes),
+                                "stored_bytes", ju64(ci.bytes), "seconds", secs));
+  char b1[32], b2[32];
+  printf("imported step %" PRIu64 " (%s): %zu tensors, %s, stored %s, %.3f s\n", a->step,
+         kind_name(ci.kind), h->count, human_bytes(bytes, b1), human_bytes(ci.bytes, b2),
+         secs);
+  return 0;
+}
+
+static int cmd_import(const args *a) {
+  const char *file = a->pos[0], *dir = a->pos[1];
+  int fd = open(file, O_RDONLY | O_CLOEXEC);
+  struct stat sb;
+  const char *why = NULL;
+  if (fd < 0 || fstat(fd, &sb) != 0)
+    why = strerror(errno);
+  else if (!S_ISREG(sb.st_mode))
+    why = "not a regular file";
+  if (why) {
+    fprintf(stderr, "amber: cannot read %s: %s\n", file, why);
+    if (fd >= 0) close(fd);
+    return 1;
+  }
+  size_t size = (size_t)sb.st_size;
+  /* The writer reads tensors straight from the mapping: no copy of the file. */
+  const uint8_t *map = NULL;
+  if (size) {
+    void *p = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      fprintf(stderr, "amber: cannot map %s: %s\n", file, strerror(errno));
+      close(fd);
+      return 1;
+    }
+    madvise(p, size, MADV_SEQUENTIAL);
+    map = p;
+  }
+  close(fd);
+
+  double t0 = now();
+  amber__st_header h;
+  char err[512];
+  int rc = amber__st_parse(map, size, size, &h, err, sizeof err);
+  if (rc) {
+    /* Parsed before the store is opened, so a bad file leaves the store untouched. */
+    fprintf(stderr, "amber: %s: %s\n", file, err);
+    if (map) munmap((void *)map, size);
+    return 1;
+  }
+  amber_store *st = NULL;
+  amber_writer *w = NULL;
+  amber_writer_opts wo;
+  amber_writer_opts_init(&wo);
+  wo.chunk_elems = a->chunk_elems;
+  int ret = 1;
+  if ((rc = amber_store_open(&st, dir, NULL)) != 0)
+    fail(rc, NULL, "cannot open store %s for writing", dir);
+  else if ((rc = amber_writer_open(&w, st, &wo)) != 0)
+    fail(rc, NULL, "cannot write to store %s", dir);
+  else if (import_save(a, w, &h, map) == 0)
+    ret = import_report(a, st, &h, now() - t0);
+  amber_writer_close(w);
+  amber_store_close(st);
+  amber__st_header_free(&h);
+  if (map) munmap((void *)map, size);
+  return ret;
+}
+
+/* ---- export ------------------------------------------------------------------- */
+
+/* The temporary output, removed if a signal ends the export. */
+static char tmp_path[4200];
+static volatile sig_atomic_t have_tmp;
+
+static void on_signal(int sig) {
+  if (have_tmp) unlink(tmp_path);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+static int write_all(int fd, const uint8_t *p, uint64_t n) {
+  while (n) {
+    ssize_t k = write(fd, p, n > (1u << 30) ? (1u << 30) : (size_t)n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return -1;
+    p += k;
+    n -= (uint64_t)k;
+  }
+  return 0;
+}
+
+/* fsync of the directory holding `path`, so that a rename into it is durable. */
+static int sync_parent(const char *path) {
+  char dir[4200];
+  const char *slash = strrchr(path, '/');
+  if (!slash)
+    snprintf(dir, sizeof dir, ".");
+  else
+    snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  int rc = fsync(fd);
+  close(fd);
+  return rc;
+}
+
+typedef struct export_job {
+  amber_reader *r;
+  const amber__st_tensor *t;
+  size_t n;
+  const uint8_t *hdr;
+  size_t hdr_len;
+  uint8_t *buf; /* one buffer, sized to the largest tensor */
+  uint64_t total;
+  const char *store, *out;
+} export_job;
+
+static void progress(const export_job *j, size_t done, uint64_t bytes, double *last,
+                     int final) {
+  double t = now();
+  if (!final && t - *last < 0.25) return;
+  *last = t;
+  char b[32];
+  fprintf(stderr, "\rexport: %zu/%zu tensors, %s%s", done, j->n, human_bytes(bytes, b),
+          final ? "\n" : "   ");
+}
+
+/* Writes the header and every tensor to fd. */
+static int export_data(const export_job *j, int fd) {
+  uint64_t step = amber_reader_step(j->r), done = 0;
+  int tty = isatty(STDERR_FILENO) && j->total >= (64u << 20);
+  double last = 0;
+  if (write_all(fd, j->hdr, j->hdr_len)) return sys_fail("writing %s", tmp_path);
+  for (size_t i = 0; i < j->n; i++) {
+    int rc = amber_reader_read(j->r, i, j->buf, j->t[i].nbytes);
+    if (rc && last > 0) fputc('\n', stderr); /* end the progress line */
+    if (rc)
+      return fail(rc, j->r, "reading tensor '%s' of step %" PRIu64 " of %s", j->t[i].name,
+                  step, j->store);
+    if (write_all(fd, j->buf, j->t[i].nbytes)) return sys_fail("writing %s", tmp_path);
+    done += j->t[i].nbytes;
+    if (tty) progress(j, i + 1, done, &last, i + 1 == j->n);
+  }
+  return 0;
+}
+
+/* Writes OUT.tmp-<pid>, fsyncs it and renames it to OUT: a failed or interrupted
+ * export never leaves a partial OUT. */
+static int export_file(const export_job *j) {
+  snprintf(tmp_path, sizeof tmp_path, "%s.tmp-%ld", j->out, (long)getpid());
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGHUP, &sa, NULL);
+  int fd = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return sys_fail("cannot create %s", tmp_path);
+  have_tmp = 1;
+  int ret = export_data(j, fd);
+  if (!ret && fsync(fd) != 0) ret = sys_fail("fsync of %s", tmp_path);
+  if (close(fd) != 0 && !ret) ret = sys_fail("closing %s", tmp_path);
+  if (!ret && rename(tmp_path, j->out) != 0)
+    ret = sys_fail("cannot rename %s to %s", tmp_path, j->out);
+  if (ret) unlink(tmp_path);
+  have_tmp = 0;
+  if (!ret && sync_parent(j->out) != 0)
+    ret = sys_fail("fsync of the directory of %s", j->out);
+  return ret;
+}
+
+/* The "__metadata__" object of the checkpoint's meta, as JSON text (malloc'ed), or
+ * NULL when there is none. safetensors allows only string values, so an object with
+ * other values is left out with a warning rather than failing the export. */
+static char *export_metadata(amber_reader *r, uint64_t step) {
+  const char *json;
+  size_t len;
+  if (amber_reader_meta(r, &json, &len) != 0 || !json || !len) return NULL;
+  json_t *root = json_loadb(json, len, 0, NULL);
+  json_t *m = json_object_get(root, "__metadata__");
+  char *text = NULL;
+  if (json_is_object(m)) {
+    const char *k;
+    json_t *v;
+    int strings = 1;
+    json_object_foreach(m, k, v) strings &= json_is_string(v);
+    if (strings)
+      text = json_dumps(m, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    else
+      fprintf(stderr,
+              "amber: warning: step %" PRIu64 ": __metadata__ holds non-string "
+              "values, which safetensors cannot keep; not exported\n",
+              step);
+  }
+  json_decref(root);
+  return text;
+}
+
+static int export_report(const args *a, const export_job *j, double secs) {
+  uint64_t step = amber_reader_step(j->r);
+  if (a->json)
+    return print_json(json_pack("{s:o,s:s,s:s,s:I,s:o,s:f}", "step", ju64(step), "store",
+                                j->store, "file", j->out, "tensors", (json_int_t)j->n,
+                                "bytes", ju64(j->total), "seconds", secs));
+  char b[32];
+  printf("exported step %" PRIu64 " to %s: %zu tensors, %s, %.3f s\n", step, j->out, j->n,
+         human_bytes(j->total, b), secs);
+  return 0;
+}
+
+static int cmd_export(const args *a) {
+  double t0 = now();
+  amber_store *st = NULL;
+  amber_reader *r = NULL;
+  if (open_store_ro(a->pos[0], &st)) return 1;
+  if (open_reader(st, a, &r)) {
+    amber_store_close(st);
+    return 1;
+  }
+  export_job j = {.r = r, .n = amber_reader_count(r), .store = a->pos[0], .out = a->out};
+  uint64_t step = amber_reader_step(r), max = 0;
+  amber__st_tensor *t = calloc(j.n ? j.n : 1, sizeof *t);
+  char *meta = export_metadata(r, step);
+  uint8_t *hdr = NULL;
+  int ret = 1, rc = t ? 0 : AMBER_ENOMEM;
+  for (size_t i = 0; i < j.n && !rc; i++) {
+    amber_tensor_info ti;
+    if ((rc = amber_reader_info(r, i, &ti)) != 0) break;
+    t[i].name = (char *)ti.name; /* owned by the reader; format_header only reads it */
+    t[i].dtype = ti.dtype;
+    t[i].ndim = ti.ndim;
+    memcpy(t[i].shape, ti.shape, sizeof t[i].shape);
+    t[i].nbytes = ti.nbytes;
+    j.total += ti.nbytes;
+    if (ti.nbytes > max) max = ti.nbytes;
+  }
+  char err[512] = "";
+  if (rc) {
+    fail(rc, r, "reading the tensor list of step %" PRIu64 " of %s", step, a->pos[0]);
+  } else if ((rc = amber__st_format_header(t, j.n, meta, meta ? strlen(meta) : 0, &hdr,
+                                           &j.hdr_len, err, sizeof err)) != 0) {
+    fprintf(stderr, "amber: cannot export step %" PRIu64 " of %s as safetensors: %s\n",
+            step, a->pos[0], err);
+  } else if (max > SIZE_MAX || !(j.buf = malloc(max ? (size_t)max : 1))) {
+    fprintf(stderr, "amber: out of memory for a %" PRIu64 "-byte tensor buffer\n", max);
+  } else {
+    j.t = t;
+    j.hdr = hdr;
+    if (export_file(&j) == 0) ret = export_report(a, &j, now() - t0);
+  }
+  free(j.buf);
+  free(hdr);
+  free(meta);
+  free(t);
+  amber_reader_close(r);
+  amber_store_close(st);
+  return ret;
+}
+
+/* A store whose list is empty is empty, or it lost LATEST but still holds
+ * checkpoint files (FORMAT.md, "Store layout"), which only the reader reports.
+ * Returns 0 when it is empty, else prints why and returns 1. */
+static int check_empty(amber_store *st, const char *path) {
+  amber_reader *r = NULL;
+  int rc = amber_reader_open(&r, st, AMBER_LATEST, NULL);
+  amber_reader_close(r);
+  if (rc == AMBER_ENOENT || rc == 0) return 0;
+  return fail(rc, NULL, "store %s is damaged", path);
+}
+
+/* ---- ls ----------------------------------------------------------------------- */
+
+static int cmd_ls(const args *a) {
+  amber_store *st = NULL;
+  if (open_store_ro(a->pos[0], &st)) return 1;
+  amber_ckpt_info *ck = NULL;
+  size_t n = 0;
+  int rc = amber_store_list(st, &ck, &n);
+  if (rc || (n == 0 && check_empty(st, a->pos[0]))) {
+    if (rc) fail(rc, st, "cannot list store %s", a->pos[0]);
+    amber_store_close(st);
+    return 1;
+  }
+  int ret = 0;
+  if (a->json) {
+    json_t *arr = json_array();
+    for (size_t i = 0; arr && i < n; i++) {
+      json_t *o = json_pack("{s:o,s:s,s:o,s:o,s:o}", "step", ju64(ck[i].step), "kind",
+                            kind_name(ck[i].kind), "parent", jstep_or_null(ck[i].parent),
+                            "bytes", ju64(ck[i].bytes), "hash", jhash(ck[i].hash));
+      if (json_array_append_new(arr, o) != 0) {
+        json_decref(arr);
+        arr = NULL;
+      }
+    }
+    ret = print_json(arr);
+  } else {
+    if (n)
+      printf("%-20s  %-5s  %-20s  %14s  %s\n", "step", "kind", "parent", "bytes", "hash");
+    for (size_t i = 0; i < n; i++) {
+      char parent[24] = "-";
+      if (ck[i].parent != AMBER_NO_STEP)
+        snprintf(parent, sizeof parent, "%" PRIu64, ck[i].parent);
+      printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %016" PRIx64 "\n", ck[i].step,
+             kind_name(ck[i].kind), parent, ck[i].bytes, ck[i].hash);
+    }
+  }
+  amber_free(ck);
+  amber_store_close(st);
+  return ret;
+}
+
+/* ---- info --------------------------------------------------------------------- */
+
+static json_t *tensor_json(const amber_tensor_info *ti) {
+  json_t *shape = json_array();
+  for (uint32_t d = 0; shape && d < ti->ndim; d++)
+    if (json_array_append_new(shape, json_integer(ti->shape[d])) != 0) {
+      json_decref(shape);
+      shape = NULL;
+    }
+  if (!shape) return NULL;
+  return json_pack("{s:s,s:s,s:o,s:s?,s:o,s:o,s:o,s:o,s:o,s:o}", "name", ti->name,
+                   "dtype", amber_dtype_name(ti->dtype), "shape", shape, "policy",
+                   ti->policy, "nbytes", ju64(ti->nbytes), "stored_bytes",
+                   ju64(ti->stored_bytes), "stored_elems", ju64(ti->stored_elems),
+                   "nelems", ju64(ti->nelems), "chunk_elems", ju64(ti->chunk_elems),
+                   "nchunks", ju64(ti->nchunks));
+}
+
+static int info_json(amber_reader *r, const amber_ckpt_info *ci) {
+  json_t *tensors = json_array();
+  size_t n = amber_reader_count(r);
+  for (size_t i = 0; tensors && i < n; i++) {
+    amber_tensor_info ti;
+    if (amber_reader_info(r, i, &ti) != 0 ||
+        json_array_append_new(tensors, tensor_json(&ti)) != 0) {
+      json_decref(tensors);
+      tensors = NULL;
+    }
+  }
+  const char *meta;
+  size_t mlen;
+  amber_reader_meta(r, &meta, &mlen);
+  json_t *mj = meta && mlen ? json_loadb(meta, mlen, 0, NULL) : NULL;
+  if (!tensors) {
+    json_decref(mj);
+    return print_json(NULL);
+  }
+  return print_json(json_pack("{s:o,s:s,s:o,s:o,s:o,s:o?,s:o}", "step", ju64(ci->step),
+                              "kind", kind_name(ci->kind), "parent",
+                              jstep_or_null(ci->parent), "bytes", ju64(ci->bytes), "hash",
+                              jhash(ci->hash), "meta", mj, "tensors", tensors));
+}
+
+/* Columns of UTF-8 text, counting code points (not bytes) as one column each. */
+static int columns(const char *s) {
+  int n = 0;
+  for (; *s; s++)
+    n += ((unsigned char)*s & 0xC0) != 0x80;
+  return n;
+}
+
+static void info_text(amber_reader *r, const amber_ckpt_info *ci) {
+  char parent[24] = "-";
+  if (ci->parent != AMBER_NO_STEP)
+    snprintf(parent, sizeof parent, "%" PRIu64, ci->parent);
+  size_t n = amber_reader_count(r), mlen;
+  const char *meta;
+  amber_reader_meta(r, &meta, &mlen);
+  printf("step %" PRIu64 "  kind %s  parent %s  bytes %" PRIu64 "  hash %016" PRIx64
+         "  tensors %zu  meta %zu bytes\n",
+         ci->step, kind_name(ci->kind), parent, ci->bytes, ci->hash, n, mlen);
+  int w = 4;
+  amber_tensor_info ti;
+  for (size_t i = 0; i < n; i++)
+    if (amber_reader_info(r, i, &ti) == 0 && columns(ti.name) > w)
+      w = columns(ti.name) > 48 ? 48 : columns(ti.name);
+  if (n)
+    printf("%-*s  %-7s  %-20s  %-20s  %14s  %7s\n", w, "name", "dtype", "shape", "policy",
+           "stored bytes", "stored");
+  for (size_t i = 0; i < n; i++) {
+    if (amber_reader_info(r, i, &ti) != 0) continue;
+    char shape[200], share[16] = "-";
+    shape_text(ti.shape, ti.ndim, shape, sizeof shape);
+    if (ti.nelems)
+      snprintf(share, sizeof share, "%.1f%%",
+               100.0 * (double)ti.stored_elems / (double)ti.nelems);
+    int pad = w > columns(ti.name) ? w - columns(ti.name) : 0;
+    printf("%s%*s  %-7s  %-20s  %-20s  %14" PRIu64 "  %7s\n", ti.name, pad, "",
+           amber_dtype_name(ti.dtype), shape, ti.policy ? ti.policy : "-",
+           ti.stored_bytes, share);
+  }
+}
+
+static int cmd_info(const args *a) {
+  amber_store *st = NULL;
+  amber_reader *r = NULL;
+  if (open_store_ro(a->pos[0], &st)) return 1;
+  if (open_reader(st, a, &r)) {
+    amber_store_close(st);
+    return 1;
+  }
+  amber_ckpt_info ci;
+  int ret = 0, rc = amber_reader_ckpt_info(r, &ci);
+  if (rc)
+    ret = fail(rc, r, "cannot read step %" PRIu64 " of %s", amber_reader_step(r),
+               a->pos[0]);
+  else if (a->json)
+    ret = info_json(r, &ci);
+  else
+    info_text(r, &ci);
+  amber_reader_close(r);
+  amber_store_close(st);
+  return ret;
+}
+
+/* ---- verify ------------------------------------------------------------------- */
+
+/* Opens and verifies one step; 0 when intact, else writes the reason to `why`. */
+static int verify_step(amber_store *st, uint64_t step, char *why, size_t len) {
+  amber_reader *r = NULL;
+  int rc = amber_reader_open(&r, st, step, NULL);
+  if (rc) {
+    snprintf(why, len, "%s",
+             *amber_last_error(NULL) ? amber_last_error(NULL) : amber_strerror(rc));
+    return rc;
+  }
+  rc = amber_reader_verify(r);
+  if (rc)
+    snprintf(why, len, "%s",
+             *amber_last_error(r) ? amber_last_error(r) : amber_strerror(rc));
+  amber_reader_close(r);
+  return rc;
+}
+
+static int cmd_verify(const args *a) {
+  amber_store *st = NULL;
+  if (open_store_ro(a->pos[0], &st)) return 1;
+  amber_ckpt_info one = {.step = a->step}, *ck = &one;
+  size_t n = 1;
+  if (!a->have_step) {
+    int rc = amber_store_list(st, &ck, &n);
+    if (rc || (n == 0 && check_empty(st, a->pos[0]))) {
+      if (rc) fail(rc, st, "cannot list store %s", a->pos[0]);
+      amber_store_close(st);
+      return 1;
+    }
+  }
+  json_t *arr = a->json ? json_array() : NULL;
+  int bad = a->json && !arr;
+  char why[1200];
+  for (size_t i = 0; i < n; i++) {
+    int rc = verify_step(st, ck[i].step, why, sizeof why);
+    bad |= rc != 0;
+    if (arr) {
+      json_t *o = json_pack("{s:o,s:b,s:s?}", "step", ju64(ck[i].step), "ok", rc == 0,
+                            "error", rc ? why : NULL);
+      if (json_array_append_new(arr, o) != 0) bad = 1;
+    } else if (rc) {
+      printf("step %" PRIu64 ": FAILED: %s\n", ck[i].step, why);
+    } else {
+      printf("step %" PRIu64 ": ok\n", ck[i].step);
+    }
+  }
+  if (a->json && print_json(arr)) bad = 1;
+  if (ck != &one) amber_free(ck);
+  amber_store_close(st);
+  return bad;
+}
+
+/* ---- main --------------------------------------------------------------------- */
+
+static const command commands[] = {
+    {"import", cmd_import, OPT_STEP | OPT_POLICY | OPT_FULL | OPT_CHUNK | OPT_JSON, 2,
+     OPT_STEP, "FILE.safetensors STORE --step N [--policy SPEC]... [--full] [--json]",
+     "Adds step N to STORE (created if missing) from a safetensors file: a full "
+     "checkpoint\n"
+     "for an empty store or with --full, else the library chooses full or delta.\n"
+     "  --step N           the step; must be greater than the store's latest\n"
+     "  --policy SPEC      [PATTERN=]exact|threshold:ABS[:REL]|budget:FRAC[:CAP]; "
+     "repeatable,\n"
+     "                     the last matching pattern wins\n"
+     "  --full             force a full checkpoint\n"
+     "  --chunk-elems N    elements per chunk (default: the library's)\n"
+     "  --json             print the summary as a JSON object\n"},
+    {"export", cmd_export, OPT_STEP | OPT_OUT | OPT_JSON, 1, OPT_OUT,
+     "STORE -o OUT.safetensors [--step N] [--json]",
+     "Writes the restored state of step N (default: latest) as a safetensors file.\n"
+     "OUT is replaced atomically: a failed export leaves no partial file.\n"
+     "  -o, --output FILE  the safetensors file to write\n"
+     "  --step N           the step (default: the latest)\n"
+     "  --json             print the summary as a JSON object\n"},
+    {"ls", cmd_ls, OPT_JSON, 1, 0, "STORE [--json]",
+     "Lists the committed checkpoints: step, kind, parent, bytes, hash.\n"
+     "  --json             an array of {step, kind, parent, bytes, hash}\n"},
+    {"info", cmd_info, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
+     "Describes one checkpoint and its tensors: dtype, shape, policy, stored bytes and\n"
+     "the share of elements stored.\n"
+     "  --step N           the step (default: the latest)\n"
+     "  --json             a JSON object with a \"tensors\" array\n"},
+    {"verify", cmd_verify, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
+     "Checks every checksum, link and chunk that restoring each step (default: all\n"
+     "committed steps) needs. Exit status 0 only if all are intact.\n"
+     "  --step N           only this step\n"
+     "  --json             an array of {step, ok, error}\n"},
+};
+#define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: amber COMMAND [ARGS]   (amber COMMAND --help for details)\n\n"
+             "Incremental checkpoints of training state.\n\ncommands:\n");
+  for (size_t i = 0; i < NCOMMANDS; i++)
+    fprintf(f, "  amber %s %s\n", commands[i].name, commands[i].synopsis);
+  fprintf(f, "  amber bench --full [...]   (the benchmark, see amber bench --help)\n"
+             "\n  amber --version\n\nexit status: 0 success, 1 failure, 2 usage error\n");
+}
+
+static int short_usage(void) {
+  fprintf(stderr, "usage: amber {import|export|ls|info|verify|bench} ARGS...\n"
+                  "Try 'amber --help'.\n");
+  return 2;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) return short_usage();
+  if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+    usage(stdout);
+    return 0;
+  }
+  if (!strcmp(argv[1], "--version")) {
+    printf("amber %s (file format %d.%d)\n", amber_version_string(), AMBER_FORMAT_MAJOR,
+           AMBER_FORMAT_MINOR);
+    return 0;
+  }
+  if (!strcmp(argv[1], "bench")) return amber__bench_main(argc - 1, argv + 1);
+  const command *c = NULL;
+  for (size_t i = 0; i < NCOMMANDS && !c; i++)
+    if (!strcmp(argv[1], commands[i].name)) c = &commands[i];
+  if (!c) {
+    fprintf(stderr, "amber: unknown command '%s'\n", argv[1]);
+    return short_usage();
+  }
+  args a;
+  memset(&a, 0, sizeof a);
+  a.policies = malloc((size_t)argc * sizeof *a.policies);
+  if (!a.policies) {
+    fprintf(stderr, "amber: out of memory\n");
+    return 1;
+  }
+  int ret = parse_args(c, argc - 1, argv + 1, &a);
+  if (ret < 0) ret = c->run(&a);
+  free(a.policies);
+  return ret;
+}

@@ -8,7 +8,10 @@
  * synthetic GPT-2-small-like training state: weights, Adam's exp_avg and
  * exp_avg_sq, split into tensors the way a transformer's are.
  *
+ *   amber bench [--size-mb N] [--deltas D] [--policy SPEC] [--dir D] [--json FILE]
  *   amber bench --full [--size-mb N] [--dir D] [--json FILE] [--repeat R]
+ *
+ * The delta mode lives in bench_delta.c.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -314,8 +317,13 @@ static int bench_full(const bench_opts *o) {
 }
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: amber bench --full [--size-mb N] [--dir DIR] [--repeat R] [--json FILE]\n"
+  fprintf(f, "usage: amber bench [--full] [--size-mb N] [--dir DIR] [--json FILE]\n"
+             "                   [--deltas D] [--policy SPEC] [--repeat R]\n"
+             "  (default)   delta saves of a synthetic AdamW trajectory: phases, sizes,\n"
+             "              restore of full + deltas, against same-run baselines\n"
              "  --full      full save and restore against plain buffered write/read\n"
+             "  --deltas    delta mode: number of deltas after the full (default 20)\n"
+             "  --policy    delta mode: policy rule (default budget:0.02)\n"
              "  --size-mb   state size in MB (default 1490, GPT-2 small with AdamW)\n"
              "  --dir       where to write (default: a new directory under /var/tmp)\n"
              "  --repeat    repetitions; medians are printed (default 3)\n"
@@ -333,7 +341,7 @@ static int parse_u64(const char *s, uint64_t *v) {
 }
 
 int amber__bench_main(int argc, char **argv) {
-  bench_opts o = {.size_bytes = 1490ull * 1000 * 1000, .repeat = 3};
+  bench_opts o = {.size_bytes = 1490ull * 1000 * 1000, .repeat = 3, .deltas = 20};
   int mode = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -349,6 +357,11 @@ int amber__bench_main(int argc, char **argv) {
     } else if (!strcmp(a, "--repeat") && i + 1 < argc && !parse_u64(argv[i + 1], &v) && v) {
       o.repeat = (int)(v > 16 ? 16 : v);
       i++;
+    } else if (!strcmp(a, "--deltas") && i + 1 < argc && !parse_u64(argv[i + 1], &v) && v) {
+      o.deltas = (int)(v > 200 ? 200 : v);
+      i++;
+    } else if (!strcmp(a, "--policy") && i + 1 < argc) {
+      o.policy = argv[++i];
     } else if (!strcmp(a, "--dir") && i + 1 < argc) {
       o.dir = argv[++i];
     } else if (!strcmp(a, "--json") && i + 1 < argc) {
@@ -358,10 +371,6 @@ int amber__bench_main(int argc, char **argv) {
       usage(stderr);
       return 2;
     }
-  }
-  if (!mode) {
-    usage(stderr);
-    return 2;
   }
   char tmpl[] = "/var/tmp/amber-bench-XXXXXX";
   int own_dir = 0;
@@ -373,7 +382,7 @@ int amber__bench_main(int argc, char **argv) {
     o.dir = tmpl;
     own_dir = 1;
   }
-  int rc = bench_full(&o);
+  int rc = mode ? bench_full(&o) : amber__bench_delta(&o);
   if (own_dir) rm_rf(tmpl);
   return rc;
 }

@@ -28,6 +28,8 @@ typedef struct bench_opts {
   int repeat;
   const char *dir;
   const char *json_path;
+  int deltas;         /* delta mode: number of deltas */
+  const char *policy; /* delta mode: policy rule */
 } bench_opts;
 
 int amber__bench_state(bench_state *s, uint64_t total_bytes);
@@ -38,5 +40,6 @@ int amber__bench_save(amber_store *st, amber_writer **w, const bench_state *s,
                       double *secs);
 int amber__bench_restore(amber_store *st, uint64_t step, bench_state *dst, double *secs);
 int amber__bench_main(int argc, char **argv);
+int amber__bench_delta(const bench_opts *o);
 
 #endif
