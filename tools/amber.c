@@ -40,13 +40,15 @@ enum {
   OPT_POLICY = 1u << 3,
   OPT_FULL = 1u << 4,
   OPT_CHUNK = 1u << 5,
+  OPT_KEEP = 1u << 6,
 };
 
 typedef struct args {
   const char *pos[2];
   int npos;
   int json, full, have_step;
-  uint64_t step, chunk_elems;
+  uint64_t step, chunk_elems, keep_last;
+  int have_keep;
   const char *out;
   const char **policies; /* point into argv */
   size_t npolicies;
@@ -126,6 +128,7 @@ static int parse_args(const command *c, int argc, char **argv, args *a) {
                    : IS("--policy")             ? OPT_POLICY
                    : IS("--full")               ? OPT_FULL
                    : IS("--chunk-elems")        ? OPT_CHUNK
+                   : IS("--keep-last")          ? OPT_KEEP
                                                 : 0;
 #undef IS
     if (!(opt & c->opts)) return usage_error(c, "unknown option '%s'", s);
@@ -147,6 +150,10 @@ static int parse_args(const command *c, int argc, char **argv, args *a) {
       if (parse_u64(v, &a->step) || a->step == AMBER_NO_STEP)
         return usage_error(c, "bad step '%s' (a decimal number below 2^64-1)", v);
       a->have_step = 1;
+    } else if (opt == OPT_KEEP) {
+      if (parse_u64(v, &a->keep_last) || !a->keep_last)
+        return usage_error(c, "bad --keep-last '%s' (a positive decimal number)", v);
+      a->have_keep = 1;
     } else if (parse_u64(v, &a->chunk_elems) || !a->chunk_elems) {
       return usage_error(c, "bad --chunk-elems '%s' (a positive decimal number)", v);
     }
@@ -154,6 +161,7 @@ static int parse_args(const command *c, int argc, char **argv, args *a) {
   if (a->npos < c->npos) return usage_error(c, "missing arguments");
   if ((c->need & OPT_STEP) && !a->have_step) return usage_error(c, "--step is required");
   if ((c->need & OPT_OUT) && !a->out) return usage_error(c, "-o OUT is required");
+  if ((c->need & OPT_KEEP) && !a->have_keep) return usage_error(c, "--keep-last is required");
   return -1;
 }
 
@@ -795,6 +803,76 @@ static int cmd_verify(const args *a) {
   return bad;
 }
 
+/* ---- compact, prune ----------------------------------------------------------- */
+
+/* Opens an existing store for writing (takes the writer lock). */
+static int open_store_rw(const char *path, amber_store **st) {
+  amber_store_opts o;
+  amber_store_opts_init(&o);
+  o.flags = AMBER_OPEN_NOCREATE;
+  int rc = amber_store_open(st, path, &o);
+  return rc ? fail(rc, NULL, "cannot open store %s", path) : 0;
+}
+
+static int cmd_compact(const args *a) {
+  amber_store *st = NULL;
+  if (open_store_rw(a->pos[0], &st)) return 1;
+  uint64_t step = a->step;
+  int rc = a->have_step ? 0 : amber_store_latest(st, &step);
+  if (rc) {
+    amber_store_close(st);
+    return fail(rc, st, "cannot find the latest step of %s", a->pos[0]);
+  }
+  amber_ckpt_info before, after;
+  committed_info(st, step, &before);
+  double t0 = now();
+  rc = amber_store_compact(st, step);
+  if (rc) {
+    int ret = fail(rc, st, "cannot compact step %" PRIu64 " of %s", step, a->pos[0]);
+    amber_store_close(st);
+    return ret;
+  }
+  committed_info(st, step, &after);
+  double secs = now() - t0;
+  int ret = 0;
+  if (a->json) {
+    ret = print_json(json_pack("{s:o,s:s,s:s,s:o,s:o,s:f}", "step", ju64(step), "was",
+                               kind_name(before.kind), "kind", kind_name(after.kind),
+                               "bytes_before", ju64(before.bytes), "bytes", ju64(after.bytes),
+                               "seconds", secs));
+  } else {
+    char b0[32], b1[32];
+    printf("step %" PRIu64 ": %s (%s) -> %s (%s) in %.2f s\n", step, kind_name(before.kind),
+           human_bytes(before.bytes, b0), kind_name(after.kind), human_bytes(after.bytes, b1),
+           secs);
+  }
+  amber_store_close(st);
+  return ret;
+}
+
+static int cmd_prune(const args *a) {
+  amber_store *st = NULL;
+  if (open_store_rw(a->pos[0], &st)) return 1;
+  size_t removed = 0;
+  int rc = amber_store_prune(st, a->keep_last, &removed);
+  if (rc) {
+    int ret = fail(rc, st, "cannot prune %s", a->pos[0]);
+    amber_store_close(st);
+    return ret;
+  }
+  amber_ckpt_info *ck = NULL;
+  size_t n = 0;
+  amber_store_list(st, &ck, &n);
+  int ret = 0;
+  if (a->json)
+    ret = print_json(json_pack("{s:o,s:o}", "removed", ju64(removed), "kept", ju64(n)));
+  else
+    printf("removed %zu checkpoint%s, kept %zu\n", removed, removed == 1 ? "" : "s", n);
+  amber_free(ck);
+  amber_store_close(st);
+  return ret;
+}
+
 /* ---- main --------------------------------------------------------------------- */
 
 static const command commands[] = {
@@ -830,6 +908,17 @@ static const command commands[] = {
      "committed steps) needs. Exit status 0 only if all are intact.\n"
      "  --step N           only this step\n"
      "  --json             an array of {step, ok, error}\n"},
+    {"compact", cmd_compact, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
+     "Rewrites step N (default: the latest) as a full checkpoint that restores exactly\n"
+     "the same state, after verifying it. Later deltas stay valid; a crash leaves the old\n"
+     "or the new file. Bounds restore time and the damage of a lost file.\n"
+     "  --step N           the step (default: the latest)\n"
+     "  --json             print the result as a JSON object\n"},
+    {"prune", cmd_prune, OPT_KEEP | OPT_JSON, 1, OPT_KEEP, "STORE --keep-last K [--json]",
+     "Deletes old checkpoints, keeping the newest K and every checkpoint their restores\n"
+     "need (their chains back to a full checkpoint).\n"
+     "  --keep-last K      how many of the newest checkpoints to keep (>= 1)\n"
+     "  --json             print {removed, kept}\n"},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
@@ -838,12 +927,12 @@ static void usage(FILE *f) {
              "Incremental checkpoints of training state.\n\ncommands:\n");
   for (size_t i = 0; i < NCOMMANDS; i++)
     fprintf(f, "  amber %s %s\n", commands[i].name, commands[i].synopsis);
-  fprintf(f, "  amber bench --full [...]   (the benchmark, see amber bench --help)\n"
+  fprintf(f, "  amber bench [--full] [...]   (the benchmark, see amber bench --help)\n"
              "\n  amber --version\n\nexit status: 0 success, 1 failure, 2 usage error\n");
 }
 
 static int short_usage(void) {
-  fprintf(stderr, "usage: amber {import|export|ls|info|verify|bench} ARGS...\n"
+  fprintf(stderr, "usage: amber {import|export|ls|info|verify|compact|prune|bench} ARGS...\n"
                   "Try 'amber --help'.\n");
   return 2;
 }
