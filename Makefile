@@ -8,7 +8,7 @@ PREFIX ?= /usr/local
 PYTHON ?= /usr/bin/python3
 CMAKE_FLAGS ?=
 
-.PHONY: all build setup test test-c test-asan test-tsan test-python demo bench install clean format fuzz
+.PHONY: all build setup test test-c test-asan test-tsan test-python demo bench install clean format fuzz vecreport
 
 all: build
 
@@ -48,6 +48,10 @@ fuzz:
 
 format:
 	@clang-format -i include/*.h src/*.c src/*.h tools/*.c tests/*.c tests/*.h fuzz/*.c bench/*.c examples/*.c 2>/dev/null || true
+
+# Shows which loops of the scan kernels the compiler vectorized (and for AVX2).
+vecreport:
+	@gcc -std=c11 -D_GNU_SOURCE -O3 -Iinclude -Isrc -fopt-info-vec-optimized -c src/scan.c -o /dev/null 2>&1 | sort -u
 
 clean:
 	rm -rf build build-asan build-tsan build-fuzz

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# `make install` works for consumers: installs into a temporary prefix, then builds
+# and runs a program against it through pkg-config and through find_package(amber).
+set -euo pipefail
+build=$1
+src=$(cd "$(dirname "$0")/.." && pwd)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
+for f in include/amber.h lib/libamber.a lib/libamber.so lib/pkgconfig/amber.pc bin/amber \
+         lib/cmake/amber/amberConfig.cmake; do
+  [ -e "$tmp/prefix/$f" ] || { echo "missing after install: $f"; exit 1; }
+done
+readlink "$tmp/prefix/lib/libamber.so" | grep -q '^libamber.so.0' || { echo "no versioned soname"; exit 1; }
+cat > "$tmp/use.c" <<'C'
+#include <amber.h>
+#include <stdio.h>
+#include <string.h>
+int main(void) {
+  if (strcmp(amber_version_string(), AMBER_VERSION_STRING) != 0) return 1;
+  printf("linked amber %s\n", amber_version_string());
+  return 0;
+}
+C
+export PKG_CONFIG_PATH="$tmp/prefix/lib/pkgconfig"
+cc "$tmp/use.c" $(pkg-config --cflags --libs amber) -Wl,-rpath,"$tmp/prefix/lib" -o "$tmp/use"
+"$tmp/use"
+mkdir "$tmp/cm"
+cat > "$tmp/cm/CMakeLists.txt" <<'C'
+cmake_minimum_required(VERSION 3.18)
+project(use C)
+find_package(amber REQUIRED)
+add_executable(use ../use.c)
+target_link_libraries(use amber::amber)
+C
+cmake -S "$tmp/cm" -B "$tmp/cm/b" -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null
+cmake --build "$tmp/cm/b" >/dev/null
+"$tmp/cm/b/use"
+echo "1 passed, 0 failed"
