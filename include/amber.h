@@ -269,7 +269,44 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
  * becomes visible. Reads the tensors' memory during the call only. */
 AMBER_API int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags);
 
-/* Releases the writer. Accepts NULL. */
+/* ---- Asynchronous save: begin, fence, wait ----
+ *
+ * amber_writer_save(w, step, flags) is amber_writer_begin + amber_writer_wait.
+ * Split, it lets training compute while the checkpoint is taken:
+ *
+ *   optimizer_step();                    // tensors now hold step N
+ *   amber_writer_begin(w, N, 0);         // returns at once; the scan starts
+ *   forward(); backward();               // compute, but do not modify the tensors
+ *   amber_writer_fence(w);               // blocks only until the scan is done
+ *   optimizer_step();                    // tensors may change again
+ *   ...
+ *   amber_writer_wait(w);                // N is committed and durable (or failed)
+ *
+ * Ownership: from amber_writer_begin until amber_writer_fence (or wait, or close)
+ * returns, amber reads the declared tensors' memory; the caller must not modify
+ * or free it. After the fence amber holds no reference to it: encoding, writing
+ * and the commit work on amber's own copies (the reference state). Metadata set
+ * with amber_writer_set_meta is copied at begin.
+ *
+ * Errors of the background work are kept until reported: by amber_writer_wait,
+ * or else by the next amber_writer_begin (which then starts nothing), or by
+ * amber_writer_close's caller through amber_writer_wait. A failed save leaves
+ * the committed checkpoints intact, and the writer's reference state is
+ * restored from the latest committed checkpoint on the next save, so later
+ * saves stay correct. */
+
+/* Starts saving checkpoint `step` (same rules as amber_writer_save) and returns
+ * once the scan has been handed to the worker threads. AMBER_EBUSY if a save is
+ * still in progress (call amber_writer_wait first). */
+AMBER_API int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags);
+/* Blocks until the save in progress no longer reads the tensors' memory. Returns
+ * 0 at once when no save is in progress. Safe to call more than once. */
+AMBER_API int amber_writer_fence(amber_writer *w);
+/* Blocks until the save in progress is committed and durable, or has failed, and
+ * returns its result (0 when no save was in progress and no error is pending). */
+AMBER_API int amber_writer_wait(amber_writer *w);
+
+/* Releases the writer after waiting for a save in progress. Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
 
 /* ---- Reader ------------------------------------------------------------------- */

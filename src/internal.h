@@ -182,6 +182,10 @@ int amber__wfile_finish(amber__wfile *f);
 void amber__wfile_abort(amber__wfile *f);
 int amber__wfile_is_direct(const amber__wfile *f);
 
+/* Tests only: after `after` more successful writes, every write fails with errno
+ * `err` until called again with err 0. */
+void amber__io_inject_failure(int after, int err);
+
 /* Reads exactly `len` bytes at `off` (retrying short reads and EINTR). */
 int amber__pread_full(int fd, void *buf, size_t len, uint64_t off);
 int amber__write_full(int fd, const void *buf, size_t len);

@@ -51,7 +51,32 @@ struct amber__wfile {
   pthread_cond_t cv;
 };
 
+/* Fault injection for tests: after `countdown` more writes, writes fail with
+ * `inject_err` until reset. Off (0) in normal use. */
+static int inject_countdown, inject_err;
+
+void amber__io_inject_failure(int after, int err) {
+  __atomic_store_n(&inject_err, err, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&inject_countdown, err ? after + 1 : 0, __ATOMIC_SEQ_CST);
+}
+
+/* 0, or the injected errno when this write must fail. */
+static int injected(void) {
+  int c = __atomic_load_n(&inject_countdown, __ATOMIC_SEQ_CST);
+  if (c == 0) return 0;
+  if (c > 1) {
+    __atomic_fetch_sub(&inject_countdown, 1, __ATOMIC_SEQ_CST);
+    return 0;
+  }
+  return __atomic_load_n(&inject_err, __ATOMIC_SEQ_CST);
+}
+
 int amber__write_full(int fd, const void *buf, size_t len) {
+  int inj = injected();
+  if (inj) {
+    errno = inj;
+    return -1;
+  }
   const uint8_t *p = buf;
   while (len) {
     ssize_t n = write(fd, p, len);
@@ -95,6 +120,8 @@ int amber__fsync_dir(const char *dir) {
 }
 
 static int pwrite_full(int fd, const uint8_t *p, size_t len, uint64_t off) {
+  int inj = injected();
+  if (inj) return inj;
   while (len) {
     ssize_t n = pwrite(fd, p, len, (off_t)off);
     if (n < 0) {

@@ -85,6 +85,18 @@ struct amber_writer {
   int cadence_known;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
   amber__save_stats stats; /* of the last save */
+  /* the asynchronous save (amber_writer_begin / fence / wait) */
+  pthread_mutex_t amu;
+  pthread_cond_t acv;
+  pthread_t saver;
+  int saver_on, stop;
+  int job;      /* a save was begun and not yet reported by wait/begin */
+  int running;  /* the save thread has the job */
+  int scanned;  /* the save no longer reads the tensors' memory */
+  int done;     /* the save finished; result holds its status */
+  int result;
+  int two_phase; /* full save: copy all of live first, so the fence comes early */
+  uint64_t job_step;
 };
 
 void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
@@ -132,6 +144,8 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
   if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
   pthread_mutex_init(&w->mu, NULL);
+  pthread_mutex_init(&w->amu, NULL);
+  pthread_cond_init(&w->acv, NULL);
   st->writers++;
   int rc = amber__read_latest(st, &w->latest_step, &w->latest_state);
   if (rc == 0) {
@@ -162,8 +176,12 @@ static void free_scratch(scratch *s) {
   amber__zstd_cctx_free(s->cctx);
 }
 
+static void stop_saver(amber_writer *w);
+
 void amber_writer_close(amber_writer *w) {
   if (!w) return;
+  amber_writer_wait(w);
+  stop_saver(w);
   for (size_t i = 0; i < w->n; i++) {
     free(w->tensors[i].name);
     if (w->ref) free(w->ref[i]);
@@ -183,6 +201,8 @@ void amber_writer_close(amber_writer *w) {
   amber__pool_destroy(w->pool);
   amber__wfile_destroy(w->wf);
   pthread_mutex_destroy(&w->mu);
+  pthread_mutex_destroy(&w->amu);
+  pthread_cond_destroy(&w->acv);
   w->st->writers--;
   free(w);
 }
@@ -245,8 +265,19 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
   return 0;
 }
 
+/* Declarations, pointers, rules and metadata are read by a save in progress. */
+static int busy(amber_writer *w, const char *what) {
+  pthread_mutex_lock(&w->amu);
+  int b = w->job && !w->done;
+  pthread_mutex_unlock(&w->amu);
+  return b ? amber__fail(&w->err, AMBER_EBUSY, "%s: a save is in progress (wait for it first)",
+                         what)
+           : 0;
+}
+
 int amber_writer_set_data(amber_writer *w, size_t index, const void *data) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_data: NULL writer");
+  if (busy(w, "amber_writer_set_data")) return AMBER_EBUSY;
   if (index >= w->n)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
                        index, w->n);
@@ -258,11 +289,13 @@ int amber_writer_set_data(amber_writer *w, size_t index, const void *data) {
 
 int amber_writer_add_policy(amber_writer *w, const char *rule) {
   if (!w || !rule) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_add_policy: NULL");
+  if (busy(w, "amber_writer_add_policy")) return AMBER_EBUSY;
   return amber__rules_add(&w->err, &w->rules, rule);
 }
 
 int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
   if (!w || (len && !json)) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_meta: NULL");
+  if (busy(w, "amber_writer_set_meta")) return AMBER_EBUSY;
   char *m = NULL;
   if (len) {
     if (!(m = malloc(len + 1))) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
@@ -489,6 +522,52 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
   s->encode_s += now_s() - t1;
 }
 
+/* Two-phase full save, phase 1: copy a chunk of live into the reference and
+ * checksum it; phase 2 (append_job) writes the reference. */
+static void copy_job(void *ctx, int worker, size_t j) {
+  amber_writer *w = ctx;
+  (void)worker;
+  size_t ti = w->owner[j];
+  const amber__tensor *t = &w->tensors[ti];
+  uint64_t jj = j - t->first_chunk;
+  size_t isz = amber_dtype_size(t->dtype), bytes = (size_t)amber__chunk_n(t, jj) * isz;
+  size_t off = (size_t)(jj * t->chunk_elems * isz);
+  uint8_t *ref = w->ref[ti] + off;
+  const uint8_t *src = w->data[ti] + off;
+  XXH3_state_t hs;
+  XXH3_INITSTATE(&hs);
+  XXH3_64bits_reset(&hs);
+  for (size_t o = 0; o < bytes; o += SLICE) {
+    size_t k = bytes - o < SLICE ? bytes - o : SLICE;
+    memcpy(ref + o, src + o, k);
+    XXH3_64bits_update(&hs, ref + o, k);
+  }
+  amber__chunk *c = &w->chunks[j];
+  c->encoding = AMBER__ENC_RAW;
+  c->stored = amber__chunk_n(t, jj);
+  c->checksum = XXH3_64bits_digest(&hs);
+}
+
+static void append_job(void *ctx, int worker, size_t j) {
+  amber_writer *w = ctx;
+  (void)worker;
+  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED)) return;
+  size_t ti = w->owner[j];
+  const amber__tensor *t = &w->tensors[ti];
+  uint64_t jj = j - t->first_chunk;
+  size_t isz = amber_dtype_size(t->dtype);
+  emit(w, &w->chunks[j], w->ref[ti] + (size_t)(jj * t->chunk_elems * isz),
+       (size_t)amber__chunk_n(t, jj) * isz);
+}
+
+/* The tensors' memory is no longer read: let a fence return. */
+static void mark_scanned(amber_writer *w) {
+  pthread_mutex_lock(&w->amu);
+  w->scanned = 1;
+  pthread_cond_broadcast(&w->acv);
+  pthread_mutex_unlock(&w->amu);
+}
+
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED)) return; /* a failure stops the save */
@@ -520,7 +599,14 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     int nw = amber__pool_size(w->pool);
     for (int i = 0; i < nw; i++) w->ws[i].scan_s = w->ws[i].encode_s = 0;
     double t0 = now_s();
-    amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
+    if (!w->delta && w->two_phase && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
+      amber__pool_for(w->pool, (size_t)w->n_chunks, copy_job, w);
+      mark_scanned(w);
+      amber__pool_for(w->pool, (size_t)w->n_chunks, append_job, w);
+    } else {
+      amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
+    }
+    mark_scanned(w);
     w->stats.chunks_s = now_s() - t0;
     for (int i = 0; i < nw; i++) {
       w->stats.scan_cpu_s += w->ws[i].scan_s;
@@ -624,8 +710,8 @@ static int want_full(amber_writer *w, uint32_t flags) {
   return !w->ref_valid;
 }
 
-int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
-  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_save: NULL writer");
+/* Checks a save request and decides its kind; nothing has started on failure. */
+static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if (flags & ~AMBER_SAVE_FULL)
     return amber__fail(&w->err, AMBER_EINVAL, "amber_writer_save: unknown flags 0x%x", flags);
   if (step == AMBER_NO_STEP)
@@ -638,11 +724,18 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
     if (w->tensors[i].nbytes && !w->data[i])
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
   memset(&w->stats, 0, sizeof w->stats);
-  double t_start = now_s();
+  w->stats.total_s = now_s(); /* start time until run_save ends */
   int rc = prepare(w);
   if (rc) return rc;
   resolve_policies(w);
   w->delta = !want_full(w, flags);
+  w->scanned = 0;
+  return 0;
+}
+
+/* Writes and commits the save that start_save set up. */
+static int run_save(amber_writer *w, uint64_t step) {
+  double t_start = w->stats.total_s;
   char tmp[4200], dst[4200];
   amber__ckpt_path(w->st, step, ".tmp", tmp, sizeof tmp);
   amber__ckpt_path(w->st, step, NULL, dst, sizeof dst);
@@ -650,7 +743,8 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   /* From here the reference is being moved: it is valid again only on success. */
   w->ref_valid = 0;
   w->stats.prepare_s = now_s() - t_start;
-  rc = write_file(w, tmp, step, &state, &bytes);
+  int rc = write_file(w, tmp, step, &state, &bytes);
+  mark_scanned(w); /* also when write_file failed early */
   double t_commit = now_s();
   if (!rc && (rc = amber__commit_file(w->st, tmp, step)) != 0) amber__err_adopt(&w->err);
   if (!rc && (rc = amber__write_latest(w->st, step, state)) != 0) {
@@ -675,4 +769,99 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   }
   w->cadence_known = 1;
   return 0;
+}
+
+int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_save: NULL writer");
+  int rc = amber_writer_wait(w); /* a pending failure is reported first */
+  if (rc) return rc;
+  if ((rc = start_save(w, step, flags)) != 0) return rc;
+  w->two_phase = 0; /* nobody waits for a fence: copy and write in one pass */
+  return run_save(w, step);
+}
+
+/* ---- the save thread ---- */
+
+static void *saver_main(void *arg) {
+  amber_writer *w = arg;
+  pthread_mutex_lock(&w->amu);
+  for (;;) {
+    while (!w->stop && !(w->job && !w->running && !w->done)) pthread_cond_wait(&w->acv, &w->amu);
+    if (w->stop) break;
+    w->running = 1;
+    uint64_t step = w->job_step;
+    pthread_mutex_unlock(&w->amu);
+    int rc = run_save(w, step);
+    pthread_mutex_lock(&w->amu);
+    w->result = rc;
+    w->done = 1;
+    w->running = 0;
+    w->scanned = 1;
+    pthread_cond_broadcast(&w->acv);
+  }
+  pthread_mutex_unlock(&w->amu);
+  return NULL;
+}
+
+static void stop_saver(amber_writer *w) {
+  if (!w->saver_on) return;
+  pthread_mutex_lock(&w->amu);
+  w->stop = 1;
+  pthread_cond_broadcast(&w->acv);
+  pthread_mutex_unlock(&w->amu);
+  pthread_join(w->saver, NULL);
+  w->saver_on = 0;
+}
+
+int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_begin: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  int in_progress = w->job && !w->done, finished = w->job && w->done;
+  pthread_mutex_unlock(&w->amu);
+  if (in_progress)
+    return amber__fail(&w->err, AMBER_EBUSY,
+                       "step %" PRIu64 ": the save of step %" PRIu64
+                       " is still in progress (call amber_writer_wait first)",
+                       step, w->job_step);
+  if (finished) { /* an unreported result: a failure is returned and nothing starts */
+    int rc = amber_writer_wait(w);
+    if (rc) return rc;
+  }
+  if (!w->saver_on) {
+    if (pthread_create(&w->saver, NULL, saver_main, w) != 0)
+      return amber__fail(&w->err, AMBER_ENOMEM, "cannot start the save thread");
+    w->saver_on = 1;
+  }
+  int rc = start_save(w, step, flags);
+  if (rc) return rc;
+  pthread_mutex_lock(&w->amu);
+  w->two_phase = 1;
+  w->job_step = step;
+  w->done = 0;
+  w->result = 0;
+  w->job = 1;
+  pthread_cond_broadcast(&w->acv);
+  pthread_mutex_unlock(&w->amu);
+  return 0;
+}
+
+int amber_writer_fence(amber_writer *w) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_fence: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  while (w->job && !w->done && !w->scanned) pthread_cond_wait(&w->acv, &w->amu);
+  pthread_mutex_unlock(&w->amu);
+  return 0;
+}
+
+int amber_writer_wait(amber_writer *w) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_wait: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  while (w->job && !w->done) pthread_cond_wait(&w->acv, &w->amu);
+  int rc = w->job ? w->result : 0;
+  w->job = 0;
+  w->done = 0;
+  pthread_mutex_unlock(&w->amu);
+  if (rc) /* the message was written by the save thread: give it to this thread too */
+    amber__fail(&w->err, rc, "%s", w->err.msg);
+  return rc;
 }
