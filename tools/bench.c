@@ -317,11 +317,14 @@ static int bench_full(const bench_opts *o) {
 }
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: amber bench [--full] [--size-mb N] [--dir DIR] [--json FILE]\n"
+  fprintf(f, "usage: amber bench [--full|--async] [--size-mb N] [--dir DIR] [--json FILE]\n"
              "                   [--deltas D] [--policy SPEC] [--repeat R]\n"
              "  (default)   delta saves of a synthetic AdamW trajectory: phases, sizes,\n"
              "              restore of full + deltas, against same-run baselines\n"
              "  --full      full save and restore against plain buffered write/read\n"
+             "  --async     a training loop with begin/fence/wait: stall per checkpoint,\n"
+             "              save-to-durable, a synchronous save of the same state, peak RSS\n"
+             "  --compute-ms  async mode: compute between optimizer steps (default 1500)\n"
              "  --deltas    delta mode: number of deltas after the full (default 20)\n"
              "  --policy    delta mode: policy rule (default budget:0.02)\n"
              "  --size-mb   state size in MB (default 1490, GPT-2 small with AdamW)\n"
@@ -341,7 +344,8 @@ static int parse_u64(const char *s, uint64_t *v) {
 }
 
 int amber__bench_main(int argc, char **argv) {
-  bench_opts o = {.size_bytes = 1490ull * 1000 * 1000, .repeat = 3, .deltas = 20};
+  bench_opts o = {.size_bytes = 1490ull * 1000 * 1000, .repeat = 3, .deltas = 20,
+                  .compute_ms = 1500};
   int mode = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
@@ -351,6 +355,11 @@ int amber__bench_main(int argc, char **argv) {
       return 0;
     } else if (!strcmp(a, "--full")) {
       mode = 1;
+    } else if (!strcmp(a, "--async")) {
+      mode = 2;
+    } else if (!strcmp(a, "--compute-ms") && i + 1 < argc && !parse_u64(argv[i + 1], &v)) {
+      o.compute_ms = (int)(v > 600000 ? 600000 : v);
+      i++;
     } else if (!strcmp(a, "--size-mb") && i + 1 < argc && !parse_u64(argv[i + 1], &v) && v) {
       o.size_bytes = v * 1000 * 1000;
       i++;
@@ -382,7 +391,7 @@ int amber__bench_main(int argc, char **argv) {
     o.dir = tmpl;
     own_dir = 1;
   }
-  int rc = mode ? bench_full(&o) : amber__bench_delta(&o);
+  int rc = mode == 1 ? bench_full(&o) : mode == 2 ? amber__bench_async(&o) : amber__bench_delta(&o);
   if (own_dir) rm_rf(tmpl);
   return rc;
 }

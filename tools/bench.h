@@ -30,6 +30,7 @@ typedef struct bench_opts {
   const char *json_path;
   int deltas;         /* delta mode: number of deltas */
   const char *policy; /* delta mode: policy rule */
+  int compute_ms;     /* async mode: compute between optimizer steps */
 } bench_opts;
 
 int amber__bench_state(bench_state *s, uint64_t total_bytes);
@@ -41,5 +42,8 @@ int amber__bench_save(amber_store *st, amber_writer **w, const bench_state *s,
 int amber__bench_restore(amber_store *st, uint64_t step, bench_state *dst, double *secs);
 int amber__bench_main(int argc, char **argv);
 int amber__bench_delta(const bench_opts *o);
+int amber__bench_async(const bench_opts *o);
+float *amber__bench_gradients(void);
+void amber__bench_adam(bench_state *s, const float *gtab, int step);
 
 #endif

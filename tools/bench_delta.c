@@ -32,9 +32,22 @@ static double now(void) {
 
 #define GTAB (1u << 20)
 
+/* A fixed table of pseudo-random gradients, ~U(-1e-3, 1e-3). */
+float *amber__bench_gradients(void) {
+  float *gtab = malloc(GTAB * sizeof *gtab);
+  uint64_t x = 12345;
+  for (uint32_t i = 0; gtab && i < GTAB; i++) {
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    gtab[i] = 1e-3f * ((float)((x * 0x2545F4914F6CDD1Dull) >> 40) / 8388608.0f - 1.0f);
+  }
+  return gtab;
+}
+
 /* One AdamW step (lr 1e-4, betas 0.9/0.999, wd 0.01) on every (param, m, v)
  * triple; tensors i, i + n/3, i + 2n/3 are a triple. */
-static void adam_step(bench_state *s, const float *gtab, int step) {
+void amber__bench_adam(bench_state *s, const float *gtab, int step) {
   size_t third = s->n / 3;
   const float lr = 1e-4f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 0.01f;
   float bc1 = 1.0f - powf(b1, (float)step), bc2 = 1.0f - powf(b2, (float)step);
@@ -145,17 +158,10 @@ int amber__bench_delta(const bench_opts *o) {
     fprintf(stderr, "amber bench: out of memory\n");
     return 1;
   }
-  float *gtab = malloc(GTAB * sizeof *gtab);
-  uint64_t x = 12345;
-  for (uint32_t i = 0; i < GTAB; i++) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    gtab[i] = 1e-3f * ((float)((x * 0x2545F4914F6CDD1Dull) >> 40) / 8388608.0f - 1.0f);
-  }
+  float *gtab = amber__bench_gradients();
   /* a trained-looking start: a few steps of Adam from the synthetic values */
   for (size_t i = s.n / 3; i < s.n; i++) memset(s.t[i].x, 0, (size_t)s.t[i].n * 4);
-  for (int k = 1; k <= 3; k++) adam_step(&s, gtab, k);
+  for (int k = 1; k <= 3; k++) amber__bench_adam(&s, gtab, k);
   uint64_t B = s.bytes;
 
   /* baselines */
@@ -199,7 +205,7 @@ int amber__bench_delta(const bench_opts *o) {
   printf("\n%5s %10s %10s %10s %10s %10s %12s\n", "step", "save s", "scan cpu", "encode cpu",
          "write s", "commit s", "delta/full");
   for (int k = 0; !rc && k < D; k++) {
-    adam_step(&s, gtab, 4 + k);
+    amber__bench_adam(&s, gtab, 4 + k);
     double t;
     amber__save_stats ss;
     rc = amber__bench_save(st, &w, &s, &wo, (uint64_t)(2 + k), 0, &t);
