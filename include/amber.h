@@ -327,8 +327,15 @@ typedef struct amber_tensor_info {
   const char *policy;    /* policy spec in effect at this step; owned by the reader */
 } amber_tensor_info;
 
+/* Opening AMBER_LATEST (or any step): verify the step completely first, and if
+ * it is damaged, open the newest older committed step that verifies instead.
+ * amber_reader_skipped() then tells how many newer steps were passed over and
+ * amber_last_error(reader) says which and why. Without the flag, a damaged step
+ * is an error (strict). */
+#define AMBER_READER_FALLBACK (1u << 0)
+
 typedef struct amber_reader_opts {
-  uint32_t flags;       /* reserved, 0 */
+  uint32_t flags;       /* AMBER_READER_* */
   uint32_t reserved0;
   uint64_t reserved[6]; /* must be zero */
 } amber_reader_opts;
@@ -342,6 +349,10 @@ AMBER_API void amber_reader_opts_init(amber_reader_opts *opts);
 AMBER_API int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
                                 const amber_reader_opts *opts);
 AMBER_API void amber_reader_close(amber_reader *r);
+
+/* With AMBER_READER_FALLBACK: the number of newer committed steps that were
+ * damaged and passed over (0 when the requested step was intact). */
+AMBER_API size_t amber_reader_skipped(const amber_reader *r);
 
 /* The step and content hash of the opened checkpoint. */
 AMBER_API uint64_t amber_reader_step(const amber_reader *r);

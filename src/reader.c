@@ -9,6 +9,7 @@
  */
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -40,6 +41,7 @@ struct amber_reader {
   /* the loop in progress */
   size_t tensor;
   uint8_t *dst;
+  size_t skipped; /* AMBER_READER_FALLBACK: damaged newer steps passed over */
 };
 
 void amber_reader_opts_init(amber_reader_opts *opts) {
@@ -73,14 +75,64 @@ static int no_latest(amber_reader *r) {
                      r->st->path);
 }
 
+static int open_one(amber_reader **out, amber_store *st, uint64_t step);
+
+size_t amber_reader_skipped(const amber_reader *r) {
+  return r ? r->skipped : 0;
+}
+
 int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
                       const amber_reader_opts *opts) {
   if (!out || !st) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: NULL argument");
   *out = NULL;
-  if (opts)
+  if (opts) {
     for (int i = 0; i < 6; i++)
-      if (opts->reserved[i] || opts->flags)
+      if (opts->reserved[i] || opts->reserved0)
         return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: reserved option set");
+    if (opts->flags & ~AMBER_READER_FALLBACK)
+      return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: unknown flags 0x%x",
+                         opts->flags);
+  }
+  if (!opts || !(opts->flags & AMBER_READER_FALLBACK)) return open_one(out, st, step);
+  /* Fallback: the newest step <= the requested one that opens and verifies. */
+  amber_ckpt_info *info = NULL;
+  size_t n = 0, skipped = 0;
+  int rc = amber_store_list(st, &info, &n);
+  if (rc) return rc;
+  char first[AMBER__ERRLEN] = "";
+  uint64_t first_step = 0;
+  rc = AMBER_ENOENT;
+  for (size_t i = n; i-- > 0;) {
+    if (step != AMBER_LATEST && info[i].step > step) continue;
+    amber_reader *r = NULL;
+    rc = open_one(&r, st, info[i].step);
+    if (!rc) rc = amber_reader_verify(r);
+    if (!rc) {
+      r->skipped = skipped;
+      if (skipped)
+        amber__fail(&r->err, 0,
+                    "step %" PRIu64 " is damaged (%s); restored step %" PRIu64
+                    ", the newest intact one",
+                    first_step, first, info[i].step);
+      *out = r;
+      break;
+    }
+    if (!skipped++) {
+      snprintf(first, sizeof first, "%s", amber_last_error(NULL));
+      first_step = info[i].step;
+    }
+    amber_reader_close(r);
+  }
+  amber_free(info);
+  if (rc && skipped)
+    rc = amber__fail(NULL, rc, "no intact checkpoint: step %" PRIu64 " is damaged (%s), and %zu "
+                     "older ones too", first_step, first, skipped - 1);
+  else if (rc)
+    rc = amber__fail(NULL, rc, "store %s has no committed checkpoint", st->path);
+  return rc;
+}
+
+static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
   amber_reader *r = calloc(1, sizeof *r);
   if (!r) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   r->st = st;
