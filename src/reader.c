@@ -16,6 +16,7 @@
 
 #include "codec.h"
 #include "internal.h"
+#include "names.h"
 #include "pool.h"
 
 /* What one worker needs to load and decode chunks. */
@@ -42,7 +43,18 @@ struct amber_reader {
   size_t tensor;
   uint8_t *dst;
   size_t skipped; /* AMBER_READER_FALLBACK: damaged newer steps passed over */
+  amber__names names; /* name -> position in the opened step */
 };
+
+static const amber__ckpt *target(const amber_reader *r) {
+  return &r->chain[r->nchain - 1];
+}
+
+static const char *tensor_name(const void *ctx, size_t pos, size_t *len) {
+  const amber__index *ix = ctx;
+  *len = ix->tensors[pos].name_len;
+  return ix->tensors[pos].name;
+}
 
 void amber_reader_opts_init(amber_reader_opts *opts) {
   memset(opts, 0, sizeof *opts);
@@ -196,6 +208,13 @@ static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
     r->chain[i] = r->chain[r->nchain - 1 - i];
     r->chain[r->nchain - 1 - i] = t;
   }
+  const amber__index *ix = &target(r)->ix;
+  for (uint64_t i = 0; i < ix->n_tensors; i++)
+    if (amber__names_insert(&r->names, ix->tensors[i].name, ix->tensors[i].name_len, (size_t)i,
+                            tensor_name, ix) < 0) {
+      amber_reader_close(r);
+      return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+    }
   *out = r;
   return 0;
 }
@@ -213,13 +232,11 @@ void amber_reader_close(amber_reader *r) {
     }
   free(r->ctx);
   amber__pool_destroy(r->pool);
+  amber__names_free(&r->names);
   pthread_mutex_destroy(&r->mu);
   free(r);
 }
 
-static const amber__ckpt *target(const amber_reader *r) {
-  return &r->chain[r->nchain - 1];
-}
 
 amber__index *amber__reader_index(amber_reader *r) {
   return &r->chain[r->nchain - 1].ix;
@@ -267,13 +284,14 @@ int amber_reader_info(const amber_reader *r, size_t index, amber_tensor_info *ou
   return 0;
 }
 
+
 int amber_reader_find(const amber_reader *r, const char *name, size_t *index) {
   const amber__index *ix = &target(r)->ix;
-  for (uint64_t i = 0; i < ix->n_tensors; i++)
-    if (!strcmp(ix->tensors[i].name, name)) {
-      *index = (size_t)i;
-      return 0;
-    }
+  long pos = amber__names_find(&r->names, name, strlen(name), tensor_name, ix);
+  if (pos >= 0) {
+    *index = (size_t)pos;
+    return 0;
+  }
   return amber__fail((amber__err *)&r->err, AMBER_ENOENT, "no tensor '%s' in step %" PRIu64,
                      name, amber_reader_step(r));
 }

@@ -29,6 +29,7 @@
 
 #include "codec.h"
 #include "internal.h"
+#include "names.h"
 #include "policy.h"
 #include "pool.h"
 #include "scan.h"
@@ -61,6 +62,7 @@ struct amber_writer {
   const amber__rule **rule; /* each tensor's rule at this save (NULL: exact) */
   size_t n, cap;
   amber__rules rules;
+  amber__names names; /* name -> position of the declared tensors */
   char *meta;
   size_t meta_len;
   int frozen;           /* declarations are fixed after the first save */
@@ -194,6 +196,7 @@ void amber_writer_close(amber_writer *w) {
   free(w->data);
   free(w->rule);
   amber__rules_free(&w->rules);
+  amber__names_free(&w->names);
   free(w->meta);
   free(w->chunks);
   free(w->owner);
@@ -205,6 +208,12 @@ void amber_writer_close(amber_writer *w) {
   pthread_cond_destroy(&w->acv);
   w->st->writers--;
   free(w);
+}
+
+static const char *tensor_name(const void *ctx, size_t pos, size_t *len) {
+  const amber_writer *w = ctx;
+  *len = w->tensors[pos].name_len;
+  return w->tensors[pos].name;
 }
 
 int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim,
@@ -229,9 +238,8 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
   if (amber__mul_overflow(nelems, isz, &nbytes) || nbytes > AMBER__MAX_BYTES)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' is too large", name);
   if (nbytes && !data) return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", name);
-  for (size_t i = 0; i < w->n; i++) /* declarations happen once; n^2 is fine below 1e5 */
-    if (w->tensors[i].name_len == len && !memcmp(w->tensors[i].name, name, len))
-      return amber__fail(&w->err, AMBER_EEXIST, "tensor '%s' is declared twice", name);
+  if (amber__names_find(&w->names, name, len, tensor_name, w) >= 0)
+    return amber__fail(&w->err, AMBER_EEXIST, "tensor '%s' is declared twice", name);
   if (w->n == w->cap) {
     size_t cap = w->cap ? 2 * w->cap : 64;
     amber__tensor *t = realloc(w->tensors, cap * sizeof *t);
@@ -258,6 +266,10 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
   t->n_chunks = nelems / t->chunk_elems + (nelems % t->chunk_elems != 0);
   t->first_chunk = w->n_chunks;
   t->policy = (char *)"exact";
+  if (amber__names_insert(&w->names, t->name, len, w->n, tensor_name, w) < 0) {
+    free(t->name);
+    return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
+  }
   w->n_chunks += t->n_chunks;
   w->data[w->n] = data;
   if (index) *index = w->n;
