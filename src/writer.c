@@ -353,12 +353,15 @@ static int prepare(amber_writer *w) {
   w->ws = calloc((size_t)nw, sizeof *w->ws);
   if (!w->chunks || !w->owner || !w->ref || !w->ws)
     return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the chunk table");
+  size_t max_elems = 1;
   for (size_t i = 0; i < w->n; i++) {
     const amber__tensor *t = &w->tensors[i];
     for (uint64_t j = 0; j < t->n_chunks; j++) w->owner[t->first_chunk + j] = (uint32_t)i;
     uint64_t cb = t->chunk_elems * amber_dtype_size(t->dtype);
     if (t->nbytes < cb) cb = t->nbytes;
     if (cb > w->max_chunk_bytes) w->max_chunk_bytes = (size_t)cb;
+    uint64_t ce = t->nelems < t->chunk_elems ? t->nelems : t->chunk_elems;
+    if (ce > max_elems) max_elems = (size_t)ce;
     if (t->nbytes && !(w->ref[i] = malloc(t->nbytes)))
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the reference state of '%s'",
                          t->name);
@@ -366,8 +369,8 @@ static int prepare(amber_writer *w) {
   size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
   for (int i = 0; i < nw; i++) {
     scratch *s = &w->ws[i];
-    s->keys = malloc(mb * 4);
-    s->idx = malloc(mb * 4);
+    s->keys = malloc(max_elems * sizeof *s->keys);
+    s->idx = malloc(max_elems * sizeof *s->idx);
     s->vals = malloc(mb);
     s->body = malloc(mb + 16);
     s->zbuf = malloc(zb);
