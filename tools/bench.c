@@ -13,6 +13,7 @@
  *
  * The delta mode lives in bench_delta.c.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -27,7 +28,7 @@
 #include "amber.h"
 #include "bench.h"
 
-static double now(void) {
+double amber__bench_now(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -100,8 +101,8 @@ void amber__bench_free(bench_state *s) {
 }
 
 /* Plain buffered write+fsync of the state, as a naive checkpointer does it. */
-static double plain_write(const bench_state *s, const char *path) {
-  double t0 = now();
+double amber__bench_plain_write(const bench_state *s, const char *path) {
+  double t0 = amber__bench_now();
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return -1;
   for (size_t i = 0; i < s->n; i++) {
@@ -119,7 +120,7 @@ static double plain_write(const bench_state *s, const char *path) {
   }
   if (fsync(fd) != 0) return -1;
   close(fd);
-  return now() - t0;
+  return amber__bench_now() - t0;
 }
 
 /* Drops a file's pages from the page cache so that reads come from the disk. */
@@ -131,14 +132,20 @@ static void drop_cache(const char *path) {
   close(fd);
 }
 
-static void drop_store_cache(const char *dir, uint64_t step) {
-  char p[4300];
-  snprintf(p, sizeof p, "%s/ckpt-%020" PRIu64 ".amber", dir, step);
-  drop_cache(p);
+void amber__bench_drop_store(const char *dir) {
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  while (d && (e = readdir(d))) {
+    if (strncmp(e->d_name, "ckpt-", 5) != 0) continue;
+    char p[4400];
+    snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+    drop_cache(p);
+  }
+  if (d) closedir(d);
 }
 
 static double plain_read(bench_state *dst, const char *path) {
-  double t0 = now();
+  double t0 = amber__bench_now();
   int fd = open(path, O_RDONLY);
   if (fd < 0) return -1;
   for (size_t i = 0; i < dst->n; i++) {
@@ -155,7 +162,7 @@ static double plain_read(bench_state *dst, const char *path) {
     }
   }
   close(fd);
-  return now() - t0;
+  return amber__bench_now() - t0;
 }
 
 int amber__bench_save(amber_store *st, amber_writer **w, const bench_state *s,
@@ -166,20 +173,20 @@ int amber__bench_save(amber_store *st, amber_writer **w, const bench_state *s,
       if (amber_writer_add(*w, s->t[i].name, AMBER_F32, 1, &s->t[i].n, s->t[i].x, NULL))
         return -1;
   }
-  double t0 = now();
+  double t0 = amber__bench_now();
   int rc = amber_writer_save(*w, step, flags);
-  *secs = now() - t0;
+  *secs = amber__bench_now() - t0;
   return rc;
 }
 
 int amber__bench_restore(amber_store *st, uint64_t step, bench_state *dst, double *secs) {
-  double t0 = now();
+  double t0 = amber__bench_now();
   amber_reader *r = NULL;
   int rc = amber_reader_open(&r, st, step, NULL);
   for (size_t i = 0; !rc && i < dst->n; i++)
     rc = amber_reader_read(r, i, dst->t[i].x, (uint64_t)dst->t[i].n * 4);
   amber_reader_close(r);
-  *secs = now() - t0;
+  *secs = amber__bench_now() - t0;
   return rc;
 }
 
@@ -193,14 +200,14 @@ static double gbps(uint64_t bytes, double s) {
   return s > 0 ? (double)bytes / s / 1e9 : 0;
 }
 
-static double median(double *v, int n) {
+double amber__bench_median(double *v, int n) {
   for (int i = 1; i < n; i++)
     for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
       double t = v[j];
       v[j] = v[j - 1];
       v[j - 1] = t;
     }
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0;
 }
 
 static int bench_full(const bench_opts *o) {
@@ -223,9 +230,9 @@ static int bench_full(const bench_opts *o) {
     /* Each file is deleted only at the end of a repeat, then the disk is let
      * settle: deleting gigabytes (discard on this file system) slows whatever
      * writes next. Odd repeats run amber first, even ones the plain baseline. */
-    double t0 = now();
+    double t0 = amber__bench_now();
     for (size_t i = 0; i < s.n; i++) memcpy(d.t[i].x, s.t[i].x, (size_t)s.t[i].n * 4);
-    t_memcpy[k] = now() - t0;
+    t_memcpy[k] = amber__bench_now() - t0;
     amber_store *st = NULL;
     amber_writer *w = NULL;
     amber_writer_opts wo;
@@ -233,7 +240,7 @@ static int bench_full(const bench_opts *o) {
     rc = amber_store_open(&st, store, NULL);
     for (int half = 0; half < 2 && !rc; half++) {
       if ((half == 0) == (k % 2 == 0)) {
-        t_pw[k] = plain_write(&s, plain);
+        t_pw[k] = amber__bench_plain_write(&s, plain);
         drop_cache(plain);
         t_pr[k] = plain_read(&d, plain);
         if (t_pw[k] < 0 || t_pr[k] < 0) {
@@ -251,7 +258,7 @@ static int bench_full(const bench_opts *o) {
       amber_store_list(st, &li, &n);
       file_bytes = n ? li[0].bytes : 0;
       amber_free(li);
-      drop_store_cache(store, 1);
+      amber__bench_drop_store(store);
       amber__bench_fill(&d, 3);
       rc = amber__bench_restore(st, 1, &d, &t_restore[k]);
       if (!rc && !same_state(&s, &d)) {
@@ -282,8 +289,8 @@ static int bench_full(const bench_opts *o) {
     amber__bench_free(&d);
     return 1;
   }
-  double m = median(t_memcpy, reps), pw = median(t_pw, reps), pr = median(t_pr, reps);
-  double sv = median(t_save, reps), rs = median(t_restore, reps), cs = median(t_csave, reps);
+  double m = amber__bench_median(t_memcpy, reps), pw = amber__bench_median(t_pw, reps), pr = amber__bench_median(t_pr, reps);
+  double sv = amber__bench_median(t_save, reps), rs = amber__bench_median(t_restore, reps), cs = amber__bench_median(t_csave, reps);
   uint64_t B = s.bytes;
   printf("\n%-34s %10s %10s %10s\n", "phase (median)", "seconds", "GB/s", "vs plain");
   printf("%-34s %10.3f %10.2f %10s\n", "memcpy of the state", m, gbps(B, m), "-");

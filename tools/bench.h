@@ -41,6 +41,12 @@ int amber__bench_save(amber_store *st, amber_writer **w, const bench_state *s,
                       double *secs);
 int amber__bench_restore(amber_store *st, uint64_t step, bench_state *dst, double *secs);
 int amber__bench_main(int argc, char **argv);
+double amber__bench_now(void);
+/* A plain buffered write+fsync of the state to `path`, as a naive checkpointer does. */
+double amber__bench_plain_write(const bench_state *s, const char *path);
+/* Evicts the store's checkpoint files from the page cache, so reads hit the disk. */
+void amber__bench_drop_store(const char *dir);
+double amber__bench_median(double *v, int n);
 int amber__bench_delta(const bench_opts *o);
 int amber__bench_async(const bench_opts *o);
 float *amber__bench_gradients(void);

@@ -15,23 +15,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "bench.h"
 #include "internal.h"
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Stands for forward + backward: busy for `ms` on this thread. */
 static void compute(int ms) {
-  double end = now() + ms / 1000.0;
+  double end = amber__bench_now() + ms / 1000.0;
   volatile double x = 1;
-  while (now() < end)
+  while (amber__bench_now() < end)
     for (int i = 0; i < 10000; i++) x = x * 1.0000001 + 1e-9;
 }
 
@@ -66,15 +60,15 @@ int amber__bench_async(const bench_opts *o) {
   double t_full = 0, t_delta = 0, t0;
   uint64_t step = 1;
   if (!rc) {
-    t0 = now();
+    t0 = amber__bench_now();
     rc = amber_writer_save(w, step++, AMBER_SAVE_FULL);
-    t_full = now() - t0;
+    t_full = amber__bench_now() - t0;
   }
   if (!rc) {
     amber__bench_adam(&s, gtab, 4);
-    t0 = now();
+    t0 = amber__bench_now();
     rc = amber_writer_save(w, step++, 0);
-    t_delta = now() - t0;
+    t_delta = amber__bench_now() - t0;
   }
   printf("\n%5s %10s %10s %10s %10s %12s\n", "step", "stall s", "fence s", "wait s",
          "begin s", "durable s");
@@ -82,17 +76,17 @@ int amber__bench_async(const bench_opts *o) {
   int measured = 0;
   for (int k = 0; !rc && k <= K; k++) {
     compute(o->compute_ms); /* forward + backward, overlapping the scan */
-    double a = now();
+    double a = amber__bench_now();
     rc = amber_writer_fence(w);
-    double b = now();
+    double b = amber__bench_now();
     amber__bench_adam(&s, gtab, 5 + k); /* the optimizer step changes the tensors */
-    double c = now();
+    double c = amber__bench_now();
     if (!rc) rc = amber_writer_wait(w);
     amber__save_stats ss;
     amber__writer_stats(w, &ss);
-    double d = now();
+    double d = amber__bench_now();
     if (!rc && k < K) rc = amber_writer_begin(w, step++, 0);
-    double e = now();
+    double e = amber__bench_now();
     if (rc) break;
     if (k > 0) { /* row k reports the save begun in iteration k-1 */
       double stall = (b - a) + (d - c) + (e - d);

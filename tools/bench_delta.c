@@ -11,24 +11,17 @@
  * which reads live and reference), a plain buffered write+fsync of the state, and
  * a full restore.
  */
-#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "bench.h"
 #include "internal.h"
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 #define GTAB (1u << 20)
 
@@ -104,49 +97,15 @@ static void *read2_main(void *arg) {
 static double read_two(const bench_state *a, const bench_state *b) {
   pthread_t th;
   read2_arg r[2] = {{a, b, 0, a->n / 2, 0}, {a, b, a->n / 2, a->n, 0}};
-  double t0 = now();
+  double t0 = amber__bench_now();
   pthread_create(&th, NULL, read2_main, &r[1]);
   read2_main(&r[0]);
   pthread_join(th, NULL);
-  double t = now() - t0;
+  double t = amber__bench_now() - t0;
   if ((r[0].sum ^ r[1].sum) == 0x5eed) printf(" "); /* keep the sums alive */
   return t;
 }
 
-static double plain_write(const bench_state *s, const char *path) {
-  double t0 = now();
-  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return -1;
-  for (size_t i = 0; i < s->n; i++)
-    if (amber__write_full(fd, s->t[i].x, (size_t)s->t[i].n * 4) != 0) {
-      close(fd);
-      return -1;
-    }
-  if (fsync(fd) != 0) return -1;
-  close(fd);
-  double t = now() - t0;
-  unlink(path);
-  return t;
-}
-
-static void drop_store(const char *dir) {
-  char cmd[4400];
-  /* evict the store's files from the page cache so that restores read the disk */
-  snprintf(cmd, sizeof cmd, "for f in '%s'/ckpt-*.amber; do dd if=\"$f\" iflag=nocache "
-           "count=0 status=none 2>/dev/null; done", dir);
-  if (system(cmd) != 0) { /* best effort */
-  }
-}
-
-static double median(double *v, int n) {
-  for (int i = 1; i < n; i++)
-    for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
-      double t = v[j];
-      v[j] = v[j - 1];
-      v[j - 1] = t;
-    }
-  return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0;
-}
 
 int amber__bench_delta(const bench_opts *o) {
   bench_state s = {0}, d = {0};
@@ -165,15 +124,16 @@ int amber__bench_delta(const bench_opts *o) {
   uint64_t B = s.bytes;
 
   /* baselines */
-  double t0 = now();
+  double t0 = amber__bench_now();
   for (size_t i = 0; i < s.n; i++) memcpy(d.t[i].x, s.t[i].x, (size_t)s.t[i].n * 4);
-  double t_memcpy = now() - t0;
+  double t_memcpy = amber__bench_now() - t0;
   double t_read2 = read_two(&s, &d);
   t_read2 = fmin(t_read2, read_two(&s, &d));
   char plain[4200], store[4200];
   snprintf(plain, sizeof plain, "%s/plain.bin", o->dir);
   snprintf(store, sizeof store, "%s/store", o->dir);
-  double t_plain = plain_write(&s, plain);
+  double t_plain = amber__bench_plain_write(&s, plain);
+  unlink(plain);
   if (t_plain < 0) {
     fprintf(stderr, "amber bench: plain write in %s failed\n", o->dir);
     return 1;
@@ -232,11 +192,11 @@ int amber__bench_delta(const bench_opts *o) {
   amber_writer_close(w);
   double t_rfull = 0, t_rchain = 0;
   if (!rc) {
-    drop_store(store);
+    amber__bench_drop_store(store);
     rc = amber__bench_restore(st, 1, &d, &t_rfull);
   }
   if (!rc) {
-    drop_store(store);
+    amber__bench_drop_store(store);
     rc = amber__bench_restore(st, (uint64_t)(1 + nd), &d, &t_rchain);
   }
   if (rc) {
@@ -245,8 +205,8 @@ int amber__bench_delta(const bench_opts *o) {
     return 1;
   }
   amber_store_close(st);
-  double ms = median(t_save, nd), msc = median(t_scan, nd), men = median(t_enc, nd);
-  double mfi = median(t_fin, nd), mco = median(t_com, nd), msh = median(share, nd);
+  double ms = amber__bench_median(t_save, nd), msc = amber__bench_median(t_scan, nd), men = amber__bench_median(t_enc, nd);
+  double mfi = amber__bench_median(t_fin, nd), mco = amber__bench_median(t_com, nd), msh = amber__bench_median(share, nd);
   double maxsh = 0;
   for (int i = 0; i < nd; i++) maxsh = fmax(maxsh, share[i]);
   printf("\n%-44s %10s %10s\n", "phase (median over deltas)", "seconds", "GB/s");
