@@ -256,6 +256,11 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
 
 /* Force a full checkpoint. */
 #define AMBER_SAVE_FULL (1u << 0)
+/* A full save that does not keep the writer's reference state, for one-off
+ * saves such as `amber import`: it writes straight from the tensors' memory and
+ * never allocates the reference. A later delta of this writer loads the
+ * reference from the store first. Ignored by a save that is a delta. */
+#define AMBER_SAVE_NO_REFERENCE (1u << 1)
 
 /* Saves the declared tensors as checkpoint `step` and commits it: when this
  * returns 0 the checkpoint is durable and is the store's latest. The checkpoint

@@ -186,6 +186,10 @@ int amber__wfile_is_direct(const amber__wfile *f);
  * `err` until called again with err 0. */
 void amber__io_inject_failure(int after, int err);
 
+/* Large reused buffers: 4 KiB-aligned, huge pages requested when large. */
+void *amber__big_alloc(size_t n);
+void amber__big_free(void *p, size_t n);
+
 /* Reads exactly `len` bytes at `off` (retrying short reads and EINTR). */
 int amber__pread_full(int fd, void *buf, size_t len, uint64_t off);
 int amber__write_full(int fd, const void *buf, size_t len);

@@ -41,6 +41,8 @@
 #define SLICE (256u << 10)
 
 typedef struct scratch {
+  uint8_t *mem; /* one allocation that the buffers below point into */
+  size_t mem_size;
   uint8_t *vals, *body, *zbuf, *xbuf, *zx;
   uint32_t *keys, *idx;
   void *cctx;
@@ -75,7 +77,9 @@ struct amber_writer {
   int ref_valid;        /* ref equals the restore of the latest checkpoint */
   amber__pool *pool;
   scratch *ws;          /* one per pool worker */
-  size_t max_chunk_bytes;
+  size_t max_chunk_bytes, max_chunk_elems;
+  int have_ref, have_scratch; /* allocated (lazily: a full-only writer needs neither) */
+  int keep_ref;               /* this save updates the reference state */
   amber__wfile *wf;
   pthread_mutex_t mu;   /* guards wf and rc during a save */
   int rc;               /* first failure of a worker in this save */
@@ -168,13 +172,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
 }
 
 static void free_scratch(scratch *s) {
-  free(s->vals);
-  free(s->body);
-  free(s->zbuf);
-  free(s->xbuf);
-  free(s->zx);
-  free(s->keys);
-  free(s->idx);
+  amber__big_free(s->mem, s->mem_size);
   amber__zstd_cctx_free(s->cctx);
 }
 
@@ -186,7 +184,7 @@ void amber_writer_close(amber_writer *w) {
   stop_saver(w);
   for (size_t i = 0; i < w->n; i++) {
     free(w->tensors[i].name);
-    if (w->ref) free(w->ref[i]);
+    if (w->ref) amber__big_free(w->ref[i], (size_t)w->tensors[i].nbytes);
   }
   if (w->ws)
     for (int i = 0; i < amber__pool_size(w->pool); i++) free_scratch(&w->ws[i]);
@@ -342,18 +340,17 @@ static void adopt_chunking(amber_writer *w) {
   amber_reader_close(r);
 }
 
-/* Sizes the reused buffers for the declared tensors (first save only). */
+/* Sizes the chunk table for the declared tensors (first save only). */
 static int prepare(amber_writer *w) {
   if (w->frozen) return 0;
   adopt_chunking(w);
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
   w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
   w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
-  int nw = amber__pool_size(w->pool);
-  w->ws = calloc((size_t)nw, sizeof *w->ws);
+  w->ws = calloc((size_t)amber__pool_size(w->pool), sizeof *w->ws);
   if (!w->chunks || !w->owner || !w->ref || !w->ws)
     return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the chunk table");
-  size_t max_elems = 1;
+  w->max_chunk_elems = 1;
   for (size_t i = 0; i < w->n; i++) {
     const amber__tensor *t = &w->tensors[i];
     for (uint64_t j = 0; j < t->n_chunks; j++) w->owner[t->first_chunk + j] = (uint32_t)i;
@@ -361,27 +358,51 @@ static int prepare(amber_writer *w) {
     if (t->nbytes < cb) cb = t->nbytes;
     if (cb > w->max_chunk_bytes) w->max_chunk_bytes = (size_t)cb;
     uint64_t ce = t->nelems < t->chunk_elems ? t->nelems : t->chunk_elems;
-    if (ce > max_elems) max_elems = (size_t)ce;
-    if (t->nbytes && !(w->ref[i] = malloc(t->nbytes)))
-      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the reference state of '%s'",
-                         t->name);
-  }
-  size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
-  for (int i = 0; i < nw; i++) {
-    scratch *s = &w->ws[i];
-    s->keys = malloc(max_elems * sizeof *s->keys);
-    s->idx = malloc(max_elems * sizeof *s->idx);
-    s->vals = malloc(mb);
-    s->body = malloc(mb + 16);
-    s->zbuf = malloc(zb);
-    s->xbuf = malloc(mb);
-    s->zx = malloc(zb);
-    s->cctx = amber__zstd_cctx();
-    if (!s->keys || !s->idx || !s->vals || !s->body || !s->zbuf || !s->xbuf ||
-        !s->zx || !s->cctx)
-      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
+    if (ce > w->max_chunk_elems) w->max_chunk_elems = (size_t)ce;
   }
   w->frozen = 1;
+  return 0;
+}
+
+/* The reference state: one copy of every declared tensor, allocated once. */
+static int ensure_ref(amber_writer *w) {
+  for (size_t i = 0; !w->have_ref && i < w->n; i++)
+    if (w->tensors[i].nbytes && !w->ref[i] &&
+        !(w->ref[i] = amber__big_alloc((size_t)w->tensors[i].nbytes)))
+      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the reference state of '%s'",
+                         w->tensors[i].name);
+  w->have_ref = 1;
+  return 0;
+}
+
+/* Per worker: scan output and encode buffers for the largest chunk. */
+static int ensure_scratch(amber_writer *w) {
+  if (w->have_scratch) return 0;
+  size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
+  size_t ib = w->max_chunk_elems * sizeof(uint32_t);
+  size_t sizes[7] = {ib, ib, mb, mb + 16, zb, mb, zb}, total = 0;
+  for (int k = 0; k < 7; k++) total += (sizes[k] + 63) & ~(size_t)63;
+  for (int i = 0; i < amber__pool_size(w->pool); i++) {
+    scratch *s = &w->ws[i];
+    s->mem = amber__big_alloc(total);
+    s->cctx = amber__zstd_cctx();
+    if (!s->mem || !s->cctx)
+      return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
+    s->mem_size = total;
+    uint8_t *p = s->mem, *at[7];
+    for (int k = 0; k < 7; k++) {
+      at[k] = p;
+      p += (sizes[k] + 63) & ~(size_t)63;
+    }
+    s->keys = (uint32_t *)at[0];
+    s->idx = (uint32_t *)at[1];
+    s->vals = at[2];
+    s->body = at[3];
+    s->zbuf = at[4];
+    s->xbuf = at[5];
+    s->zx = at[6];
+  }
+  w->have_scratch = 1;
   return 0;
 }
 
@@ -420,8 +441,20 @@ static void full_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size
   size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
   size_t off = (size_t)(j * t->chunk_elems * isz);
   const uint8_t *src = w->data[ti] + off;
-  uint8_t *ref = w->ref[ti] + off;
   c->stored = n;
+  if (!w->keep_ref) { /* a one-off full save: straight from the caller's memory */
+    c->encoding = AMBER__ENC_RAW;
+    pthread_mutex_lock(&w->mu);
+    if (!w->rc) {
+      c->offset = amber__wfile_pos(w->wf);
+      c->size = bytes;
+      int rc = amber__wfile_append_hashed(w->wf, src, bytes, &c->checksum);
+      if (rc) __atomic_store_n(&w->rc, rc, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return;
+  }
+  uint8_t *ref = w->ref[ti] + off;
   if (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) {
     size_t zlen;
     memcpy(ref, src, bytes);
@@ -614,7 +647,8 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     int nw = amber__pool_size(w->pool);
     for (int i = 0; i < nw; i++) w->ws[i].scan_s = w->ws[i].encode_s = 0;
     double t0 = now_s();
-    if (!w->delta && w->two_phase && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
+    if (!w->delta && w->two_phase && w->keep_ref &&
+        !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
       amber__pool_for(w->pool, (size_t)w->n_chunks, copy_job, w);
       mark_scanned(w);
       amber__pool_for(w->pool, (size_t)w->n_chunks, append_job, w);
@@ -706,6 +740,7 @@ static void load_cadence(amber_writer *w) {
  * (same tensors and intact), 0 if the next save must be full. */
 static int load_reference(amber_writer *w) {
   amber_reader *r = NULL;
+  if (ensure_ref(w) != 0) return 0;
   if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return 0;
   int ok = same_tensors(w, r);
   for (size_t i = 0; ok && i < w->n; i++)
@@ -727,7 +762,7 @@ static int want_full(amber_writer *w, uint32_t flags) {
 
 /* Checks a save request and decides its kind; nothing has started on failure. */
 static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
-  if (flags & ~AMBER_SAVE_FULL)
+  if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE))
     return amber__fail(&w->err, AMBER_EINVAL, "amber_writer_save: unknown flags 0x%x", flags);
   if (step == AMBER_NO_STEP)
     return amber__fail(&w->err, AMBER_EINVAL, "step %" PRIu64 " is reserved", step);
@@ -744,6 +779,10 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if (rc) return rc;
   resolve_policies(w);
   w->delta = !want_full(w, flags);
+  w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
+  if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
+  if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w)) != 0)
+    return rc;
   w->scanned = 0;
   return 0;
 }
@@ -771,7 +810,7 @@ static int run_save(amber_writer *w, uint64_t step) {
   w->stats.total_s = now_s() - t_start;
   w->stats.delta = w->delta;
   w->stats.bytes = bytes;
-  w->ref_valid = 1;
+  w->ref_valid = w->keep_ref;
   w->have_latest = 1;
   w->latest_step = step;
   w->latest_state = state;

@@ -317,7 +317,9 @@ static int import_save(const args *a, amber_writer *w, const amber__st_header *h
     free(meta);
     if (rc) return fail(rc, w, "%s: keeping __metadata__", file);
   }
-  int rc = amber_writer_save(w, a->step, a->full ? AMBER_SAVE_FULL : 0);
+  /* One save per process: a full one needs no reference state in memory. */
+  int rc = amber_writer_save(w, a->step,
+                             (a->full ? AMBER_SAVE_FULL : 0) | AMBER_SAVE_NO_REFERENCE);
   if (rc) return fail(rc, w, "import of %s into %s as step %" PRIu64, file, dir, a->step);
   return 0;
 }
