@@ -215,8 +215,11 @@ void amber__ckpt_path(const amber_store *st, uint64_t step, const char *suffix,
 int amber__read_latest(amber_store *st, uint64_t *step, uint64_t *state);
 /* Atomically points LATEST at (step, state): tmp, fsync, rename, fsync dir. */
 int amber__write_latest(amber_store *st, uint64_t step, uint64_t state);
-/* 1 when the directory holds any ckpt-*.amber file, committed or not. */
-int amber__has_ckpt_files(amber_store *st);
+/* The committed state: 0 and LATEST's step and state id; AMBER_ENOENT when the
+ * store is empty (no LATEST and at most the one file of an unfinished first
+ * commit); AMBER_ECORRUPT when LATEST is malformed, or missing while two or
+ * more checkpoint files exist. Sets the store's message. */
+int amber__store_state(amber_store *st, uint64_t *step, uint64_t *state);
 /* Commits a finished temporary file `tmp` as checkpoint `step`. */
 int amber__commit_file(amber_store *st, const char *tmp, uint64_t step);
 

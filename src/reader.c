@@ -78,15 +78,6 @@ static int same_layout(amber__err *e, const amber__ckpt *child, const amber__ckp
   return 0;
 }
 
-/* Store without LATEST: empty, or damaged if checkpoint files exist. */
-static int no_latest(amber_reader *r) {
-  if (amber__has_ckpt_files(r->st))
-    return amber__fail(&r->err, AMBER_ECORRUPT,
-                       "%s/LATEST is missing but the store holds checkpoint files", r->st->path);
-  return amber__fail(&r->err, AMBER_ENOENT, "store %s has no committed checkpoint",
-                     r->st->path);
-}
-
 static int open_one(amber_reader **out, amber_store *st, uint64_t step);
 
 size_t amber_reader_skipped(const amber_reader *r) {
@@ -157,9 +148,8 @@ static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   }
   uint64_t latest, latest_state;
-  int rc = amber__read_latest(st, &latest, &latest_state);
-  if (rc == AMBER_ENOENT) rc = no_latest(r);
-  else if (rc) amber__err_adopt(&r->err);
+  int rc = amber__store_state(st, &latest, &latest_state);
+  if (rc) amber__err_adopt(&r->err);
   if (!rc && step == AMBER_LATEST) step = latest;
   if (!rc && step > latest)
     rc = amber__fail(&r->err, AMBER_ENOENT,

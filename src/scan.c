@@ -142,7 +142,11 @@ KERNEL static void flags_f32(const float *x, const float *r, uint8_t *sel, uint3
     memcpy(&xb, &x[i], 4);
     memcpy(&rb, &r[i], 4);
     float d = fabsf(x[i] - r[i]);
-    float b = abs_ + rel * fabsf(r[i]);
+    /* Minus the smallest subnormal: near zero, f32 rounding of the bound is a whole
+     * unit of 2^-149, not a relative error that the shrink covers; f32 changes
+     * are multiples of it, so this never stores a change within the exact bound
+     * of a normal-range element. */
+    float b = fmaxf(abs_ + rel * fabsf(r[i]) - 0x1p-149f, 0.0f);
     int nf = ((xb & EXP32) == EXP32) | ((rb & EXP32) == EXP32);
     int forced = (nf & (xb != rb)) | (d > cap);
     memcpy(&kb, &d, 4);
@@ -248,7 +252,11 @@ static double budget_threshold(const amber__scan_args *a, size_t w) {
     double v = fabs(x - r);
     d[i] = isfinite(v) ? (float)v : 0;
   }
-  return kth_largest(d, m, want);
+  /* Just below the k-th largest sampled change, so that equal changes are
+   * candidates (the cut removes any surplus); the f32 rounding of an f64 change
+   * must not put it above every change. */
+  float kth = kth_largest(d, m, want);
+  return kth > 0 ? nextafterf(kth, 0) : 0;
 }
 
 /* Too many candidates: keep the forced ones and the `budget` largest (by a

@@ -58,6 +58,7 @@ int amber__read_latest(amber_store *st, uint64_t *step, uint64_t *state) {
   if (n < 0)
     return amber__fail(&st->err, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
   buf[n] = 0;
+  if (strlen(buf) != (size_t)n) n = 0; /* a NUL inside: malformed */
   char *end;
   errno = 0;
   unsigned long long s = strtoull(buf, &end, 10);
@@ -125,13 +126,63 @@ int amber__commit_file(amber_store *st, const char *tmp, uint64_t step) {
   return 0;
 }
 
-/* Removes *.tmp files and checkpoint files newer than LATEST (never committed).
- * Called with the lock held, so no writer is using them. */
+/* Number of ckpt-*.amber files (committed or not); *only receives the step of
+ * the last one seen. */
+static size_t count_ckpt_files(amber_store *st, uint64_t *only) {
+  DIR *d = opendir(st->path);
+  if (!d) return 0;
+  struct dirent *e;
+  uint64_t step;
+  size_t n = 0;
+  while ((e = readdir(d)))
+    if (parse_ckpt_name(e->d_name, "", &step)) {
+      n++;
+      if (only) *only = step;
+    }
+  closedir(d);
+  return n;
+}
+
+int amber__store_state(amber_store *st, uint64_t *step, uint64_t *state) {
+  int rc = amber__read_latest(st, step, state);
+  if (rc != AMBER_ENOENT) return rc;
+  /* No LATEST: one checkpoint file is what a crash in the very first commit
+   * leaves (never committed: the store is empty); more cannot come from a crash. */
+  size_t n = count_ckpt_files(st, NULL);
+  if (n >= 2)
+    return amber__fail(&st->err, AMBER_ECORRUPT,
+                       "%s/LATEST is missing but the store holds %zu checkpoint files "
+                       "(restore LATEST, or move the files away)",
+                       st->path, n);
+  return amber__fail(&st->err, AMBER_ENOENT, "store %s has no committed checkpoint", st->path);
+}
+
+/* 1 when checkpoint `step`'s file exists and its footer holds `state`. */
+static int latest_file_matches(amber_store *st, uint64_t step, uint64_t state) {
+  char path[4200];
+  amber__ckpt_path(st, step, NULL, path, sizeof path);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  struct stat sb;
+  uint8_t f[AMBER__FOOTER_SIZE];
+  amber__footer ftr;
+  int ok = fstat(fd, &sb) == 0 && sb.st_size > AMBER__FOOTER_SIZE &&
+           amber__pread_full(fd, f, sizeof f, (uint64_t)sb.st_size - AMBER__FOOTER_SIZE) == 0 &&
+           amber__footer_decode(NULL, path, f, (uint64_t)sb.st_size, &ftr) == 0 &&
+           ftr.state_id == state;
+  close(fd);
+  return ok;
+}
+
+/* Removes what crashed writers leave: *.tmp files, checkpoint files newer than
+ * LATEST, and the lone file of a first commit that never reached LATEST. Only
+ * when LATEST is confirmed by its own file: a damaged LATEST must never make a
+ * committed checkpoint look uncommitted. Called with the lock held. */
 static int clean_stale(amber_store *st) {
-  uint64_t latest = 0, state;
+  uint64_t latest = 0, state = 0, lone = 0;
   int rc = amber__read_latest(st, &latest, &state);
-  int have_latest = rc == 0;
-  if (rc && rc != AMBER_ENOENT) return rc;
+  int trust = rc == 0 && latest_file_matches(st, latest, state);
+  int first_commit = rc == AMBER_ENOENT && count_ckpt_files(st, &lone) == 1;
   DIR *d = opendir(st->path);
   if (!d)
     return amber__fail(&st->err, amber__errno_code(errno), "cannot list %s: %s", st->path,
@@ -142,26 +193,13 @@ static int clean_stale(amber_store *st) {
     size_t n = strlen(e->d_name);
     uint64_t step;
     int stale = n > 4 && !strcmp(e->d_name + n - 4, ".tmp");
-    /* Without LATEST nothing is committed, but files may be a damaged store's
-     * data: keep them for a human to look at; only a known-newer step goes. */
-    if (!stale && have_latest && parse_ckpt_name(e->d_name, "", &step) && step > latest)
-      stale = 1;
+    if (!stale && parse_ckpt_name(e->d_name, "", &step))
+      stale = (trust && step > latest) || (first_commit && step == lone);
     if (stale && unlinkat(st->dirfd, e->d_name, 0) == 0) removed++;
   }
   closedir(d);
   if (removed) amber__fsync_dir(st->path);
   return 0;
-}
-
-int amber__has_ckpt_files(amber_store *st) {
-  DIR *d = opendir(st->path);
-  if (!d) return 0;
-  struct dirent *e;
-  uint64_t step;
-  int found = 0;
-  while (!found && (e = readdir(d))) found = parse_ckpt_name(e->d_name, "", &step);
-  closedir(d);
-  return found;
 }
 
 int amber_store_open(amber_store **out, const char *path, const amber_store_opts *opts) {
@@ -240,10 +278,7 @@ void amber_store_close(amber_store *st) {
 
 int amber_store_latest(amber_store *st, uint64_t *step) {
   uint64_t state;
-  int rc = amber__read_latest(st, step, &state);
-  if (rc == AMBER_ENOENT)
-    return amber__fail(&st->err, AMBER_ENOENT, "store %s has no checkpoint", st->path);
-  return rc;
+  return amber__store_state(st, step, &state);
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -318,7 +353,7 @@ int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count) {
   *count = 0;
   uint64_t latest, state, *steps = NULL;
   size_t n = 0;
-  int rc = amber__read_latest(st, &latest, &state);
+  int rc = amber__store_state(st, &latest, &state);
   if (rc == AMBER_ENOENT) return 0;
   if (rc) return rc;
   if ((rc = list_steps(st, latest, &steps, &n))) return rc;

@@ -153,7 +153,9 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   pthread_mutex_init(&w->amu, NULL);
   pthread_cond_init(&w->acv, NULL);
   st->writers++;
-  int rc = amber__read_latest(st, &w->latest_step, &w->latest_state);
+  /* A damaged store (LATEST lost) is refused: saving into it would make its
+   * checkpoints look uncommitted, and the next writer would remove them. */
+  int rc = amber__store_state(st, &w->latest_step, &w->latest_state);
   if (rc == 0) {
     w->have_latest = 1;
   } else if (rc != AMBER_ENOENT) {
@@ -505,6 +507,9 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
     a.kind = AMBER__SCAN_BUDGET;
     a.cap = rule->policy.cap;
     a.budget = (size_t)(rule->policy.frac * (double)n);
+    /* A chunk smaller than 1/FRAC elements (a small tensor, a tail chunk) still
+     * moves one element per save: without a CAP it would otherwise never move. */
+    if (!a.budget && rule->policy.frac > 0) a.budget = 1;
   }
   double t0 = now_s();
   size_t k = amber__scan(&a);
