@@ -93,7 +93,11 @@ static int save_step(amber_writer *w, uint8_t *data[NSPEC], uint64_t step, uint3
   for (size_t i = 0; i < NSPEC; i++) fill(i, step, data[i]);
   int n = meta_of(step, meta, sizeof meta);
   int rc = amber_writer_set_meta(w, meta, (size_t)n);
-  return rc ? rc : amber_writer_save(w, step, flags);
+  if (rc || step % 2 == 0) return rc ? rc : amber_writer_save(w, step, flags);
+  /* odd steps take the split save: the save thread, the two-phase full save */
+  if ((rc = amber_writer_begin(w, step, flags)) == 0 && (rc = amber_writer_fence(w)) == 0)
+    rc = amber_writer_wait(w);
+  return rc;
 }
 
 /* The child: saves latest+1, latest+2, ... until it is killed. Never returns. */
