@@ -146,7 +146,8 @@ KERNEL static void flags_f32(const float *x, const float *r, uint8_t *sel, uint3
      * unit of 2^-149, not a relative error that the shrink covers; f32 changes
      * are multiples of it, so this never stores a change within the exact bound
      * of a normal-range element. */
-    float b = fmaxf(abs_ + rel * fabsf(r[i]) - 0x1p-149f, 0.0f);
+    float b = abs_ + rel * fabsf(r[i]) - 0x1p-149f;
+    b = b > 0 ? b : 0; /* not fmaxf: that is a libm call that stops vectorization */
     int nf = ((xb & EXP32) == EXP32) | ((rb & EXP32) == EXP32);
     int forced = (nf & (xb != rb)) | (d > cap);
     memcpy(&kb, &d, 4);
@@ -238,20 +239,40 @@ static float kth_largest(float *v, size_t n, size_t k) {
   return v[k];
 }
 
-/* Budget: a threshold that a strided sample says 1.25x the budget exceeds. */
+/* Budget: a threshold that a sample says 1.25x the budget exceeds. The sample is
+ * a few contiguous runs spread over the chunk: strided single elements would each
+ * cost a cache and TLB miss. */
 static double budget_threshold(const amber__scan_args *a, size_t w) {
-  enum { S = 2048 };
+  enum { RUNS = 8, RUN = 256, S = RUNS * RUN };
   float d[S];
-  size_t n = a->n, m = n < S ? n : S, stride = n / m, want = (size_t)(1.25 * (double)a->budget *
-                                                                      (double)m / (double)n);
+  size_t n = a->n, m = 0;
+  for (size_t k = 0; k < RUNS && m < S; k++) {
+    size_t start = n <= S ? m : (n - RUN) / (RUNS - 1) * k;
+    size_t len = n <= S ? n - m : RUN;
+    if (len > S - m) len = S - m;
+    if (a->dtype == AMBER_F32) {
+      const float *x = (const float *)((const uint8_t *)a->live + start * w);
+      const float *r = (const float *)((const uint8_t *)a->ref + start * w);
+      for (size_t i = 0; i < len; i++) {
+        float x_, r_;
+        memcpy(&x_, x + i, 4); /* live may be unaligned */
+        memcpy(&r_, r + i, 4);
+        float v = fabsf(x_ - r_);
+        d[m + i] = isfinite(v) ? v : 0;
+      }
+    } else {
+      for (size_t i = 0; i < len; i++) {
+        double v = fabs(amber__to_f64(a->dtype, (const uint8_t *)a->live + (start + i) * w) -
+                        amber__to_f64(a->dtype, (const uint8_t *)a->ref + (start + i) * w));
+        d[m + i] = isfinite(v) ? (float)v : 0;
+      }
+    }
+    m += len;
+    if (n <= S) break;
+  }
+  size_t want = (size_t)(1.25 * (double)a->budget * (double)m / (double)n);
   if (want == 0) want = 1;
   if (want >= m) return 0;
-  for (size_t i = 0; i < m; i++) {
-    double x = amber__to_f64(a->dtype, (const uint8_t *)a->live + i * stride * w);
-    double r = amber__to_f64(a->dtype, (const uint8_t *)a->ref + i * stride * w);
-    double v = fabs(x - r);
-    d[i] = isfinite(v) ? (float)v : 0;
-  }
   /* Just below the k-th largest sampled change, so that equal changes are
    * candidates (the cut removes any surplus); the f32 rounding of an f64 change
    * must not put it above every change. */
