@@ -215,7 +215,12 @@ typedef struct amber_writer_opts {
   double full_share;     /* also a full checkpoint once the deltas written since the last
                             full add up to this share of its size; 0 = default (0.5),
                             negative = never */
-  uint64_t reserved[6];  /* must be zero */
+  uint64_t stage_bytes;  /* host memory for encoded data waiting to be written: when it
+                            is full, scan and encode wait for the disk (back-pressure);
+                            0 = default (32 MiB), at least 4 MiB. Besides it the writer
+                            holds the reference state (one copy of the tensors) and, per
+                            worker thread, about 7x the largest chunk of scan buffers. */
+  uint64_t reserved[5];  /* must be zero */
 } amber_writer_opts;
 
 AMBER_API void amber_writer_opts_init(amber_writer_opts *opts);

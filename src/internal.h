@@ -166,6 +166,7 @@ static inline uint64_t amber__chunk_n(const amber__tensor *t, uint64_t j) {
  * go (begin/finish/abort). */
 typedef struct amber__wfile amber__wfile;
 
+/* buf_size: the staging ring's total bytes. */
 int amber__wfile_create(amber__wfile **out, size_t buf_size, int allow_direct);
 void amber__wfile_destroy(amber__wfile *f);
 int amber__wfile_begin(amber__wfile *f, amber__err *e, const char *path);

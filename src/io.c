@@ -188,7 +188,8 @@ int amber__wfile_create(amber__wfile **out, size_t buf_size, int allow_direct) {
   amber__wfile *f = calloc(1, sizeof *f);
   if (!f) return AMBER_ENOMEM;
   f->fd = -1;
-  f->buf_size = (buf_size + AMBER__ALIGN - 1) / AMBER__ALIGN * AMBER__ALIGN;
+  /* `buf_size` is the whole ring: NBUF buffers share it */
+  f->buf_size = (buf_size / NBUF + AMBER__ALIGN - 1) / AMBER__ALIGN * AMBER__ALIGN;
   f->allow_direct = allow_direct;
   for (int i = 0; i < NBUF; i++) {
     if (!(f->buf[i] = amber__big_alloc(f->buf_size))) {

@@ -15,7 +15,7 @@
 
 #include "internal.h"
 
-#define STAGE_BYTES (8u << 20)
+#define STAGE_BYTES (32u << 20)
 
 /* Writes the full file for the reader's step into `tmp`. */
 static int write_compacted(amber_store *st, amber_reader *r, const amber__index *src,

@@ -37,7 +37,8 @@
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
 #define DEFAULT_FULL_SHARE 0.5
-#define STAGE_BYTES (8u << 20)
+#define STAGE_BYTES (32u << 20)
+#define MIN_STAGE_BYTES (4u << 20)
 #define SLICE (256u << 10)
 
 typedef struct scratch {
@@ -126,9 +127,12 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   }
   if (!out || !st) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: NULL argument");
   *out = NULL;
-  for (int i = 0; i < 6; i++)
+  for (int i = 0; i < 5; i++)
     if (opts->reserved[i] || opts->reserved0)
       return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: reserved option set");
+  if (opts->stage_bytes && opts->stage_bytes < MIN_STAGE_BYTES)
+    return amber__fail(NULL, AMBER_EINVAL, "stage_bytes %" PRIu64 " is below the minimum %u",
+                       opts->stage_bytes, MIN_STAGE_BYTES);
   if (st->lockfd < 0)
     return amber__fail(NULL, AMBER_EREADONLY, "store %s is open read-only", st->path);
   if (st->writers)
@@ -164,7 +168,8 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
     return rc;
   }
   int threads = st->threads ? (int)st->threads : online_cpus();
-  if (amber__wfile_create(&w->wf, STAGE_BYTES, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO)) ||
+  uint64_t stage = opts->stage_bytes ? opts->stage_bytes : STAGE_BYTES;
+  if (amber__wfile_create(&w->wf, (size_t)stage, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO)) ||
       amber__pool_create(&w->pool, threads)) {
     amber_writer_close(w);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory for the writer's buffers");
