@@ -19,7 +19,7 @@ build:
 	@cmake --build $(BUILD) -j $(JOBS)
 
 setup:
-	@scripts/setup
+	@scripts/setup --python
 
 test: setup
 	@scripts/run-tests

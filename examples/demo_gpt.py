@@ -1,0 +1,431 @@
+#!/usr/bin/env python3
+"""demo_gpt.py - amber's main demo: train a small GPT, checkpoint every step, SIGKILL
+the run mid-way, resume it from amber in a new process, and compare.
+
+A byte-level GPT (4 layers, d=256, context 128: about 3.3M parameters) trains on
+CPU on real text the machine has, the Python standard library's sources, with
+AdamW and a warm-up + cosine schedule; data batches are a function of the step, so
+a resumed run sees what the uninterrupted one saw. Four training processes:
+
+  1. reference: uninterrupted, saving every step with the "lossy" preset; on every
+     5th step it also waits for durability, and on every 10th it writes the same
+     state with torch.save + fsync, to compare times and sizes in the same run;
+  2. crash: the same run saving every step into two stores ("exact" and "lossy"),
+     SIGKILLed by this script mid-way, whatever it is doing then;
+  3. resume-exact: a new process restores the exact store's latest step and trains
+     to the end (it also measures the exact policy's save times);
+  4. resume-lossy: likewise from the lossy store.
+
+Then it prints a table (save-to-durable time, training stall and bytes of amber's
+checkpoints against torch.save + fsync; final-loss differences of the resumed runs
+against the uninterrupted one) and writes PNG plots to OUT (loss curves;
+checkpoint bytes and times per step).
+
+    demo_gpt.py [--out demo-out] [--steps 200] [--kill-at 100]
+    demo_gpt.py train ...        (one training process; used by the above)
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+LAYERS, D, HEADS, CTX, BATCH = 4, 256, 4, 128, 8
+LR, WARMUP = 1e-3, 20
+MEASURE_EVERY = 5   # wait for durability on these steps; torch.save on every second of them
+EVAL_SEQS = 256
+
+
+# ---- data and model ---------------------------------------------------------------
+
+def corpus():
+    """The Python standard library's sources as bytes: 95% to train, 5% held out."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    data = bytearray(b"".join(open(p, "rb").read() for p in files))
+    t = torch.frombuffer(data, dtype=torch.uint8)
+    cut = int(len(t) * 0.95)
+    return t[:cut], t[cut:], len(files)
+
+
+def batch(data, seed, n):
+    """n sequences at offsets drawn from `seed`: the data position is the step."""
+    g = torch.Generator().manual_seed(seed)
+    ix = torch.randint(len(data) - CTX - 1, (n,), generator=g)
+    xy = torch.stack([data[i:i + CTX + 1] for i in ix.tolist()]).long()
+    return xy[:, :-1], xy[:, 1:]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("mask", torch.ones(CTX, CTX, dtype=torch.bool).triu(1),
+                             persistent=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2)) * (D // HEADS) ** -0.5
+        att = self.drop(att.masked_fill(self.mask[:t, :t], float("-inf")).softmax(-1))
+        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, D)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(256, D), nn.Embedding(CTX, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 256, bias=False)
+
+    def forward(self, x):
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        for blk in self.blocks:
+            h = blk(h)
+        return self.head(self.ln(h))
+
+
+def loss_of(model, x, y):
+    return F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+
+
+def build(steps):
+    torch.manual_seed(0)
+    model = GPT()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": other, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
+
+    def lr_at(s):  # warm-up, then cosine to 10%
+        if s < WARMUP:
+            return (s + 1) / WARMUP
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / max(1, steps - WARMUP)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    return model, opt, sched
+
+
+def eval_loss(model, held):
+    """Mean loss on EVAL_SEQS held-out sequences (the same ones for every run)."""
+    model.eval()
+    x, y = batch(held, 12345, EVAL_SEQS)
+    with torch.no_grad():
+        loss = sum(loss_of(model, x[i:i + 32], y[i:i + 32]).item() * len(x[i:i + 32])
+                   for i in range(0, len(x), 32)) / len(x)
+    model.train()
+    return loss
+
+
+# ---- one training process -----------------------------------------------------------
+
+def train(a):
+    from amber.torch import Checkpointer
+    torch.set_num_threads(2)
+    train_data, held, _ = corpus()
+    model, opt, sched = build(a.steps)
+    state = {"model": model, "optim": opt, "sched": sched, "extra": {"data_pos": 0}}
+    # lossy stores take a full checkpoint only every 50 deltas (full_share off), so
+    # that the restore after the kill goes through a long chain of deltas: the
+    # worst case for a lossy policy
+    cks = [Checkpointer(s, policy=p, full_share=-1 if p != "exact" else None)
+           for s, p in zip(a.store, a.policy)]
+    start = (cks[0].load(state) or 0) if a.resume else 0
+    log = open(a.log, "a")
+    log.write(json.dumps({"tag": a.tag, "start": start}) + "\n")
+    print(f"[{a.tag}] " + (f"resumed from step {start}" if a.resume else "starting"), flush=True)
+    tsave = os.path.join(a.torch_save, "state.pt") if a.torch_save else None
+    for step in range(start + 1, a.steps + 1):
+        x, y = batch(train_data, step, BATCH)
+        t0 = time.perf_counter()
+        loss = loss_of(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for ck in cks:
+            ck.timings["fence"] = 0.0
+        opt.step()  # fences the previous step's save first, by itself
+        sched.step()
+        rec = {"step": step, "loss": loss.item(), "compute_s": time.perf_counter() - t0,
+               "fence_s": sum(ck.timings["fence"] for ck in cks)}
+        state["extra"]["data_pos"] = step
+        t1 = time.perf_counter()
+        for ck in cks:
+            ck.save(step, state)
+        rec["save_s"] = time.perf_counter() - t1
+        if a.measure and (step % MEASURE_EVERY == 0 or step == start + 1):
+            for ck in cks:
+                ck.wait()
+            rec["durable_s"] = time.perf_counter() - t1
+            if tsave and step % (2 * MEASURE_EVERY) == 0:
+                t2 = time.perf_counter()
+                with open(tsave, "wb") as f:
+                    torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
+                                "sched": sched.state_dict(), "rng": torch.get_rng_state(),
+                                "extra": state["extra"]}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                rec["torch_save_s"] = time.perf_counter() - t2
+                rec["torch_bytes"] = os.path.getsize(tsave)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        print(f"STEP {step}", flush=True)
+        if step % 20 == 0 or step == a.steps:
+            msg = f"[{a.tag}] step {step:4d}/{a.steps}  loss {rec['loss']:.4f}"
+            msg += f"  amber save() {1e3 * rec['save_s']:.1f} ms"
+            if "durable_s" in rec:
+                msg += f", durable {1e3 * rec['durable_s']:.0f} ms"
+            if "torch_save_s" in rec:
+                msg += f"  | torch.save+fsync {1e3 * rec['torch_save_s']:.0f} ms"
+            print(msg, flush=True)
+    for ck in cks:
+        ck.close()
+    final = {"final_eval": eval_loss(model, held), "final_loss": rec["loss"]}
+    log.write(json.dumps(final) + "\n")
+    print(f"[{a.tag}] done: eval loss {final['final_eval']:.5f}", flush=True)
+
+
+# ---- the orchestrating script -------------------------------------------------------
+
+def child(out, tag, args, kill_at=0):
+    """Runs one training process, echoing its progress; SIGKILLs it after it
+    reports step `kill_at`. Returns its log records."""
+    log = os.path.join(out, f"{tag}.jsonl")
+    cmd = [sys.executable, os.path.abspath(__file__), "train", "--tag", tag, "--log", log] + args
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
+    for line in p.stdout:
+        if line.startswith("STEP "):
+            if kill_at and int(line.split()[1]) >= kill_at:
+                os.kill(p.pid, signal.SIGKILL)
+                print(f"[{tag}] SIGKILL after step {line.split()[1]} began saving", flush=True)
+                break
+            continue
+        print(line, end="", flush=True)
+    rc = p.wait()
+    if not kill_at and rc != 0:
+        sys.exit(f"demo: training process {tag} failed ({rc})")
+    return [json.loads(x) for x in open(log)]
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def store_sizes(path):
+    from amber import Store
+    with Store(path, readonly=True) as st:
+        return {c.step: (c.kind, c.bytes) for c in st.list()}
+
+
+def report(out, logs, stores, steps, kill_at):
+    ref, crash, rex, rlo = (logs[k] for k in ("reference", "crash", "resume-exact", "resume-lossy"))
+    recs = lambda log: [r for r in log if "step" in r]  # noqa: E731
+    exact_sizes, lossy_sizes = store_sizes(stores["exact"]), store_sizes(stores["ref"])
+
+    def rows(log, sizes):
+        """(kind, durable, stall, bytes) per step; stall = save() + next fence."""
+        rs = recs(log)
+        out = []
+        for i, r in enumerate(rs):
+            nxt = rs[i + 1]["fence_s"] if i + 1 < len(rs) else 0.0
+            kind, nbytes = sizes.get(r["step"], ("?", 0))
+            out.append((r["step"], kind, r.get("durable_s"), r["save_s"] + nxt, nbytes,
+                        "durable_s" in r))
+        return out
+
+    def line(label, rr, kind):
+        sel = [x for x in rr if x[1] == kind]
+        dur = median([x[2] for x in sel if x[2] is not None])
+        stall = median([x[3] for x in sel if not x[5]])
+        nbytes = median([x[4] for x in sel])
+        return label, dur, stall, nbytes, len(sel)
+
+    ts = [r for r in recs(ref) if "torch_save_s" in r]
+    tsave, tbytes = median([r["torch_save_s"] for r in ts]), median([r["torch_bytes"] for r in ts])
+    lossy_rows, exact_rows = rows(ref, lossy_sizes), rows(rex, exact_sizes)
+    table = [("torch.save + fsync", tsave, tsave, tbytes, len(ts)),
+             line("amber full (exact)", exact_rows, "full"),
+             line("amber delta, exact", exact_rows, "delta"),
+             line("amber full (lossy preset)", lossy_rows, "full"),
+             line("amber delta, lossy preset", lossy_rows, "delta")]
+    full_bytes = median([b for k, b in lossy_sizes.values() if k == "full"])
+    ms = lambda s: "-" if s != s else f"{1e3 * s:9.1f} ms"  # noqa: E731
+    print()
+    print("== checkpoint cost per step: amber vs torch.save + fsync of the same state ==")
+    print(f"{'':28}{'save-to-durable':>16}{'training stall':>16}{'bytes':>12}{'vs full':>9}"
+          f"{'vs torch':>10}{'n':>5}")
+    for label, dur, stall, nbytes, n in table:
+        rel = f"{100 * nbytes / full_bytes:7.2f}%" if nbytes == nbytes and full_bytes else "-"
+        speed = f"{tsave / stall:8.0f}x" if stall == stall and stall > 0 and label[0] == "a" else ""
+        print(f"{label:28}{ms(dur):>16}{ms(stall):>16}{nbytes / 1e6:10.2f}MB{rel:>9}"
+              f"{speed:>10}{n:5d}")
+    print("  (medians; save-to-durable sampled every 5th step and at each process' first save;")
+    print("   stall = time in ck.save() plus the fence before the next optimizer.step();")
+    print("   'vs torch' = torch.save+fsync time / amber stall)")
+
+    fin = lambda log: next(r for r in log if "final_eval" in r)  # noqa: E731
+    start = lambda log: next(r["start"] for r in log if "start" in r)  # noqa: E731
+    base = fin(ref)
+    print()
+    print(f"== fidelity: SIGKILL at step {kill_at}, resume in a new process, train to step {steps} ==")
+    print(f"{'run':28}{'resumed from':>14}{'final eval loss':>17}{'vs uninterrupted':>18}"
+          f"{'last train loss':>17}")
+    print(f"  (eval loss: {EVAL_SEQS} held-out sequences of {CTX} bytes)")
+    print(f"{'uninterrupted (reference)':28}{'-':>14}{base['final_eval']:17.6f}{'':>18}"
+          f"{base['final_loss']:17.6f}")
+    result = {}
+    for label, log, sizes in (("resumed, exact", rex, exact_sizes),
+                              ("resumed, lossy preset", rlo, store_sizes(stores["lossy"]))):
+        f = fin(log)
+        d = 100 * (f["final_eval"] - base["final_eval"]) / base["final_eval"]
+        same = f["final_eval"] == base["final_eval"] and f["final_loss"] == base["final_loss"]
+        result[label] = d
+        s = start(log)
+        fulls = [k for k, (kind, _) in sizes.items() if kind == "full" and k <= s]
+        how = ("a full checkpoint" if s in fulls else
+               f"a delta, {s - max(fulls)} after a full" if fulls else "?")
+        print(f"{label:28}{f'step {s}':>14}{f['final_eval']:17.6f}{d:+17.4f}%"
+              f"{f['final_loss']:17.6f}   ({how})" + ("; bit-identical" if same else ""))
+    plots(out, logs, exact_sizes, lossy_sizes, ts, kill_at)
+    return result
+
+
+def plots(out, logs, exact_sizes, lossy_sizes, ts, kill_at):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
+                                 gridspec_kw={"height_ratios": [2, 1]})
+    styles = {"reference": ("uninterrupted", "k", 2.5), "crash": ("killed run", "tab:red", 1),
+              "resume-exact": ("resumed, exact", "tab:blue", 1),
+              "resume-lossy": ("resumed, lossy preset", "tab:orange", 1)}
+    for tag, (label, color, width) in styles.items():
+        rs = [r for r in logs[tag] if "step" in r]
+        ax.plot([r["step"] for r in rs], [r["loss"] for r in rs], color=color, lw=width,
+                label=label, alpha=0.8)
+    ref = {r["step"]: r["loss"] for r in logs["reference"] if "step" in r}
+    for tag in ("resume-exact", "resume-lossy"):
+        label, color, _ = styles[tag]
+        rs = [r for r in logs[tag] if "step" in r and r["step"] in ref]
+        dx.plot([r["step"] for r in rs], [r["loss"] - ref[r["step"]] for r in rs], color=color,
+                lw=1, label=label)
+    for a in (ax, dx):
+        a.axvline(kill_at, color="gray", ls="--", lw=1)
+    ax.text(kill_at, ax.get_ylim()[1], " SIGKILL", va="top", color="gray")
+    dx.set_xlabel("step")
+    dx.set_ylabel("loss - uninterrupted")
+    dx.legend(fontsize=8)
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title("byte-level GPT on the Python standard library, checkpointed every step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=110)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    for sizes, label, color in ((exact_sizes, "amber, exact", "tab:blue"),
+                                (lossy_sizes, "amber, lossy preset", "tab:orange")):
+        steps = sorted(sizes)
+        a1.scatter(steps, [sizes[s][1] / 1e6 for s in steps], s=8, color=color, label=label)
+    if ts:
+        a1.axhline(median([r["torch_bytes"] for r in ts]) / 1e6, color="k", ls="--",
+                   label="torch.save")
+    a1.set_yscale("log")
+    a1.set_ylabel("checkpoint size (MB)")
+    a1.legend()
+    for tag, label, color in (("reference", "lossy preset", "tab:orange"),
+                              ("resume-exact", "exact", "tab:blue")):
+        rs = [r for r in logs[tag] if "step" in r]
+        stall = [(r["step"], 1e3 * (r["save_s"] + (rs[i + 1]["fence_s"] if i + 1 < len(rs) else 0)))
+                 for i, r in enumerate(rs) if "durable_s" not in r]
+        a2.scatter([s for s, _ in stall], [v for _, v in stall], s=6, color=color,
+                   label=f"amber stall, {label}")
+        dur = [(r["step"], 1e3 * r["durable_s"]) for r in rs if "durable_s" in r]
+        a2.plot([s for s, _ in dur], [v for _, v in dur], "o-", color=color, ms=4, lw=1,
+                label=f"amber save-to-durable, {label}")
+    if ts:
+        a2.plot([r["step"] for r in ts], [1e3 * r["torch_save_s"] for r in ts], "s-", color="k",
+                ms=4, lw=1, label="torch.save + fsync")
+    a2.set_yscale("log")
+    a2.set_ylabel("time per checkpoint (ms)")
+    a2.set_xlabel("step")
+    a2.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "checkpoints.png"), dpi=110)
+    plt.close(fig)
+    print(f"\nplots: {os.path.join(out, 'loss.png')}, {os.path.join(out, 'checkpoints.png')}")
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "train":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("mode")
+        ap.add_argument("--store", action="append", required=True)
+        ap.add_argument("--policy", action="append", required=True)
+        ap.add_argument("--steps", type=int, required=True)
+        ap.add_argument("--resume", action="store_true")
+        ap.add_argument("--measure", action="store_true")
+        ap.add_argument("--torch-save", default="")
+        ap.add_argument("--tag", required=True)
+        ap.add_argument("--log", required=True)
+        return train(ap.parse_args())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "demo-out"))
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--kill-at", type=int, default=100)
+    a = ap.parse_args()
+    t0 = time.time()
+    out = os.path.abspath(a.out)
+    for name in ("ref", "exact", "lossy", "torch"):
+        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    for f in glob.glob(os.path.join(out, "*.jsonl")):
+        os.remove(f)
+    os.makedirs(os.path.join(out, "torch"), exist_ok=True)
+    train_data, held, nfiles = corpus()
+    nparams = sum(p.numel() for p in GPT().parameters())
+    print(f"data: {nfiles} files of {sysconfig.get_paths()['stdlib']}, {len(train_data) / 1e6:.1f} MB "
+          f"to train, {len(held) / 1e6:.2f} MB held out")
+    print(f"model: byte-level GPT, {LAYERS} layers, d={D}, context {CTX}, {nparams / 1e6:.2f}M "
+          f"parameters; AdamW; batch {BATCH}; {a.steps} steps; a checkpoint every step")
+    stores = {k: os.path.join(out, k) for k in ("ref", "exact", "lossy")}
+    n = ["--steps", str(a.steps)]
+    logs = {}
+    print("\n== 1. uninterrupted reference run (lossy preset; torch.save+fsync every 10th step) ==")
+    logs["reference"] = child(out, "reference", n + ["--store", stores["ref"], "--policy", "lossy",
+                                                    "--measure", "--torch-save",
+                                                    os.path.join(out, "torch")])
+    print(f"\n== 2. the same run into an exact and a lossy store, SIGKILLed at step {a.kill_at} ==")
+    logs["crash"] = child(out, "crash", n + ["--store", stores["exact"], "--policy", "exact",
+                                            "--store", stores["lossy"], "--policy", "lossy"],
+                          kill_at=a.kill_at)
+    print("\n== 3. resume from the exact store in a new process ==")
+    logs["resume-exact"] = child(out, "resume-exact", n + ["--store", stores["exact"], "--policy",
+                                                          "exact", "--resume", "--measure"])
+    print("\n== 4. resume from the lossy store in a new process ==")
+    logs["resume-lossy"] = child(out, "resume-lossy", n + ["--store", stores["lossy"], "--policy",
+                                                          "lossy", "--resume"])
+    report(out, logs, stores, a.steps, a.kill_at)
+    shutil.rmtree(os.path.join(out, "torch"), ignore_errors=True)
+    print(f"\ndemo training finished in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,584 @@
+"""amber - Python binding of libamber through ctypes (no compiled extension).
+
+This module mirrors the C API of include/amber.h: a Store (one directory per
+training run), a Writer that saves checkpoints from memory the caller owns, and a
+Reader that restores them into memory the caller owns. Tensor data never passes
+through Python: the binding hands raw addresses to the library. `amber.torch`
+builds the PyTorch Checkpointer on top of this module.
+
+Every failure raises AmberError, which carries the C error code, its symbolic
+name (e.g. "AMBER_ENOENT") and the library's message for the failure (which file,
+which step, what was expected).
+
+The shared library is found, in this order, through the AMBER_LIBRARY
+environment variable (a path), next to this package (amber/libamber.so), in the
+build/ directory of the source tree that holds this package
+(python/amber/../../build/libamber.so), and finally by the system's loader
+(libamber.so.0, e.g. after `make install`).
+
+Thread safety: as in C, one handle must not be used by two threads at once; each
+handle here holds a lock so that Python threads cannot do that by accident.
+Separate handles may be used from separate threads.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import threading
+import weakref
+from ctypes import (POINTER, Structure, byref, c_char_p, c_double, c_int, c_int32,
+                    c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
+
+__all__ = [
+    "AmberError", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
+    "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
+    "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
+    "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC",
+]
+
+# ---- constants (values are part of the C ABI and of the file format) ----------
+
+F32, F16, BF16, F64, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U8, BOOL = range(1, 13)
+MAX_DIMS = 8
+OPEN_READONLY = 1 << 0
+OPEN_NOCREATE = 1 << 1
+WRITER_COMPRESS_FULL = 1 << 0
+WRITER_NO_DIRECT_IO = 1 << 1
+SAVE_FULL = 1 << 0
+SAVE_NO_REFERENCE = 1 << 1
+READER_FALLBACK = 1 << 0
+KIND_FULL, KIND_DELTA = 0, 1
+NO_STEP = LATEST = (1 << 64) - 1
+
+# ---- C structs, mirrored field by field -----------------------------------------
+
+
+class _StoreOpts(Structure):
+    _fields_ = [("flags", c_uint32), ("threads", c_uint32), ("reserved", c_uint64 * 6)]
+
+
+class _WriterOpts(Structure):
+    _fields_ = [("chunk_elems", c_uint64), ("flags", c_uint32), ("zstd_level", c_int32),
+                ("full_every", c_uint32), ("reserved0", c_uint32), ("full_share", c_double),
+                ("stage_bytes", c_uint64), ("reserved", c_uint64 * 5)]
+
+
+class _ReaderOpts(Structure):
+    _fields_ = [("flags", c_uint32), ("reserved0", c_uint32), ("reserved", c_uint64 * 6)]
+
+
+class _CkptInfo(Structure):
+    _fields_ = [("step", c_uint64), ("kind", c_uint32), ("reserved0", c_uint32),
+                ("parent", c_uint64), ("bytes", c_uint64), ("hash", c_uint64),
+                ("reserved", c_uint64 * 3)]
+
+
+class _TensorInfo(Structure):
+    _fields_ = [("name", c_char_p), ("dtype", c_int), ("ndim", c_uint32),
+                ("shape", c_int64 * MAX_DIMS), ("nelems", c_uint64), ("nbytes", c_uint64),
+                ("stored_bytes", c_uint64), ("stored_elems", c_uint64),
+                ("chunk_elems", c_uint64), ("nchunks", c_uint64), ("policy", c_char_p)]
+
+
+# ---- loading the library --------------------------------------------------------
+
+def _candidates():
+    env = os.environ.get("AMBER_LIBRARY")
+    if env:
+        yield env
+        return  # an explicit choice is not second-guessed
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libamber.so")
+    yield os.path.normpath(os.path.join(here, "..", "..", "build", "libamber.so"))
+    found = ctypes.util.find_library("amber")
+    if found:
+        yield found
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if os.sep in path and not os.path.exists(path):
+            tried.append(f"{path} (missing)")
+            continue
+        try:
+            return ctypes.CDLL(path), path
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+    raise ImportError("amber: cannot load libamber; tried: " + "; ".join(tried or ["nothing"]) +
+                      ". Build it with `make` or set AMBER_LIBRARY to its path.")
+
+
+_lib, _lib_path = _load()
+_H = c_void_p  # every handle is opaque
+
+
+def _fn(name, restype, *argtypes, optional=False):
+    try:
+        f = getattr(_lib, name)
+    except AttributeError:
+        if optional:
+            return None
+        raise
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    return f
+
+
+_version = _fn("amber_version", c_uint32)
+_version_string = _fn("amber_version_string", c_char_p)
+_strerror = _fn("amber_strerror", c_char_p, c_int)
+_err_name = _fn("amber_err_name", c_char_p, c_int)
+_last_error = _fn("amber_last_error", c_char_p, c_void_p)
+_dtype_size = _fn("amber_dtype_size", c_size_t, c_int)
+_dtype_name = _fn("amber_dtype_name", c_char_p, c_int)
+_dtype_from_name = _fn("amber_dtype_from_name", c_int, c_char_p)
+_free = _fn("amber_free", None, c_void_p)
+
+_store_opts_init = _fn("amber_store_opts_init", None, POINTER(_StoreOpts))
+_store_open = _fn("amber_store_open", c_int, POINTER(_H), c_char_p, POINTER(_StoreOpts))
+_store_close = _fn("amber_store_close", None, _H)
+_store_list = _fn("amber_store_list", c_int, _H, POINTER(POINTER(_CkptInfo)), POINTER(c_size_t))
+_store_latest = _fn("amber_store_latest", c_int, _H, POINTER(c_uint64))
+_store_compact = _fn("amber_store_compact", c_int, _H, c_uint64)
+_store_prune = _fn("amber_store_prune", c_int, _H, c_uint64, POINTER(c_size_t))
+
+_writer_opts_init = _fn("amber_writer_opts_init", None, POINTER(_WriterOpts))
+_writer_open = _fn("amber_writer_open", c_int, POINTER(_H), _H, POINTER(_WriterOpts))
+_writer_add = _fn("amber_writer_add", c_int, _H, c_char_p, c_int, c_uint32, POINTER(c_int64),
+                  c_void_p, POINTER(c_size_t))
+_writer_set_data = _fn("amber_writer_set_data", c_int, _H, c_size_t, c_void_p)
+_writer_add_policy = _fn("amber_writer_add_policy", c_int, _H, c_char_p)
+_writer_set_meta = _fn("amber_writer_set_meta", c_int, _H, c_char_p, c_size_t)
+_writer_save = _fn("amber_writer_save", c_int, _H, c_uint64, c_uint32)
+_writer_close = _fn("amber_writer_close", None, _H)
+# The split save; older libraries lack it and Writer.begin falls back to save.
+_writer_begin = _fn("amber_writer_begin", c_int, _H, c_uint64, c_uint32, optional=True)
+_writer_fence = _fn("amber_writer_fence", c_int, _H, optional=True)
+_writer_wait = _fn("amber_writer_wait", c_int, _H, optional=True)
+HAS_ASYNC = _writer_begin is not None and _writer_fence is not None and _writer_wait is not None
+
+_reader_opts_init = _fn("amber_reader_opts_init", None, POINTER(_ReaderOpts))
+_reader_open = _fn("amber_reader_open", c_int, POINTER(_H), _H, c_uint64, POINTER(_ReaderOpts))
+_reader_close = _fn("amber_reader_close", None, _H)
+_reader_skipped = _fn("amber_reader_skipped", c_size_t, _H, optional=True)
+_reader_step = _fn("amber_reader_step", c_uint64, _H)
+_reader_ckpt_info = _fn("amber_reader_ckpt_info", c_int, _H, POINTER(_CkptInfo))
+_reader_count = _fn("amber_reader_count", c_size_t, _H)
+_reader_info = _fn("amber_reader_info", c_int, _H, c_size_t, POINTER(_TensorInfo))
+_reader_find = _fn("amber_reader_find", c_int, _H, c_char_p, POINTER(c_size_t))
+_reader_read = _fn("amber_reader_read", c_int, _H, c_size_t, c_void_p, c_uint64)
+_reader_meta = _fn("amber_reader_meta", c_int, _H, POINTER(c_void_p), POINTER(c_size_t))
+_reader_verify = _fn("amber_reader_verify", c_int, _H)
+
+
+def library_path():
+    """Path of the loaded libamber."""
+    return _lib_path
+
+
+def version():
+    """The linked library's version string, e.g. "0.2.0"."""
+    return _version_string().decode()
+
+
+def dtype_size(dtype):
+    """Bytes per element of an amber dtype; 0 for an unknown one."""
+    return _dtype_size(dtype)
+
+
+def dtype_name(dtype):
+    """Lower-case name of an amber dtype ("f32", "bf16", ...); None if unknown."""
+    s = _dtype_name(dtype)
+    return s.decode() if s else None
+
+
+def dtype_from_name(name):
+    """The amber dtype of a name as dtype_name() returns it; 0 if unknown."""
+    return _dtype_from_name(name.encode())
+
+
+# ---- errors -----------------------------------------------------------------------
+
+class AmberError(Exception):
+    """A libamber failure: `code` (negative AMBER_E* value), `name`
+    ("AMBER_ENOENT", ...) and `message` (what failed: file, step, expectation)."""
+
+    def __init__(self, code, message, name=None):
+        self.code = code
+        self.name = name if name is not None else (_err_name(code) or b"").decode()
+        self.message = message
+        super().__init__(f"{self.name}: {message}" if self.name else message)
+
+
+def _error(code, handle):
+    msg = (_last_error(handle) or b"").decode("utf-8", "replace")
+    if not msg and handle is not None:
+        msg = (_last_error(None) or b"").decode("utf-8", "replace")
+    return AmberError(code, msg or (_strerror(code) or b"").decode())
+
+
+def _check(rc, handle):
+    if rc < 0:
+        raise _error(rc, handle)
+    return rc
+
+
+def _name_bytes(name):
+    b = name.encode("utf-8")
+    if b"\0" in b:
+        raise ValueError(f"name {name!r} contains a NUL character")
+    return b
+
+
+# ---- results ----------------------------------------------------------------------
+
+class CheckpointInfo:
+    """One committed checkpoint: step, kind ("full"/"delta"), parent (step or None),
+    bytes (its file's size) and hash (its state id)."""
+    __slots__ = ("step", "kind", "parent", "bytes", "hash")
+
+    def __init__(self, c):
+        self.step = c.step
+        self.kind = "full" if c.kind == KIND_FULL else "delta"
+        self.parent = None if c.parent == NO_STEP else c.parent
+        self.bytes = c.bytes
+        self.hash = c.hash
+
+    def __repr__(self):
+        return (f"CheckpointInfo(step={self.step}, kind={self.kind!r}, parent={self.parent}, "
+                f"bytes={self.bytes})")
+
+
+class TensorInfo:
+    """A tensor of an opened checkpoint: index, name, dtype (amber code), shape,
+    nelems, nbytes, stored_bytes/stored_elems (in that step's file), chunking and
+    the policy in effect at that step."""
+    __slots__ = ("index", "name", "dtype", "shape", "nelems", "nbytes", "stored_bytes",
+                 "stored_elems", "chunk_elems", "nchunks", "policy")
+
+    def __init__(self, index, c):
+        self.index = index
+        self.name = c.name.decode("utf-8")
+        self.dtype = c.dtype
+        self.shape = tuple(c.shape[i] for i in range(c.ndim))
+        self.nelems = c.nelems
+        self.nbytes = c.nbytes
+        self.stored_bytes = c.stored_bytes
+        self.stored_elems = c.stored_elems
+        self.chunk_elems = c.chunk_elems
+        self.nchunks = c.nchunks
+        self.policy = c.policy.decode() if c.policy else None
+
+    def __repr__(self):
+        return (f"TensorInfo({self.name!r}, {dtype_name(self.dtype)}, {self.shape}, "
+                f"stored {self.stored_bytes} bytes, policy {self.policy!r})")
+
+
+# ---- handles ----------------------------------------------------------------------
+
+class _Handle:
+    """An owned C handle: closed once, by close(), the context manager or the
+    garbage collector; calls are serialized by a lock."""
+
+    def __init__(self):
+        self._h = None
+        self._lock = threading.RLock()
+
+    def _handle(self):
+        if self._h is None:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._h
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Store(_Handle):
+    """A store: one directory of committed checkpoints.
+
+    Store(path, readonly=False, create=True, threads=0). A writable store takes an
+    exclusive lock (AmberError AMBER_ELOCKED if another process holds it) and clears
+    what a crashed writer left behind. threads: workers for encode and restore,
+    0 = online CPUs. Closing the store closes its writers and readers first."""
+
+    def __init__(self, path, readonly=False, create=True, threads=0):
+        super().__init__()
+        opts = _StoreOpts()
+        _store_opts_init(byref(opts))
+        opts.flags = (OPEN_READONLY if readonly else 0) | (0 if create else OPEN_NOCREATE)
+        opts.threads = threads
+        h = _H()
+        _check(_store_open(byref(h), os.fsencode(os.fspath(path)), byref(opts)), None)
+        self._h = h.value
+        self.path = os.fspath(path)
+        self.readonly = readonly
+        self._children = weakref.WeakSet()
+
+    def close(self):
+        with self._lock:
+            if self._h is None:
+                return
+            for child in list(self._children):
+                child.close()
+            _store_close(self._h)
+            self._h = None
+
+    def list(self):
+        """Committed checkpoints in increasing step order, as CheckpointInfo."""
+        with self._lock:
+            arr = POINTER(_CkptInfo)()
+            n = c_size_t()
+            _check(_store_list(self._handle(), byref(arr), byref(n)), self._h)
+            try:
+                return [CheckpointInfo(arr[i]) for i in range(n.value)]
+            finally:
+                _free(arr)
+
+    def latest(self):
+        """The latest committed step, or None for an empty store."""
+        with self._lock:
+            s = c_uint64()
+            rc = _store_latest(self._handle(), byref(s))
+            if rc == -5:  # AMBER_ENOENT: empty store
+                return None
+            _check(rc, self._h)
+            return s.value
+
+    def compact(self, step=None):
+        """Rewrites `step` (default: latest) as a full checkpoint."""
+        with self._lock:
+            _check(_store_compact(self._handle(), LATEST if step is None else step), self._h)
+
+    def prune(self, keep_last):
+        """Deletes all but the newest `keep_last` checkpoints and what they need;
+        returns the number of files removed."""
+        with self._lock:
+            n = c_size_t()
+            _check(_store_prune(self._handle(), keep_last, byref(n)), self._h)
+            return n.value
+
+    def writer(self, **opts):
+        """A Writer on this store; see Writer for the options."""
+        return Writer(self, **opts)
+
+    def reader(self, step=None, fallback=False):
+        """A Reader of `step` (default: latest); see Reader for fallback."""
+        return Reader(self, step, fallback)
+
+
+class Writer(_Handle):
+    """Saves checkpoints of tensors that live in caller-owned host memory.
+
+    Writer(store, chunk_elems=0, compress_full=False, zstd_level=0, full_every=0,
+    full_share=0.0, stage_bytes=0, direct_io=True); zero means the library's
+    default (full_every: a full checkpoint after 50 deltas; full_share: or once the
+    deltas since the last full add up to 0.5 of it; UINT32_MAX / a negative share
+    mean never; stage_bytes: host memory for encoded data waiting for the disk,
+    32 MiB).
+
+    Ownership: add() and set_data() take a raw address (an int). The library reads
+    that memory during save(), and from begin() until fence() (or wait/close)
+    returns; the caller must keep it alive and unchanged for that long. It never
+    reads it otherwise."""
+
+    def __init__(self, store, chunk_elems=0, compress_full=False, zstd_level=0,
+                 full_every=0, full_share=0.0, stage_bytes=0, direct_io=True):
+        super().__init__()
+        opts = _WriterOpts()
+        _writer_opts_init(byref(opts))
+        opts.chunk_elems = chunk_elems
+        opts.flags = (WRITER_COMPRESS_FULL if compress_full else 0) | \
+            (0 if direct_io else WRITER_NO_DIRECT_IO)
+        opts.zstd_level = zstd_level
+        opts.full_every = full_every
+        opts.full_share = full_share
+        opts.stage_bytes = stage_bytes
+        h = _H()
+        with store._lock:
+            _check(_writer_open(byref(h), store._handle(), byref(opts)), None)
+            store._children.add(self)
+        self._h = h.value
+        self.store = store  # the store must outlive the writer
+        self.count = 0
+
+    def close(self):
+        """Waits for a save in progress and releases the writer. Errors of that
+        save are lost here: call wait() first to see them."""
+        with self._lock:
+            if self._h is None:
+                return
+            _writer_close(self._h)
+            self._h = None
+
+    def add(self, name, dtype, shape, address):
+        """Declares a tensor (before the first save); returns its index."""
+        with self._lock:
+            shape = tuple(int(d) for d in shape)
+            arr = (c_int64 * max(1, len(shape)))(*shape)
+            idx = c_size_t()
+            _check(_writer_add(self._handle(), _name_bytes(name), dtype, len(shape), arr,
+                               address or None, byref(idx)), self._h)
+            self.count += 1
+            return idx.value
+
+    def set_data(self, index, address):
+        """Points tensor `index` at new memory of the same size."""
+        with self._lock:
+            _check(_writer_set_data(self._handle(), index, address or None), self._h)
+
+    def add_policy(self, rule):
+        """Adds a policy rule "SPEC" or "PATTERN=SPEC" (last match wins)."""
+        with self._lock:
+            _check(_writer_add_policy(self._handle(), rule.encode()), self._h)
+
+    def set_meta(self, data):
+        """Sets the metadata (UTF-8 JSON, bytes or str) of later saves; copied."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        with self._lock:
+            _check(_writer_set_meta(self._handle(), data, len(data)), self._h)
+
+    def save(self, step, full=False, no_reference=False):
+        """Saves and commits checkpoint `step`; durable when this returns.
+        full: force a full checkpoint. no_reference: a one-off full save that
+        keeps no reference state (AMBER_SAVE_NO_REFERENCE)."""
+        with self._lock:
+            _check(_writer_save(self._handle(), step, _save_flags(full, no_reference)), self._h)
+
+    def begin(self, step, full=False, no_reference=False):
+        """Starts saving `step` and returns once the scan is under way (with a
+        library without the split save: saves synchronously)."""
+        flags = _save_flags(full, no_reference)
+        with self._lock:
+            if not HAS_ASYNC:
+                _check(_writer_save(self._handle(), step, flags), self._h)
+                return
+            _check(_writer_begin(self._handle(), step, flags), self._h)
+
+    def fence(self):
+        """Blocks until the save in progress no longer reads the tensors."""
+        if HAS_ASYNC:
+            with self._lock:
+                _check(_writer_fence(self._handle()), self._h)
+
+    def wait(self):
+        """Blocks until the save in progress is durable; raises its failure."""
+        if HAS_ASYNC:
+            with self._lock:
+                _check(_writer_wait(self._handle()), self._h)
+
+
+def _save_flags(full, no_reference):
+    return (SAVE_FULL if full else 0) | (SAVE_NO_REFERENCE if no_reference else 0)
+
+
+class Reader(_Handle):
+    """Reads checkpoint `step` (default: latest) of a store: its tensors' infos,
+    their restored bytes into caller memory, its metadata; verify().
+
+    fallback=True verifies the step completely first and, if it is damaged, opens
+    the newest older step that verifies instead (AMBER_READER_FALLBACK); `step`
+    is then the step opened and `skipped` the number of newer steps passed over."""
+
+    def __init__(self, store, step=None, fallback=False):
+        super().__init__()
+        opts = _ReaderOpts()
+        _reader_opts_init(byref(opts))
+        if fallback:
+            if _reader_skipped is None:
+                raise AmberError(-8, "this libamber has no reader fallback", name="AMBER_EFORMAT")
+            opts.flags = READER_FALLBACK
+        h = _H()
+        with store._lock:
+            _check(_reader_open(byref(h), store._handle(), LATEST if step is None else step,
+                                byref(opts)), None)
+            store._children.add(self)
+        self._h = h.value
+        self.store = store
+        self.step = _reader_step(self._h)
+        self.skipped = _reader_skipped(self._h) if fallback else 0
+        self._infos = None
+
+    def close(self):
+        with self._lock:
+            if self._h is None:
+                return
+            _reader_close(self._h)
+            self._h = None
+
+    def checkpoint(self):
+        """CheckpointInfo of the opened step."""
+        with self._lock:
+            c = _CkptInfo()
+            _check(_reader_ckpt_info(self._handle(), byref(c)), self._h)
+            return CheckpointInfo(c)
+
+    def __len__(self):
+        with self._lock:
+            return _reader_count(self._handle())
+
+    def info(self, index):
+        with self._lock:
+            c = _TensorInfo()
+            _check(_reader_info(self._handle(), index, byref(c)), self._h)
+            return TensorInfo(index, c)
+
+    def tensors(self):
+        """TensorInfo of every tensor, in declaration order (cached)."""
+        if self._infos is None:
+            self._infos = [self.info(i) for i in range(len(self))]
+        return self._infos
+
+    def find(self, name):
+        """Index of tensor `name`, or None if the checkpoint has none."""
+        with self._lock:
+            idx = c_size_t()
+            rc = _reader_find(self._handle(), _name_bytes(name), byref(idx))
+            if rc == -5:  # AMBER_ENOENT
+                return None
+            _check(rc, self._h)
+            return idx.value
+
+    def read_into(self, index, address, size):
+        """Restores tensor `index` into `size` bytes at `address` (size must equal
+        its nbytes); every checksum is verified before this returns."""
+        with self._lock:
+            _check(_reader_read(self._handle(), index, address or None, size), self._h)
+
+    def read(self, index):
+        """Restores tensor `index` into a new bytearray."""
+        n = self.info(index).nbytes
+        buf = bytearray(n)
+        addr = ctypes.addressof((ctypes.c_char * n).from_buffer(buf)) if n else 0
+        self.read_into(index, addr, n)
+        return buf
+
+    def meta(self):
+        """The checkpoint's metadata as bytes, or None when it has none."""
+        with self._lock:
+            p = c_void_p()
+            n = c_size_t()
+            _check(_reader_meta(self._handle(), byref(p), byref(n)), self._h)
+            if not p.value or n.value == 0:
+                return None
+            return ctypes.string_at(p.value, n.value)
+
+    def verify(self):
+        """Checks everything this step's restore needs; raises AmberError
+        naming the first damaged file."""
+        with self._lock:
+            _check(_reader_verify(self._handle()), self._h)

@@ -1,0 +1,122 @@
+"""Policies through the Checkpointer: every restored element is within the bound
+of a threshold or budget policy at every step of a delta chain; rules apply to the
+tensor names by pattern; the "lossy" preset keeps its bounds; optimizer step
+counters stay exact whatever the rules say."""
+import fnmatch
+
+import torch
+
+from amber.torch import LOSSY, Checkpointer
+
+
+def within(restored, true, abs_bound, rel_bound):
+    err = (restored.double() - true.double()).abs()
+    bound = abs_bound + rel_bound * restored.double().abs()
+    return bool((err <= bound * (1 + 1e-6) + 1e-12).all()), float(err.max())
+
+
+def run(store, policy, steps=12, lr=1e-2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    truth = {}
+    with Checkpointer(store, policy=policy, rng=False) as ck:
+        for step in range(1, steps + 1):
+            model(torch.randn(32, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(step, {"model": model, "optim": opt})
+            truth[step] = ({k: v.clone() for k, v in model.state_dict().items()},
+                           {n: {k: v.clone() for k, v in opt.state[p].items()}
+                            for n, p in model.named_parameters()})
+        ck.wait()
+        kinds = [c.kind for c in ck.steps()]
+    return model, opt, truth, kinds
+
+
+def restored(store, step):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Checkpointer(store, rng=False, readonly=True) as ck:
+        ck.load({"model": model, "optim": opt}, step=step)
+    return model, opt
+
+
+def test_threshold_bound_holds_at_every_step_of_the_chain(store):
+    _, _, truth, kinds = run(store, "threshold:1e-3:1e-2")
+    assert kinds.count("delta") >= 5
+    for step, (msd, _) in truth.items():
+        model, _ = restored(store, step)
+        for k, v in model.state_dict().items():
+            ok, worst = within(v, msd[k], 1e-3, 1e-2)
+            assert ok, f"step {step} {k}: max error {worst}"
+
+
+def test_rules_by_pattern_and_their_bounds(store):
+    policy = {"model/*": "budget:0.05:2e-3", "optim/*/exp_avg": "threshold:1e-4",
+              "*/exp_avg_sq": "threshold:0:0.05"}
+    _, _, truth, _ = run(store, policy)
+    with Checkpointer(store, rng=False, readonly=True) as ck:
+        infos = {t.name: t.policy for t in ck.store.reader().tensors()}
+    assert infos["model/0.weight"] == "budget:0.05:2e-3"
+    assert infos["optim/0.weight/exp_avg"] == "threshold:1e-4"
+    assert infos["optim/2.bias/exp_avg_sq"] == "threshold:0:0.05"
+    assert infos["optim/2.bias/step"] == "exact"
+    for step in (3, 12):
+        model, opt = restored(store, step)
+        msd, osd = truth[step]
+        for k, v in model.state_dict().items():
+            assert within(v, msd[k], 2e-3, 0)[0], (step, k)
+        for n, p in model.named_parameters():
+            s = opt.state[p]
+            assert within(s["exp_avg"], osd[n]["exp_avg"], 1e-4, 0)[0], (step, n)
+            assert within(s["exp_avg_sq"], osd[n]["exp_avg_sq"], 0, 0.05)[0], (step, n)
+            assert torch.equal(s["step"], osd[n]["step"])
+
+
+def preset_bound(name):
+    """(ABS, REL) bound of tensor `name` under LOSSY: the last matching rule's."""
+    bound = (0.0, 0.0)
+    for rule in LOSSY:
+        pattern, _, spec = rule.rpartition("=")
+        if pattern and not fnmatch.fnmatchcase(name, pattern):
+            continue
+        kind, *args = spec.split(":")
+        if kind == "threshold":
+            bound = (float(args[0]), float(args[1]) if len(args) > 1 else 0.0)
+        elif kind == "budget":
+            bound = (float(args[1]) if len(args) > 1 else float("inf"), 0.0)
+        else:
+            bound = (0.0, 0.0)
+    return bound
+
+
+def test_lossy_preset_keeps_its_bounds_and_exact_step_counters(store):
+    _, _, truth, kinds = run(store, "lossy", lr=1e-3)
+    assert kinds.count("delta") >= 5
+    for step in (4, 12):
+        model, opt = restored(store, step)
+        msd, osd = truth[step]
+        for k, v in model.state_dict().items():
+            assert within(v, msd[k], *preset_bound(f"model/{k}"))[0], (step, k)
+        for n, p in model.named_parameters():
+            for k, v in opt.state[p].items():
+                if k == "step":
+                    assert torch.equal(v, osd[n][k])
+                else:
+                    assert within(v, osd[n][k], *preset_bound(f"optim/{n}/{k}"))[0], (step, n, k)
+
+
+def test_step_counters_stay_exact_under_a_loose_global_rule(store):
+    _, _, truth, _ = run(store, "threshold:100", steps=4)
+    _, opt = restored(store, 4)
+    assert all(float(s["step"]) == 4.0 for s in opt.state.values())
+
+
+def test_exact_is_bit_exact(store):
+    _, _, truth, _ = run(store, "exact", steps=5)
+    for step in (2, 5):
+        model, _ = restored(store, step)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, truth[step][0][k])
