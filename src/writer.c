@@ -441,6 +441,20 @@ static void fail_save(amber_writer *w, int rc, const char *tensor) {
   pthread_mutex_unlock(&w->mu);
 }
 
+/* Copies live into the reference and returns the copy's checksum, hashing each
+ * slice while it is in cache: the live memory is read once. */
+static uint64_t copy_hashed(uint8_t *ref, const uint8_t *src, size_t bytes) {
+  XXH3_state_t hs;
+  XXH3_INITSTATE(&hs);
+  XXH3_64bits_reset(&hs);
+  for (size_t o = 0; o < bytes; o += SLICE) {
+    size_t k = bytes - o < SLICE ? bytes - o : SLICE;
+    memcpy(ref + o, src + o, k);
+    XXH3_64bits_update(&hs, ref + o, k);
+  }
+  return XXH3_64bits_digest(&hs);
+}
+
 /* Full chunk: copy live into the reference (hashing the copy while it is in
  * cache), then append it, raw or shuffled+zstd. */
 static void full_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size_t ti,
@@ -475,16 +489,8 @@ static void full_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size
       return;
     }
   } else {
-    XXH3_state_t hs;
-    XXH3_INITSTATE(&hs);
-    XXH3_64bits_reset(&hs);
-    for (size_t o = 0; o < bytes; o += SLICE) {
-      size_t k = bytes - o < SLICE ? bytes - o : SLICE;
-      memcpy(ref + o, src + o, k);
-      XXH3_64bits_update(&hs, ref + o, k);
-    }
     c->encoding = AMBER__ENC_RAW;
-    c->checksum = XXH3_64bits_digest(&hs);
+    c->checksum = copy_hashed(ref, src, bytes);
     emit(w, c, ref, bytes);
     return;
   }
@@ -592,18 +598,10 @@ static void copy_job(void *ctx, int worker, size_t j) {
   size_t off = (size_t)(jj * t->chunk_elems * isz);
   uint8_t *ref = w->ref[ti] + off;
   const uint8_t *src = w->data[ti] + off;
-  XXH3_state_t hs;
-  XXH3_INITSTATE(&hs);
-  XXH3_64bits_reset(&hs);
-  for (size_t o = 0; o < bytes; o += SLICE) {
-    size_t k = bytes - o < SLICE ? bytes - o : SLICE;
-    memcpy(ref + o, src + o, k);
-    XXH3_64bits_update(&hs, ref + o, k);
-  }
   amber__chunk *c = &w->chunks[j];
   c->encoding = AMBER__ENC_RAW;
   c->stored = amber__chunk_n(t, jj);
-  c->checksum = XXH3_64bits_digest(&hs);
+  c->checksum = copy_hashed(ref, src, bytes);
 }
 
 static void append_job(void *ctx, int worker, size_t j) {
