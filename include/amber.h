@@ -316,7 +316,14 @@ AMBER_API int amber_writer_fence(amber_writer *w);
  * returns its result (0 when no save was in progress and no error is pending). */
 AMBER_API int amber_writer_wait(amber_writer *w);
 
-/* Releases the writer after waiting for a save in progress. Accepts NULL. */
+/* Stops the save in progress if it has not reached its commit yet, waits until it
+ * has stopped, and returns its result: AMBER_ECANCELED when it was stopped (the
+ * store is unchanged; the next save reloads the reference), 0 when it had
+ * already committed. 0 when no save is in progress. */
+AMBER_API int amber_writer_cancel(amber_writer *w);
+
+/* Releases the writer after waiting for a save in progress (call
+ * amber_writer_cancel first to stop it instead). Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
 
 /* ---- Reader ------------------------------------------------------------------- */

@@ -104,6 +104,7 @@ struct amber_writer {
   int result;
   int two_phase; /* full save: copy all of live first, so the fence comes early */
   uint64_t job_step;
+  int cancel; /* amber_writer_cancel: stop the save before it commits */
 };
 
 void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
@@ -626,7 +627,8 @@ static void mark_scanned(amber_writer *w) {
 
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
-  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED)) return; /* a failure stops the save */
+  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED) || __atomic_load_n(&w->cancel, __ATOMIC_RELAXED))
+    return; /* a failure or a cancel stops the save */
   size_t ti = w->owner[j];
   const amber__tensor *t = &w->tensors[ti];
   amber__chunk *c = &w->chunks[j];
@@ -671,6 +673,9 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     }
     w->stats.workers = nw;
     rc = w->rc;
+    if (!rc && __atomic_load_n(&w->cancel, __ATOMIC_SEQ_CST))
+      rc = amber__fail(&w->err, AMBER_ECANCELED, "the save of step %" PRIu64 " was canceled",
+                       step);
   }
   amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
                      .n_chunks = w->n_chunks, .meta = w->meta, .meta_size = w->meta_len};
@@ -787,6 +792,7 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if (rc) return rc;
   resolve_policies(w);
   w->delta = !want_full(w, flags);
+  __atomic_store_n(&w->cancel, 0, __ATOMIC_SEQ_CST);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
   if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w)) != 0)
@@ -905,6 +911,12 @@ int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
   pthread_cond_broadcast(&w->acv);
   pthread_mutex_unlock(&w->amu);
   return 0;
+}
+
+int amber_writer_cancel(amber_writer *w) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_cancel: NULL writer");
+  __atomic_store_n(&w->cancel, 1, __ATOMIC_SEQ_CST);
+  return amber_writer_wait(w);
 }
 
 int amber_writer_fence(amber_writer *w) {

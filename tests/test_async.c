@@ -263,7 +263,42 @@ static void test_small_stage_cap_applies_back_pressure(void) {
   free(y);
 }
 
+/* Cancel stops a save before its commit; the store keeps its last checkpoint and
+ * the next save is correct. */
+static void test_cancel_stops_a_save_cleanly(void) {
+  fixture f;
+  setup(&f, tu_tmpdir(), NULL);
+  CHECK_OK(amber_writer_save(f.w, 1, 0));
+  CHECK_OK(amber_writer_cancel(f.w)); /* nothing in progress */
+  int canceled = 0;
+  for (int step = 2; step < 40 && !canceled; step++) {
+    mutate(&f, step);
+    CHECK_OK(amber_writer_begin(f.w, (uint64_t)step, AMBER_SAVE_FULL));
+    int rc = amber_writer_cancel(f.w); /* races with the save: either outcome is valid */
+    CHECK(rc == 0 || rc == AMBER_ECANCELED);
+    uint64_t latest = 0;
+    CHECK_OK(amber_store_latest(f.st, &latest));
+    if (rc == AMBER_ECANCELED) {
+      canceled = 1;
+      CHECK(latest == (uint64_t)step - 1);
+      char tmp[4200];
+      snprintf(tmp, sizeof tmp, "%s/ckpt-%020d.amber.tmp", amber_store_path(f.st), step);
+      CHECK(access(tmp, F_OK) != 0);
+      float *snap = malloc(N * sizeof *snap);
+      memcpy(snap, f.x, N * sizeof *snap);
+      CHECK_OK(amber_writer_save(f.w, (uint64_t)step, 0)); /* the same step again */
+      check_step(&f, (uint64_t)step, snap, f.c);
+      free(snap);
+    } else {
+      CHECK(latest == (uint64_t)step);
+    }
+  }
+  CHECK(canceled); /* a full save of 1.2 MB is slow enough to be caught at least once */
+  teardown(&f);
+}
+
 int main(void) {
+  TEST_RUN(test_cancel_stops_a_save_cleanly);
   TEST_RUN(test_small_stage_cap_applies_back_pressure);
   TEST_RUN(test_saved_state_is_the_state_at_begin);
   TEST_RUN(test_a_save_in_progress_refuses_changes);
