@@ -115,13 +115,20 @@ __all__ = ["Checkpointer", "StateMismatchError", "EXACT", "LOSSY", "PRESETS"]
 #   W budget:0.01:1e-3, M budget:0.01:1e-4, V threshold:0:0.5   N200 K100 +0.17%   4.4%
 #   W budget:0.02:2e-3, M budget:0.02:2e-4, V threshold:0:0.5   N200 K100 +0.05%   3.1%  <-
 #                                                               N200 K60  +0.07%   3.5%
+# The runs above take a full checkpoint whenever the deltas add up to half of one
+# (the default cadence), so K restores a short chain. Restoring the 47th delta
+# after a full (full_share=-1, what the demo does: the worst case, as pending
+# changes have built up), N200 K99:
+#   W budget:0.02:2e-3, M budget:0.02:2e-4, V threshold:0:0.5             +0.27%   4.4%  <-
+#   W budget:0.02:1e-3, M budget:0.02:1e-4, V threshold:0:0.5             +0.16%   6.7%
+#   W budget:0.04:2e-3, M budget:0.04:2e-4, V threshold:0:0.5             +0.20%   5.1%
 # So: weights (and every other float tensor) keep the 2% largest pending changes
 # per step plus every change above 2e-3; Adam's first moment and SGD's momentum
 # likewise with a cap of 2e-4; Adam's second moments are restored within 50%
 # (an Adam step size within 0.71x..1.22x until they are stored). The second
 # moment's rule is relative because its values span many orders of magnitude.
-# On a GPT-2-small state in mid-training (bench/torch_bench.py) a delta is about
-# 2% of a full checkpoint. Step counters stay exact (see above).
+# On a GPT-2-small state in mid-training (bench/torch_bench.py) a delta is 1.6%
+# of a full checkpoint. Step counters stay exact (see above).
 LOSSY = (
     "budget:0.02:2e-3",
     "*/exp_avg=budget:0.02:2e-4",
