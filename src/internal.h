@@ -181,7 +181,6 @@ uint64_t amber__wfile_pos(const amber__wfile *f);
 int amber__wfile_finish(amber__wfile *f);
 /* Closes and unlinks the file being written, after a failure. */
 void amber__wfile_abort(amber__wfile *f);
-int amber__wfile_is_direct(const amber__wfile *f);
 
 /* Tests only: after `after` more successful writes, every write fails with errno
  * `err` until called again with err 0. */

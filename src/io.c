@@ -212,10 +212,6 @@ void amber__wfile_destroy(amber__wfile *f) {
   free(f);
 }
 
-int amber__wfile_is_direct(const amber__wfile *f) {
-  return f->direct;
-}
-
 uint64_t amber__wfile_pos(const amber__wfile *f) {
   return f->pos;
 }

@@ -377,13 +377,3 @@ size_t amber__scan(const amber__scan_args *a) {
   return p.k;
 }
 
-size_t amber__count_changed(const void *live, const void *ref, size_t n, size_t w) {
-  uint8_t sel[BLK];
-  size_t k = 0;
-  for (size_t base = 0; base < n; base += BLK) {
-    size_t m = n - base < BLK ? n - base : BLK;
-    flags_exact((const uint8_t *)live + base * w, (const uint8_t *)ref + base * w, sel, m, w);
-    for (size_t i = 0; i < m; i++) k += sel[i];
-  }
-  return k;
-}

@@ -32,8 +32,6 @@ typedef struct amber__scan_args {
  * and values and moves them into the reference, reading live and reference once.
  * Returns the number selected. */
 size_t amber__scan(const amber__scan_args *a);
-/* Number of elements whose bits differ. */
-size_t amber__count_changed(const void *live, const void *ref, size_t n, size_t w);
 /* Value of one element of a float dtype as f64, the way the policies compare it
  * (tests use it). */
 double amber__to_f64(int dtype, const void *p);

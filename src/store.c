@@ -259,7 +259,6 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
     }
     int rc = clean_stale(st);
     if (rc) {
-      amber__err_adopt(NULL);
       amber_store_close(st);
       return rc;
     }

@@ -164,7 +164,6 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (rc == 0) {
     w->have_latest = 1;
   } else if (rc != AMBER_ENOENT) {
-    amber__err_adopt(NULL);
     amber_writer_close(w);
     return rc;
   }
