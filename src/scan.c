@@ -67,24 +67,26 @@ static inline float e4m3_to_f32(uint8_t b) {
 }
 
 static void widen(int dtype, const uint8_t *src, float *dst, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    uint16_t h;
-    switch (dtype) {
-    case AMBER_F16:
+  uint16_t h;
+  switch (dtype) {
+  case AMBER_F16:
+    for (size_t i = 0; i < n; i++) {
       memcpy(&h, src + 2 * i, 2);
       dst[i] = f16_to_f32(h);
-      break;
-    case AMBER_BF16:
+    }
+    break;
+  case AMBER_BF16:
+    for (size_t i = 0; i < n; i++) {
       memcpy(&h, src + 2 * i, 2);
       dst[i] = bits_f32((uint32_t)h << 16);
-      break;
-    case AMBER_F8_E4M3:
-      dst[i] = e4m3_to_f32(src[i]);
-      break;
-    default: /* AMBER_F8_E5M2: the top byte of an f16 */
-      dst[i] = f16_to_f32((uint16_t)(src[i] << 8));
-      break;
     }
+    break;
+  case AMBER_F8_E4M3:
+    for (size_t i = 0; i < n; i++) dst[i] = e4m3_to_f32(src[i]);
+    break;
+  default: /* AMBER_F8_E5M2: the top byte of an f16 */
+    for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32((uint16_t)(src[i] << 8));
+    break;
   }
 }
 
@@ -183,30 +185,255 @@ typedef struct pass {
 } pass;
 
 /* Gathers the flagged elements of block [base, base+m) and moves them into the
- * reference. */
+ * reference; one copy per element width, so that each copy is a single move. The
+ * flags are read eight at a time and only set ones are visited. */
+#define COMPACT_W(NAME, T)                                                                    \
+  static size_t NAME(const amber__scan_args *a, size_t base, const uint8_t *sel,              \
+                     const uint32_t *key, size_t m, size_t k, int keep_old) {                 \
+    const uint8_t *live = (const uint8_t *)a->live + base * sizeof(T);                        \
+    uint8_t *ref = (uint8_t *)a->ref + base * sizeof(T);                                      \
+    for (size_t i = 0; i < m; i += 8) {                                                       \
+      uint64_t word = 0;                                                                      \
+      if (m - i >= 8)                                                                         \
+        memcpy(&word, sel + i, 8);                                                            \
+      else                                                                                    \
+        memcpy(&word, sel + i, m - i);                                                        \
+      while (word) {                                                                          \
+        size_t j = i + ((size_t)__builtin_ctzll(word) >> 3);                                  \
+        T v, o;                                                                               \
+        word &= word - 1;                                                                     \
+        memcpy(&v, live + j * sizeof(T), sizeof v);                                           \
+        a->idx[k] = (uint32_t)(base + j);                                                     \
+        if (keep_old) {                                                                       \
+          memcpy(&o, ref + j * sizeof(T), sizeof o);                                          \
+          memcpy(a->olds + k * sizeof(T), &o, sizeof o);                                      \
+          a->keys[k] = key[j];                                                                \
+        }                                                                                     \
+        memcpy(a->vals + k * sizeof(T), &v, sizeof v);                                        \
+        memcpy(ref + j * sizeof(T), &v, sizeof v);                                            \
+        k++;                                                                                  \
+      }                                                                                       \
+    }                                                                                         \
+    return k;                                                                                 \
+  }
+COMPACT_W(compact1, uint8_t)
+COMPACT_W(compact2, uint16_t)
+COMPACT_W(compact4, uint32_t)
+COMPACT_W(compact8, uint64_t)
+
 static void compact(pass *p, size_t base, const uint8_t *sel, const uint32_t *key, size_t m) {
-  const amber__scan_args *a = p->a;
-  const uint8_t *live = (const uint8_t *)a->live + base * p->w;
-  uint8_t *ref = (uint8_t *)a->ref + base * p->w;
-  size_t w = p->w, k = p->k;
-  for (size_t i = 0; i < m; i += 8) {
-    uint64_t word = 0;
-    size_t left = m - i < 8 ? m - i : 8;
-    memcpy(&word, sel + i, left);
-    if (!word) continue;
-    for (size_t j = i; j < i + left; j++) {
-      if (!sel[j]) continue;
-      a->idx[k] = (uint32_t)(base + j);
-      if (p->keep_old) {
-        a->keys[k] = key[j];
-        memcpy(a->olds + k * w, ref + j * w, w);
+  switch (p->w) {
+  case 1: p->k = compact1(p->a, base, sel, key, m, p->k, p->keep_old); break;
+  case 2: p->k = compact2(p->a, base, sel, key, m, p->k, p->keep_old); break;
+  case 4: p->k = compact4(p->a, base, sel, key, m, p->k, p->keep_old); break;
+  default: p->k = compact8(p->a, base, sel, key, m, p->k, p->keep_old); break;
+  }
+}
+
+/* ---- the fused f32 kernel (x86-64 with AVX2) ----
+ *
+ * The common case, an f32 tensor under threshold or budget, in one loop: 32
+ * elements per iteration, their flags as a bit mask (movemask), and only the set
+ * bits visited, with no flag array in between. It selects exactly what
+ * flags_f32 + compact select (test_delta runs both). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_F32_AVX2 1
+
+static inline uint32_t f32_key(uint32_t xb, uint32_t rb, float cap) {
+  float x = bits_f32(xb), r = bits_f32(rb), d = fabsf(x - r);
+  int nf = ((xb & EXP32) == EXP32) | ((rb & EXP32) == EXP32);
+  uint32_t kb;
+  memcpy(&kb, &d, 4);
+  return ((nf & (xb != rb)) | (d > cap)) ? AMBER__KEY_FORCED : nf ? 0 : kb;
+}
+
+__attribute__((target("avx2"))) static inline __m256 f32_flags8(const uint8_t *x,
+                                                                 const uint8_t *r, __m256 vabs,
+                                                                 __m256 vrel) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), tiny = _mm256_set1_ps(0x1p-149f);
+  const __m256i expo = _mm256_set1_epi32((int)EXP32);
+  __m256 vx = _mm256_loadu_ps((const float *)(const void *)x);
+  __m256 vr = _mm256_loadu_ps((const float *)(const void *)r);
+  __m256 d = _mm256_andnot_ps(sign, _mm256_sub_ps(vx, vr));
+  __m256 b = _mm256_add_ps(vabs, _mm256_mul_ps(vrel, _mm256_andnot_ps(sign, vr)));
+  b = _mm256_max_ps(_mm256_sub_ps(b, tiny), _mm256_setzero_ps()); /* max(NaN, 0) is 0 */
+  __m256i xi = _mm256_castps_si256(vx), ri = _mm256_castps_si256(vr);
+  __m256i nf = _mm256_or_si256(_mm256_cmpeq_epi32(_mm256_and_si256(xi, expo), expo),
+                               _mm256_cmpeq_epi32(_mm256_and_si256(ri, expo), expo));
+  __m256i forced = _mm256_andnot_si256(_mm256_cmpeq_epi32(xi, ri), nf);
+  return _mm256_or_ps(_mm256_cmp_ps(d, b, _CMP_GT_OQ), _mm256_castsi256_ps(forced));
+}
+
+/* Returns the number selected. abs_, rel and cap are the shrunk f32 bounds;
+ * cap (always at or above abs_) only sorts candidates into forced ones. */
+__attribute__((target("avx2"))) static size_t scan_f32_avx2(const amber__scan_args *a,
+                                                            float abs_, float rel, float cap,
+                                                            int keep_old) {
+  const uint8_t *x = a->live;
+  uint8_t *r = a->ref;
+  size_t n = a->n, k = 0, i = 0;
+  __m256 vabs = _mm256_set1_ps(abs_), vrel = _mm256_set1_ps(rel);
+  uint32_t *idx = a->idx, *keys = a->keys;
+  uint8_t *vals = a->vals, *olds = a->olds;
+  for (;;) {
+    uint32_t mask;
+    if (i + 32 <= n) {
+      const uint8_t *xp = x + 4 * i, *rp = r + 4 * i;
+      mask = (uint32_t)_mm256_movemask_ps(f32_flags8(xp, rp, vabs, vrel)) |
+             (uint32_t)_mm256_movemask_ps(f32_flags8(xp + 32, rp + 32, vabs, vrel)) << 8 |
+             (uint32_t)_mm256_movemask_ps(f32_flags8(xp + 64, rp + 64, vabs, vrel)) << 16 |
+             (uint32_t)_mm256_movemask_ps(f32_flags8(xp + 96, rp + 96, vabs, vrel)) << 24;
+    } else if (i < n) {
+      /* the tail, through a zero-padded copy; padding never differs */
+      uint8_t tx[128] = {0}, tr[128] = {0};
+      memcpy(tx, x + 4 * i, 4 * (n - i));
+      memcpy(tr, r + 4 * i, 4 * (n - i));
+      mask = (uint32_t)_mm256_movemask_ps(f32_flags8(tx, tr, vabs, vrel)) |
+             (uint32_t)_mm256_movemask_ps(f32_flags8(tx + 32, tr + 32, vabs, vrel)) << 8 |
+             (uint32_t)_mm256_movemask_ps(f32_flags8(tx + 64, tr + 64, vabs, vrel)) << 16 |
+             (uint32_t)_mm256_movemask_ps(f32_flags8(tx + 96, tr + 96, vabs, vrel)) << 24;
+    } else {
+      break;
+    }
+    while (mask) {
+      size_t j = i + (size_t)__builtin_ctz(mask);
+      uint32_t v, o;
+      mask &= mask - 1;
+      memcpy(&v, x + 4 * j, 4);
+      memcpy(&o, r + 4 * j, 4);
+      idx[k] = (uint32_t)j;
+      memcpy(vals + 4 * k, &v, 4);
+      if (keep_old) {
+        memcpy(olds + 4 * k, &o, 4);
+        keys[k] = f32_key(v, o, cap);
       }
-      memcpy(a->vals + k * w, live + j * w, w);
-      memcpy(ref + j * w, live + j * w, w);
+      memcpy(r + 4 * j, &v, 4);
       k++;
     }
+    i += 32;
   }
-  p->k = k;
+  return k;
+}
+
+/* The same with AVX-512: sixteen elements per step and no branch at all;
+ * the selected indices, values, old values and keys are compressed into the
+ * output with masked stores, and the reference takes the new values with a
+ * masked store of only the selected lanes. */
+__attribute__((target("avx512f"))) static size_t scan_f32_avx512(const amber__scan_args *a,
+                                                                 float abs_, float rel,
+                                                                 float cap, int keep_old) {
+  const uint8_t *x = a->live;
+  uint8_t *r = a->ref;
+  size_t n = a->n, k = 0;
+  const __m512 vabs = _mm512_set1_ps(abs_), vrel = _mm512_set1_ps(rel),
+               vcap = _mm512_set1_ps(cap), tiny = _mm512_set1_ps(0x1p-149f);
+  const __m512i expo = _mm512_set1_epi32((int)EXP32), absm = _mm512_set1_epi32(0x7fffffff),
+                forcedk = _mm512_set1_epi32((int)AMBER__KEY_FORCED),
+                lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  uint32_t *idx = a->idx, *keys = a->keys;
+  float *vals = (float *)(void *)a->vals, *olds = (float *)(void *)a->olds;
+  for (size_t i = 0; i < n; i += 16) {
+    const float *xp = (const float *)(const void *)(x + 4 * i);
+    float *rp = (float *)(void *)(r + 4 * i);
+    __m512 vx, vr;
+    if (n - i >= 16) { /* a masked load is much slower than a plain one */
+      vx = _mm512_loadu_ps(xp);
+      vr = _mm512_loadu_ps(rp);
+    } else {
+      __mmask16 in = (__mmask16)((1u << (n - i)) - 1);
+      vx = _mm512_maskz_loadu_ps(in, xp);
+      vr = _mm512_maskz_loadu_ps(in, rp);
+    }
+    __m512i xi = _mm512_castps_si512(vx), ri = _mm512_castps_si512(vr);
+    __m512 d = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(vx, vr)), absm));
+    __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(ri, absm));
+    __m512 b = _mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, ar)), tiny);
+    b = _mm512_max_ps(b, _mm512_setzero_ps()); /* max(NaN, 0) is 0 */
+    __mmask16 nf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(xi, expo), expo) |
+                   _mm512_cmpeq_epi32_mask(_mm512_and_si512(ri, expo), expo);
+    __mmask16 forced = nf & _mm512_cmpneq_epi32_mask(xi, ri);
+    __mmask16 sel = _mm512_cmp_ps_mask(d, b, _CMP_GT_OQ) | forced;
+    /* no branch on sel: at a few percent selected, a third of the steps select
+     * something, and the mispredictions cost more than the stores */
+    unsigned c = (unsigned)__builtin_popcount(sel);
+    __mmask16 pre = (__mmask16)((1u << c) - 1);
+    _mm512_mask_storeu_epi32(idx + k, pre,
+                             _mm512_maskz_compress_epi32(sel, _mm512_add_epi32(
+                                                                  lanes, _mm512_set1_epi32((int)i))));
+    _mm512_mask_storeu_ps(vals + k, pre, _mm512_maskz_compress_ps(sel, vx));
+    if (keep_old) {
+      __mmask16 fk = forced | _mm512_cmp_ps_mask(d, vcap, _CMP_GT_OQ);
+      __m512i key = _mm512_mask_blend_epi32(fk, _mm512_castps_si512(d), forcedk);
+      _mm512_mask_storeu_ps(olds + k, pre, _mm512_maskz_compress_ps(sel, vr));
+      _mm512_mask_storeu_epi32(keys + k, pre, _mm512_maskz_compress_epi32(sel, key));
+    }
+    _mm512_mask_storeu_ps(rp, sel, vx);
+    k += c;
+  }
+  return k;
+}
+
+/* cut4 with AVX-512: sixteen candidates per step; the kept ones are compressed
+ * to the front, the others' old values scattered back into the reference. */
+__attribute__((target("avx512f"))) static size_t cut4_avx512(const amber__scan_args *a, size_t k,
+                                                             int cut, size_t partial) {
+  size_t out = 0;
+  float *ref = (float *)a->ref, *vals = (float *)(void *)a->vals;
+  const float *olds = (const float *)(const void *)a->olds;
+  const __m512i forcedk = _mm512_set1_epi32((int)AMBER__KEY_FORCED),
+                vcut = _mm512_set1_epi32(cut);
+  for (size_t i = 0; i < k; i += 16) {
+    __mmask16 in = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+    __m512i key = _mm512_maskz_loadu_epi32(in, a->keys + i);
+    __m512i bucket = _mm512_srli_epi32(key, 20);
+    __mmask16 keep = in & (_mm512_cmpeq_epi32_mask(key, forcedk) |
+                           _mm512_cmpgt_epi32_mask(bucket, vcut));
+    __mmask16 eq = in & _mm512_cmpeq_epi32_mask(bucket, vcut) & (__mmask16)~keep;
+    if (eq && partial) { /* ties of the cut bucket: the first ones in index order */
+      unsigned c = (unsigned)__builtin_popcount(eq);
+      if (c <= partial) {
+        keep |= eq;
+        partial -= c;
+      } else {
+        for (; partial; partial--) {
+          __mmask16 low = eq & (__mmask16)-eq;
+          keep |= low;
+          eq &= (__mmask16)~low;
+        }
+      }
+    }
+    __m512i ix = _mm512_maskz_loadu_epi32(in, a->idx + i);
+    __m512 v = _mm512_maskz_loadu_ps(in, vals + i);
+    __mmask16 back = in & (__mmask16)~keep;
+    if (back)
+      _mm512_mask_i32scatter_ps(ref, back, ix, _mm512_maskz_loadu_ps(back, olds + i), 4);
+    unsigned c = (unsigned)__builtin_popcount(keep);
+    __mmask16 pre = (__mmask16)((1u << c) - 1);
+    _mm512_mask_storeu_epi32(a->idx + out, pre, _mm512_maskz_compress_epi32(keep, ix));
+    _mm512_mask_storeu_ps(vals + out, pre, _mm512_maskz_compress_ps(keep, v));
+    out += c;
+  }
+  return out;
+}
+
+/* 2: AVX-512F, 1: AVX2, 0: neither. */
+static int f32_simd_level(void) {
+  static int ok = -1;
+  int v = __atomic_load_n(&ok, __ATOMIC_RELAXED);
+  if (v < 0) {
+    __builtin_cpu_init();
+    v = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+    __atomic_store_n(&ok, v, __ATOMIC_RELAXED);
+  }
+  return v;
+}
+#endif
+
+static int use_simd = 2;
+
+void amber__scan_use_simd(int level) {
+  __atomic_store_n(&use_simd, level, __ATOMIC_RELAXED);
 }
 
 static int is_small_float(int dtype) {
@@ -283,7 +510,36 @@ static double budget_threshold(const amber__scan_args *a, size_t w) {
 /* Too many candidates: keep the forced ones and the `budget` largest (by a
  * 12-bit histogram of their keys, ties in the cut bucket in index order); put
  * the others' reference values back. */
-static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w) {
+#define CUT_W(NAME, T)                                                                        \
+  static size_t NAME(const amber__scan_args *a, size_t k, int cut, size_t partial) {          \
+    size_t out = 0;                                                                           \
+    uint8_t *ref = a->ref;                                                                    \
+    for (size_t i = 0; i < k; i++) {                                                          \
+      uint32_t key = a->keys[i];                                                              \
+      int bucket = (int)(key >> 20);                                                          \
+      int keep = key == AMBER__KEY_FORCED || bucket > cut;                                    \
+      if (!keep && bucket == cut && partial) {                                                \
+        keep = 1;                                                                             \
+        partial--;                                                                            \
+      }                                                                                       \
+      T v;                                                                                    \
+      if (keep) {                                                                             \
+        memcpy(&v, a->vals + i * sizeof(T), sizeof v);                                        \
+        memcpy(a->vals + out * sizeof(T), &v, sizeof v);                                      \
+        a->idx[out++] = a->idx[i];                                                            \
+      } else {                                                                                \
+        memcpy(&v, a->olds + i * sizeof(T), sizeof v);                                        \
+        memcpy(ref + (size_t)a->idx[i] * sizeof(T), &v, sizeof v);                            \
+      }                                                                                       \
+    }                                                                                         \
+    return out;                                                                               \
+  }
+CUT_W(cut1, uint8_t)
+CUT_W(cut2, uint16_t)
+CUT_W(cut4, uint32_t)
+CUT_W(cut8, uint64_t)
+
+static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w, int level) {
   uint32_t hist[4096] = {0};
   for (size_t i = 0; i < k; i++)
     if (a->keys[i] != AMBER__KEY_FORCED) hist[a->keys[i] >> 20]++;
@@ -293,24 +549,18 @@ static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w) {
     if (taken + hist[cut] > a->budget) break;
     taken += hist[cut];
   }
-  size_t partial = cut >= 0 ? a->budget - taken : 0, out = 0;
-  uint8_t *ref = a->ref;
-  for (size_t i = 0; i < k; i++) {
-    uint32_t key = a->keys[i];
-    int keep = key == AMBER__KEY_FORCED || (int)(key >> 20) > cut;
-    if (!keep && (int)(key >> 20) == cut && partial) {
-      keep = 1;
-      partial--;
-    }
-    if (keep) {
-      a->idx[out] = a->idx[i];
-      memmove(a->vals + out * w, a->vals + i * w, w);
-      out++;
-    } else {
-      memcpy(ref + (size_t)a->idx[i] * w, a->olds + i * w, w);
-    }
+  size_t partial = cut >= 0 ? a->budget - taken : 0;
+#ifdef HAVE_F32_AVX2
+  if (w == 4 && level == 2) return cut4_avx512(a, k, cut, partial);
+#else
+  (void)level;
+#endif
+  switch (w) {
+  case 1: return cut1(a, k, cut, partial);
+  case 2: return cut2(a, k, cut, partial);
+  case 4: return cut4(a, k, cut, partial);
+  default: return cut8(a, k, cut, partial);
   }
-  return out;
 }
 
 size_t amber__scan(const amber__scan_args *a) {
@@ -336,6 +586,17 @@ size_t amber__scan(const amber__scan_args *a) {
   if ((double)abs_f > abs_ * SHRINK) abs_f = nextafterf(abs_f, 0);
   if ((double)rel_f > rel * SHRINK) rel_f = nextafterf(rel_f, 0);
   if (!isinf(cap_f) && (double)cap_f > cap * SHRINK) cap_f = nextafterf(cap_f, 0);
+#ifdef HAVE_F32_AVX2
+  int level = a->dtype == AMBER_F32 && a->kind != AMBER__SCAN_EXACT ? f32_simd_level() : 0;
+  if (level > __atomic_load_n(&use_simd, __ATOMIC_RELAXED))
+    level = __atomic_load_n(&use_simd, __ATOMIC_RELAXED);
+  if (level) {
+    p.k = level == 2 ? scan_f32_avx512(a, abs_f, rel_f, cap_f, p.keep_old)
+                     : scan_f32_avx2(a, abs_f, rel_f, cap_f, p.keep_old);
+    if (a->kind == AMBER__SCAN_BUDGET && p.k > a->budget) return budget_cut(a, p.k, w, level);
+    return p.k;
+  }
+#endif
   float fx[BLK], fr[BLK];
   double dx[BLK], dr[BLK];
   /* Tensors inside a safetensors file may sit at any address. */
@@ -373,7 +634,7 @@ size_t amber__scan(const amber__scan_args *a) {
     }
     compact(&p, base, sel, key, m);
   }
-  if (a->kind == AMBER__SCAN_BUDGET && p.k > a->budget) return budget_cut(a, p.k, w);
+  if (a->kind == AMBER__SCAN_BUDGET && p.k > a->budget) return budget_cut(a, p.k, w, 0);
   return p.k;
 }
 

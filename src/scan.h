@@ -35,5 +35,9 @@ size_t amber__scan(const amber__scan_args *a);
 /* Value of one element of a float dtype as f64, the way the policies compare it
  * (tests use it). */
 double amber__to_f64(int dtype, const void *p);
+/* Tests: the most a scan may use of the fused f32 kernels: 2 AVX-512 (the
+ * default), 1 AVX2, 0 only the portable kernels, so that each is checked against
+ * the same properties. Set before any save runs. */
+void amber__scan_use_simd(int level);
 
 #endif

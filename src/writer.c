@@ -151,7 +151,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   w->opts = *opts;
   w->chunk_given = opts->chunk_elems != 0;
   if (!w->opts.chunk_elems) w->opts.chunk_elems = DEFAULT_CHUNK_ELEMS;
-  if (!w->opts.zstd_level) w->opts.zstd_level = 1;
+  if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
   if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
   pthread_mutex_init(&w->mu, NULL);

@@ -1367,6 +1367,133 @@ static void test_substituted_parent_fails_children_with_eparent(void) {
   }
 }
 
+/* ---- the fused f32 kernels against the portable ones ---- */
+
+/* One f32 value as a trajectory might hold it: drifts of every size, exact ties,
+ * subnormals, signed zeros, NaN of several encodings and infinities. */
+static float odd_f32(uint64_t *rs, float base) {
+  uint64_t r = tu_rand(rs);
+  switch (r % 16) {
+  case 0: return base;                              /* unchanged */
+  case 1: return base + 1e-3f;                      /* ties: the same change */
+  case 2: return base - 1e-3f;
+  case 3: return 0x1p-140f * (float)(r >> 40 & 0xff); /* subnormals */
+  case 4: return -0.0f;
+  case 5: return (r >> 8) & 1 ? INFINITY : -INFINITY;
+  case 6: {
+    uint32_t b = 0x7f800001u | (uint32_t)(r >> 16 & 0x7fffff) | (uint32_t)(r >> 40 & 1) << 31;
+    float f;
+    memcpy(&f, &b, 4);
+    return f; /* a NaN, payload and sign random */
+  }
+  case 7: return base * 1e30f;
+  default: return base + (float)((double)(int64_t)(r >> 1) / 9.2e18) * 0.01f;
+  }
+}
+
+/* Every scan level must select the same elements, in the same order, with the
+ * same values, and leave the same reference: the fused kernels are a faster way
+ * to run the portable ones, nothing else. */
+static void test_simd_kernels_select_what_the_portable_ones_select(void) {
+  const size_t sizes[] = {0, 1, 7, 15, 16, 17, 31, 33, 100, 255, 256, 257, 4099, 65536 + 5};
+  struct {
+    int kind;
+    double abs, rel, cap;
+    double frac;
+  } pols[] = {{AMBER__SCAN_THRESHOLD, 1e-3, 1e-2, INFINITY, 0},
+              {AMBER__SCAN_THRESHOLD, 0, 0, INFINITY, 0},
+              {AMBER__SCAN_THRESHOLD, 0, 1e-3, INFINITY, 0},
+              {AMBER__SCAN_THRESHOLD, 0, 1e-5, INFINITY, 0},
+              {AMBER__SCAN_THRESHOLD, 1e-40, 0, INFINITY, 0},
+              {AMBER__SCAN_THRESHOLD, INFINITY, 0, INFINITY, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, INFINITY, 0.02},
+              {AMBER__SCAN_BUDGET, 0, 0, 0.5, 0.1},
+              {AMBER__SCAN_BUDGET, 0, 0, 1e-3, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, 0, 1},
+              {AMBER__SCAN_BUDGET, 0, 0, INFINITY, 0.3}};
+  size_t maxn = 65536 + 5, cases = 0;
+  float *base = malloc(maxn * 4);
+  uint8_t *live = malloc(maxn * 4 + 4), *ref0 = malloc(maxn * 4);
+  uint8_t *ref[3], *vals[3], *olds[3];
+  uint32_t *idx[3], *keys[3];
+  for (int l = 0; l < 3; l++) {
+    ref[l] = malloc(maxn * 4);
+    vals[l] = malloc(maxn * 4);
+    olds[l] = malloc(maxn * 4);
+    idx[l] = malloc(maxn * 4);
+    keys[l] = malloc(maxn * 4);
+  }
+  uint64_t rs = 777;
+  for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+    size_t n = sizes[si];
+    for (size_t pi = 0; pi < sizeof pols / sizeof *pols; pi++) {
+      for (int mis = 0; mis < 2; mis++) { /* live at an odd address, as in safetensors */
+        uint8_t *lv = live + mis;
+        for (size_t i = 0; i < n; i++) {
+          base[i] = (float)((double)(int64_t)tu_rand(&rs) / 9.2e18);
+          if (tu_rand(&rs) % 4 == 0) base[i] *= 0x1p-130f; /* near and below FLT_MIN */
+          float r = tu_rand(&rs) % 8 ? base[i] : odd_f32(&rs, base[i]);
+          float x = odd_f32(&rs, base[i]);
+          if (tu_rand(&rs) % 4 == 0) { /* a change of one or two units in the last place */
+            float to = tu_rand(&rs) % 2 ? INFINITY : -INFINITY;
+            x = nextafterf(r, to);
+            if (tu_rand(&rs) % 2) x = nextafterf(x, to);
+          }
+          memcpy(ref0 + 4 * i, &r, 4);
+          memcpy(lv + 4 * i, &x, 4);
+        }
+        size_t k[3];
+        for (int l = 0; l < 3; l++) {
+          memcpy(ref[l], ref0, n * 4);
+          amber__scan_args a = {.kind = pols[pi].kind, .dtype = AMBER_F32, .n = n, .live = lv,
+                                .ref = ref[l], .abs = pols[pi].abs, .rel = pols[pi].rel,
+                                .cap = pols[pi].cap, .keys = keys[l], .idx = idx[l],
+                                .vals = vals[l], .olds = olds[l]};
+          if (a.kind == AMBER__SCAN_BUDGET) {
+            a.budget = (size_t)(pols[pi].frac * (double)n);
+            if (!a.budget && pols[pi].frac > 0) a.budget = 1;
+          }
+          amber__scan_use_simd(l);
+          k[l] = amber__scan(&a);
+        }
+        amber__scan_use_simd(2);
+        for (int l = 1; l < 3; l++) {
+          int same = k[l] == k[0] && !memcmp(idx[l], idx[0], k[0] * 4) &&
+                     !memcmp(vals[l], vals[0], k[0] * 4) && !memcmp(ref[l], ref[0], n * 4);
+          CHECK(same);
+          if (!same)
+            DETAIL("n=%zu policy %zu misaligned=%d: level %d selected %zu, portable %zu", n, pi,
+                   mis, l, k[l], k[0]);
+        }
+        cases++;
+      }
+    }
+  }
+  CHECK(cases == 2 * sizeof pols / sizeof *pols * sizeof sizes / sizeof *sizes);
+  for (int l = 0; l < 3; l++) {
+    free(ref[l]);
+    free(vals[l]);
+    free(olds[l]);
+    free(idx[l]);
+    free(keys[l]);
+  }
+  free(base);
+  free(live);
+  free(ref0);
+}
+
+/* The threshold and budget properties once more through the portable kernels,
+ * which machines without AVX2 run. */
+static void test_policies_hold_through_the_portable_kernels(void) {
+  amber__scan_use_simd(0);
+  const pol t = thr(1e-3, 1e-2, "threshold:1e-3:1e-2"), b = bud(0.1, 0.01, "budget:0.1:0.01");
+  run_trajectory(901, 64, t.spec, &t, 40, UINT32_MAX, -1, 1, NULL);
+  run_trajectory(902, 1000, b.spec, &b, 40, UINT32_MAX, -1, 1, NULL);
+  amber__scan_use_simd(1);
+  run_trajectory(903, 1000, b.spec, &b, 40, UINT32_MAX, -1, 1, NULL);
+  amber__scan_use_simd(2);
+}
+
 int main(void) {
   TEST_RUN(test_exact_policy_restores_bit_exact_every_step);
   TEST_RUN(test_threshold_bound_holds_every_step_of_long_chains);
@@ -1377,6 +1504,8 @@ int main(void) {
   TEST_RUN(test_budget_converges_when_all_changes_are_equal);
   TEST_RUN(test_budget_converges_in_small_tail_chunks_and_scalars);
   TEST_RUN(test_policies_hold_for_misaligned_live_buffers);
+  TEST_RUN(test_simd_kernels_select_what_the_portable_ones_select);
+  TEST_RUN(test_policies_hold_through_the_portable_kernels);
   TEST_RUN(test_integer_and_bool_tensors_are_exact_under_any_policy);
   TEST_RUN(test_last_matching_pattern_wins);
   TEST_RUN(test_every_earlier_step_restores_its_own_values);
