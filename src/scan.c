@@ -3,12 +3,18 @@
  * state, select what a delta stores, and move the selected elements into the
  * reference, in one pass over both arrays.
  *
- * The chunk is walked in blocks of 256 elements. For each block a flag kernel,
- * written as a plain loop so that the compiler vectorizes it (this file is built
- * with -O3 and the kernels are cloned for AVX2 with run-time dispatch; `make
- * vecreport` shows it), computes one flag per element; a compaction loop then
- * gathers the flagged indices and values while the block is still in L1 and
- * updates the reference. Live and reference memory are read once.
+ * The common case, f32 under threshold or budget, runs as one fused loop on
+ * x86-64: AVX-512 (sixteen elements a step, the selected ones compressed into the
+ * outputs and into the reference with masked stores, no branch) or AVX2 (32
+ * elements a step, flags as a bit mask, only set bits visited), chosen at run
+ * time. Everything else takes the portable kernels: the chunk is walked in
+ * blocks of 256 elements; for each block a flag kernel, written as a plain loop
+ * so that the compiler vectorizes it (this file is built with -O3 and the
+ * kernels are cloned for AVX2; `make vecreport` shows it), computes one flag per
+ * element; a compaction loop, one copy per element width, then gathers the
+ * flagged indices and values while the block is still in L1 and updates the
+ * reference. Either way live and reference memory are read once, and every
+ * path selects exactly the same elements (test_delta checks it).
  *
  * Policies (DESIGN.md): exact selects changed bits; threshold selects
  * |x - r| > ABS + REL*|r|; budget selects the FRAC*n largest changes plus all
