@@ -472,10 +472,11 @@ static float kth_largest(float *v, size_t n, size_t k) {
   return v[k];
 }
 
-/* Budget: a threshold that a sample says 1.25x the budget exceeds. The sample is
- * a few contiguous runs spread over the chunk: strided single elements would each
- * cost a cache and TLB miss. */
-static double budget_threshold(const amber__scan_args *a, size_t w) {
+/* Budget: a threshold (*thr) that a sample says 1.25x the budget exceeds. The
+ * sample is a few contiguous runs spread over the chunk: strided single elements
+ * would each cost a cache and TLB miss. Returns 1, with the band (lo, hi] of a
+ * cluster, when a strict pass above the cluster and a fill from it are better. */
+static int budget_threshold(const amber__scan_args *a, size_t w, double *thr, float band[2]) {
   enum { RUNS = 8, RUN = 256, S = RUNS * RUN };
   float d[S];
   size_t n = a->n, m = 0;
@@ -503,14 +504,82 @@ static double budget_threshold(const amber__scan_args *a, size_t w) {
     m += len;
     if (n <= S) break;
   }
-  size_t want = (size_t)(1.25 * (double)a->budget * (double)m / (double)n);
+  double in_sample = (double)a->budget * (double)m / (double)n;
+  size_t want = (size_t)(1.25 * in_sample);
+  *thr = 0;
   if (want == 0) want = 1;
   if (want >= m) return 0;
   /* Just below the k-th largest sampled change, so that equal changes are
    * candidates (the cut removes any surplus); the f32 rounding of an f64 change
    * must not put it above every change. */
   float kth = kth_largest(d, m, want);
-  return kth > 0 ? nextafterf(kth, 0) : 0;
+  *thr = kth > 0 ? nextafterf(kth, 0) : 0;
+  if (kth <= 0 || !isfinite(kth)) return 0;
+  /* Clusters of (nearly) equal changes are common: bf16, Adam's first steps,
+   * sign-based optimizers such as Lion, whose changes are multiples of the
+   * learning rate up to rounding. When the sample says that the changes within
+   * 2^-10 of the k-th would be four budgets or more, taking them all as
+   * candidates would flood the cut: the caller then selects strictly above the
+   * cluster and fills up from it, in index order, until the budget is full. */
+  float lo = kth * (1.0f - 0x1p-10f), hi = kth * (1.0f + 0x1p-10f);
+  size_t near = 0;
+  for (size_t i = 0; i < m; i++) near += d[i] > lo && d[i] <= hi;
+  if (near >= 8 && (double)near >= 4 * in_sample) {
+    band[0] = lo;
+    band[1] = hi;
+    return 1;
+  }
+  return 0;
+}
+
+/* After a strict pass above band[1]: selects up to `want` more elements whose
+ * change lies in the band (band[0], band[1]], first in index order, into
+ * tidx/tvals (and the reference), stopping as soon as it has them. Compares in
+ * f32, as the pass did. */
+static size_t fill_band(const amber__scan_args *a, size_t w, const float band[2], size_t want,
+                        uint32_t *tidx, uint8_t *tvals) {
+  float fx[BLK], fr[BLK];
+  size_t got = 0;
+  const uint8_t *live = a->live;
+  uint8_t *ref = a->ref;
+  for (size_t base = 0; base < a->n && got < want; base += BLK) {
+    size_t m = a->n - base < BLK ? a->n - base : BLK;
+    if (a->dtype == AMBER_F32) {
+      memcpy(fx, live + base * 4, m * 4);
+      memcpy(fr, ref + base * 4, m * 4);
+    } else {
+      widen(a->dtype, live + base * w, fx, m);
+      widen(a->dtype, ref + base * w, fr, m);
+    }
+    for (size_t i = 0; i < m && got < want; i++) {
+      float d = fabsf(fx[i] - fr[i]);
+      if (!(d > band[0] && d <= band[1])) continue;
+      tidx[got] = (uint32_t)(base + i);
+      memcpy(tvals + got * w, live + (base + i) * w, w);
+      memcpy(ref + (base + i) * w, live + (base + i) * w, w);
+      got++;
+    }
+  }
+  return got;
+}
+
+/* Merges the fill run (tidx/tvals, m elements) into the k sorted selections, from
+ * the back, so that the indices stay increasing. */
+static void merge_fill(const amber__scan_args *a, size_t w, size_t k, const uint32_t *tidx,
+                       const uint8_t *tvals, size_t m) {
+  size_t i = k, j = m, out = k + m;
+  while (j > 0) {
+    out--;
+    if (i > 0 && a->idx[i - 1] > tidx[j - 1]) {
+      i--;
+      a->idx[out] = a->idx[i];
+      memmove(a->vals + out * w, a->vals + i * w, w);
+    } else {
+      j--;
+      a->idx[out] = tidx[j];
+      memcpy(a->vals + out * w, tvals + j * w, w);
+    }
+  }
 }
 
 /* Too many candidates: keep the forced ones and the `budget` largest (by a
@@ -569,6 +638,21 @@ static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w, int leve
   }
 }
 
+/* A budget's end of the scan: cut the surplus, or after a strict pass fill up
+ * from the band. The fill's indices and values go through keys and
+ * olds, which a budget without a cut no longer needs. */
+static size_t finish(const amber__scan_args *a, size_t k, size_t w, int level, int strict,
+                     const float band[2]) {
+  if (a->kind != AMBER__SCAN_BUDGET) return k;
+  if (k > a->budget) return budget_cut(a, k, w, level);
+  if (strict && k < a->budget) {
+    size_t m = fill_band(a, w, band, a->budget - k, a->keys, a->olds);
+    merge_fill(a, w, k, a->keys, a->olds, m);
+    k += m;
+  }
+  return k;
+}
+
 size_t amber__scan(const amber__scan_args *a) {
   size_t w = amber_dtype_size(a->dtype), n = a->n;
   /* budget may put candidates back; exact callers build XOR payloads from olds */
@@ -576,20 +660,27 @@ size_t amber__scan(const amber__scan_args *a) {
   uint8_t sel[BLK];
   uint32_t key[BLK];
   double abs_ = a->abs, rel = a->rel, cap = INFINITY;
+  float band[2] = {0, 0};
+  int strict = 0; /* budget: only changes above band[1], then fill_band */
   if (a->kind == AMBER__SCAN_BUDGET) {
     if (a->budget >= n) { /* everything fits: a threshold of 0 takes every change */
       abs_ = 0;
     } else {
-      abs_ = budget_threshold(a, w);
+      strict = budget_threshold(a, w, &abs_, band);
     }
     rel = 0;
     cap = a->cap;
-    if (abs_ > cap) abs_ = cap;
+    if (abs_ > cap || band[1] > cap) {
+      abs_ = abs_ > cap ? cap : abs_;
+      strict = 0;
+    }
+    if (a->dtype == AMBER_F64) strict = 0; /* f64 compares in f64, not in the band */
   }
   /* f32 arithmetic may round a change down: shrink bounds so it errs on storing */
   float abs_f = (float)(abs_ * SHRINK), rel_f = (float)(rel * SHRINK);
   float cap_f = isinf(cap) ? INFINITY : (float)(cap * SHRINK);
   if ((double)abs_f > abs_ * SHRINK) abs_f = nextafterf(abs_f, 0);
+  if (strict) abs_f = band[1]; /* a budget needs no margin: its bound is CAP */
   if ((double)rel_f > rel * SHRINK) rel_f = nextafterf(rel_f, 0);
   if (!isinf(cap_f) && (double)cap_f > cap * SHRINK) cap_f = nextafterf(cap_f, 0);
 #ifdef HAVE_F32_AVX2
@@ -599,8 +690,7 @@ size_t amber__scan(const amber__scan_args *a) {
   if (level) {
     p.k = level == 2 ? scan_f32_avx512(a, abs_f, rel_f, cap_f, p.keep_old)
                      : scan_f32_avx2(a, abs_f, rel_f, cap_f, p.keep_old);
-    if (a->kind == AMBER__SCAN_BUDGET && p.k > a->budget) return budget_cut(a, p.k, w, level);
-    return p.k;
+    return finish(a, p.k, w, level, strict, band);
   }
 #endif
   float fx[BLK], fr[BLK];
@@ -640,7 +730,6 @@ size_t amber__scan(const amber__scan_args *a) {
     }
     compact(&p, base, sel, key, m);
   }
-  if (a->kind == AMBER__SCAN_BUDGET && p.k > a->budget) return budget_cut(a, p.k, w, 0);
-  return p.k;
+  return finish(a, p.k, w, 0, strict, band);
 }
 

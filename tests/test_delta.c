@@ -1482,6 +1482,72 @@ static void test_simd_kernels_select_what_the_portable_ones_select(void) {
   free(ref0);
 }
 
+/* Changes that are (nearly) all equal, as under Lion or in bf16: the budget is
+ * still filled exactly, the larger changes all go first, indices stay sorted, and
+ * the reference takes exactly the selected values. */
+static void test_budget_fills_from_a_cluster_of_equal_changes(void) {
+  const size_t n = 200003, budget = n / 50;
+  const int dtypes[] = {AMBER_F32, AMBER_BF16};
+  uint8_t *live = malloc(n * 4), *ref = malloc(n * 4), *ref0 = malloc(n * 4);
+  uint8_t *vals = malloc(n * 4), *olds = malloc(n * 4);
+  uint32_t *idx = malloc(n * 4), *keys = malloc(n * 4);
+  uint64_t rs = 4242;
+  for (int di = 0; di < 2; di++) {
+    int dt = dtypes[di];
+    size_t w = amber_dtype_size(dt), big = 0;
+    for (size_t i = 0; i < n; i++) {
+      float r = (float)((double)(int64_t)tu_rand(&rs) / 9.2e18) * 0.05f;
+      int large = tu_rand(&rs) % 200 == 0; /* 0.5%: must all be selected */
+      float x = r + ((tu_rand(&rs) & 1) ? 1e-4f : -1e-4f) * (large ? 50.0f : 1.0f);
+      big += large;
+      if (dt == AMBER_F32) {
+        memcpy(ref0 + 4 * i, &r, 4);
+        memcpy(live + 4 * i, &x, 4);
+      } else { /* bf16: the top half of the f32 */
+        uint32_t rb, xb;
+        memcpy(&rb, &r, 4);
+        memcpy(&xb, &x, 4);
+        uint16_t r16 = (uint16_t)(rb >> 16), x16 = (uint16_t)(xb >> 16);
+        if (x16 == r16) x16 ^= 1;
+        memcpy(ref0 + 2 * i, &r16, 2);
+        memcpy(live + 2 * i, &x16, 2);
+      }
+    }
+    for (int level = 0; level < 3; level++) {
+      memcpy(ref, ref0, n * w);
+      amber__scan_args a = {.kind = AMBER__SCAN_BUDGET, .dtype = dt, .n = n, .live = live,
+                            .ref = ref, .cap = INFINITY, .budget = budget, .keys = keys,
+                            .idx = idx, .vals = vals, .olds = olds};
+      amber__scan_use_simd(level);
+      size_t k = amber__scan(&a);
+      amber__scan_use_simd(2);
+      CHECK(k == budget);
+      size_t sorted = 1, large_in = 0, moved = 0, valsok = 1;
+      for (size_t i = 0; i < k; i++) {
+        if (i && idx[i] <= idx[i - 1]) sorted = 0;
+        double d = fabs(amber__to_f64(dt, live + idx[i] * w) - amber__to_f64(dt, ref0 + idx[i] * w));
+        large_in += d > 2e-3;
+        if (memcmp(vals + i * w, live + idx[i] * w, w)) valsok = 0;
+      }
+      for (size_t i = 0; i < n; i++) moved += memcmp(ref + i * w, ref0 + i * w, w) != 0;
+      CHECK(sorted && valsok);
+      CHECK(large_in == big);
+      CHECK(moved == k);
+      if (!sorted || !valsok || large_in != big || moved != k)
+        DETAIL("dtype %d level %d: %zu selected (budget %zu), sorted %zu, %zu of %zu large "
+               "changes, %zu reference elements moved\n",
+               dt, level, k, budget, sorted, large_in, big, moved);
+    }
+  }
+  free(live);
+  free(ref);
+  free(ref0);
+  free(vals);
+  free(olds);
+  free(idx);
+  free(keys);
+}
+
 /* The threshold and budget properties once more through the portable kernels,
  * which machines without AVX2 run. */
 static void test_policies_hold_through_the_portable_kernels(void) {
@@ -1506,6 +1572,7 @@ int main(void) {
   TEST_RUN(test_policies_hold_for_misaligned_live_buffers);
   TEST_RUN(test_simd_kernels_select_what_the_portable_ones_select);
   TEST_RUN(test_policies_hold_through_the_portable_kernels);
+  TEST_RUN(test_budget_fills_from_a_cluster_of_equal_changes);
   TEST_RUN(test_integer_and_bool_tensors_are_exact_under_any_policy);
   TEST_RUN(test_last_matching_pattern_wins);
   TEST_RUN(test_every_earlier_step_restores_its_own_values);
