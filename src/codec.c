@@ -139,65 +139,72 @@ size_t amber__sparse_encode(uint8_t *body, const uint32_t *idx, const uint8_t *v
   return (size_t)(p - body) + k * w;
 }
 
+/* Writes the k values (byte-shuffled, `sh`) to their validated positions `idx`,
+ * gathering each value's bytes from the shuffled planes on the way: one pass, one
+ * store per element, the width fixed at compile time. */
+#define SCATTER_W(NAME, T)                                                                    \
+  static void NAME(uint8_t *dst, const uint32_t *idx, const uint8_t *sh, size_t k) {          \
+    for (size_t i = 0; i < k; i++) {                                                          \
+      uint8_t b[sizeof(T)];                                                                   \
+      for (size_t j = 0; j < sizeof(T); j++) b[j] = sh[j * k + i];                            \
+      memcpy(dst + (size_t)idx[i] * sizeof(T), b, sizeof(T));                                 \
+    }                                                                                         \
+  }
+SCATTER_W(scatter1, uint8_t)
+SCATTER_W(scatter2, uint16_t)
+SCATTER_W(scatter4, uint32_t)
+SCATTER_W(scatter8, uint64_t)
+
 int amber__sparse_apply(uint8_t *dst, const uint8_t *body, size_t len, size_t n, size_t k,
-                        size_t w, uint8_t *vals) {
+                        size_t w, uint32_t *idx) {
   if (len < 1) return AMBER_ECORRUPT;
   const uint8_t *p = body + 1, *end = body + len;
   size_t bitmap = (n + 7) / 8;
-  const uint8_t *ixs = p;
+  /* decode and validate every index before anything is written */
   if (body[0] == 0) {
     if ((size_t)(end - p) < bitmap) return AMBER_ECORRUPT;
-    size_t bits = 0;
-    for (size_t i = 0; i < bitmap; i++) bits += (size_t)__builtin_popcount(p[i]);
-    if (bits != k || (n % 8 && (p[bitmap - 1] >> (n % 8)))) return AMBER_ECORRUPT;
+    if (n % 8 && (p[bitmap - 1] >> (n % 8))) return AMBER_ECORRUPT;
+    size_t got = 0;
+    for (size_t i = 0; i < bitmap; i++) {
+      uint8_t b = p[i];
+      if (got + (size_t)__builtin_popcount(b) > k) return AMBER_ECORRUPT;
+      while (b) {
+        idx[got++] = (uint32_t)(i * 8 + (size_t)__builtin_ctz(b));
+        b &= (uint8_t)(b - 1);
+      }
+    }
+    if (got != k) return AMBER_ECORRUPT;
     p += bitmap;
   } else if (body[0] == 1) {
     uint64_t at = 0;
     for (size_t i = 0; i < k; i++) {
-      uint64_t g = 0;
-      int shift = 0;
-      for (;;) {
-        if (p == end || shift > 28) return AMBER_ECORRUPT;
-        uint8_t b = *p++;
-        g |= (uint64_t)(b & 0x7f) << shift;
-        shift += 7;
-        if (!(b & 0x80)) break;
+      uint64_t g;
+      if (p < end && !(*p & 0x80)) { /* the common case: a gap below 128 */
+        g = *p++;
+      } else {
+        g = 0;
+        int shift = 0;
+        for (;;) {
+          if (p == end || shift > 28) return AMBER_ECORRUPT;
+          uint8_t b = *p++;
+          g |= (uint64_t)(b & 0x7f) << shift;
+          shift += 7;
+          if (!(b & 0x80)) break;
+        }
       }
       at += g + (i ? 1 : 0);
       if (at >= n) return AMBER_ECORRUPT;
+      idx[i] = (uint32_t)at;
     }
   } else {
     return AMBER_ECORRUPT;
   }
   if ((size_t)(end - p) != k * w) return AMBER_ECORRUPT;
-  /* indices validated: now apply */
-  amber__unshuffle(vals, p, k, w);
-  if (body[0] == 0) {
-    size_t v = 0;
-    for (size_t i = 0; i < bitmap; i++) {
-      uint8_t b = ixs[i];
-      while (b) {
-        size_t j = i * 8 + (size_t)__builtin_ctz(b);
-        memcpy(dst + j * w, vals + v * w, w);
-        v++;
-        b &= (uint8_t)(b - 1);
-      }
-    }
-  } else {
-    const uint8_t *q = ixs;
-    uint64_t at = 0;
-    for (size_t i = 0; i < k; i++) {
-      uint64_t g = 0;
-      int shift = 0;
-      uint8_t b;
-      do {
-        b = *q++;
-        g |= (uint64_t)(b & 0x7f) << shift;
-        shift += 7;
-      } while (b & 0x80);
-      at += g + (i ? 1 : 0);
-      memcpy(dst + at * w, vals + i * w, w);
-    }
+  switch (w) {
+  case 1: scatter1(dst, idx, p, k); break;
+  case 2: scatter2(dst, idx, p, k); break;
+  case 4: scatter4(dst, idx, p, k); break;
+  default: scatter8(dst, idx, p, k); break;
   }
   return 0;
 }

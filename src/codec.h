@@ -35,9 +35,10 @@ size_t amber__sparse_bound(size_t n, size_t k, size_t w);
 size_t amber__sparse_encode(uint8_t *body, const uint32_t *idx, const uint8_t *vals, size_t k,
                             size_t n, size_t w);
 /* Validates a sparse body completely, then writes its values into dst (a chunk of
- * n elements). `vals` is scratch of k * w bytes. AMBER_ECORRUPT if malformed. */
+ * n elements, n < 2^32). `idx` is scratch for k indices. AMBER_ECORRUPT if
+ * malformed. */
 int amber__sparse_apply(uint8_t *dst, const uint8_t *body, size_t len, size_t n, size_t k,
-                        size_t w, uint8_t *vals);
+                        size_t w, uint32_t *idx);
 void amber__xor(uint8_t *dst, const uint8_t *a, const uint8_t *b, size_t len);
 
 #endif
