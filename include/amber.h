@@ -386,6 +386,14 @@ AMBER_API int amber_reader_find(const amber_reader *r, const char *name, size_t 
  * bytes this tensor needs, verifying every checksum before the call succeeds; on
  * failure the contents of `buf` are unspecified. */
 AMBER_API int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size);
+/* Restores `count` tensors at once: tensor indices[i] into bufs[i] (sizes[i] must
+ * equal its nbytes). The same as a loop of amber_reader_read, but every chunk of
+ * every tensor is one job for the worker threads, so small tensors are read in
+ * parallel too: the way to load a whole state. The buffers must not overlap.
+ * Arguments are all checked before anything is read; on failure the contents of
+ * the buffers are unspecified. */
+AMBER_API int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
+                                     void *const *bufs, const uint64_t *sizes);
 
 /* The checkpoint's metadata JSON (see amber_writer_set_meta). `*json` is owned by
  * the reader and not NUL-terminated when len is 0; NULL/0 when there is none. */

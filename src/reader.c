@@ -46,6 +46,13 @@ struct amber_reader {
   size_t skipped; /* AMBER_READER_FALLBACK: damaged newer steps passed over */
   amber__names names; /* name -> position in the opened step */
   int advised;        /* the deltas' pages were asked for (readahead) */
+  /* amber_reader_read_many: job j is chunk jobs[j].chunk of tensor jobs[j].tensor */
+  struct job {
+    size_t tensor;
+    uint64_t chunk;
+    uint8_t *dst;
+  } *jobs;
+  size_t jobs_cap;
 };
 
 static const amber__ckpt *target(const amber_reader *r) {
@@ -215,6 +222,7 @@ void amber_reader_close(amber_reader *r) {
   if (!r) return;
   for (size_t i = 0; i < r->nchain; i++) amber__ckpt_close(&r->chain[i]);
   free(r->chain);
+  free(r->jobs);
   if (r->ctx)
     for (int i = 0; i < amber__pool_size(r->pool); i++) {
       amber__stage_free(&r->ctx[i].stage);
@@ -364,13 +372,25 @@ static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t
 
 /* Restores chunk j of the current tensor: the full checkpoint's chunk, then every
  * delta's, while the chunk is in cache. */
+static void restore_chunk(amber_reader *r, int worker, size_t tensor, uint64_t j, uint8_t *dst);
+
 static void restore_job(void *arg, int worker, size_t j) {
   amber_reader *r = arg;
+  restore_chunk(r, worker, r->tensor, j, r->dst);
+}
+
+static void restore_many_job(void *arg, int worker, size_t j) {
+  amber_reader *r = arg;
+  restore_chunk(r, worker, r->jobs[j].tensor, r->jobs[j].chunk, r->jobs[j].dst);
+}
+
+/* Restores chunk j of tensor `tensor` of the target step into dst (the tensor's
+ * buffer; NULL: decode and check only). */
+static void restore_chunk(amber_reader *r, int worker, size_t tensor, uint64_t j, uint8_t *dst) {
   if (__atomic_load_n(&r->rc, __ATOMIC_RELAXED)) return;
   rctx *x = &r->ctx[worker];
-  const amber__tensor *tt = &r->chain[r->nchain - 1].ix.tensors[r->tensor];
+  const amber__tensor *tt = &r->chain[r->nchain - 1].ix.tensors[tensor];
   size_t bytes = (size_t)amber__chunk_n(tt, j) * amber_dtype_size(tt->dtype);
-  uint8_t *dst = r->dst;
   if (!dst) { /* verify: decode into the worker's buffer */
     if (x->buf_cap < bytes) {
       free(x->buf);
@@ -389,7 +409,7 @@ static void restore_job(void *arg, int worker, size_t j) {
   }
   for (size_t k = 0; k < r->nchain; k++) {
     amber__ckpt *c = &r->chain[k];
-    int rc = apply_chunk(x, c, &c->ix.tensors[r->tensor], j, dst);
+    int rc = apply_chunk(x, c, &c->ix.tensors[tensor], j, dst);
     if (rc) {
       pthread_mutex_lock(&r->mu);
       if (!r->rc) {
@@ -437,6 +457,48 @@ int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
                        "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64, tt->name,
                        tt->nbytes, size);
   return size ? restore(r, index, buf) : 0;
+}
+
+int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
+                           void *const *bufs, const uint64_t *sizes) {
+  if (!r || (count && (!indices || !bufs || !sizes)))
+    return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read_many: NULL");
+  const amber__index *ix = &target(r)->ix;
+  size_t njobs = 0;
+  for (size_t i = 0; i < count; i++) {
+    if (indices[i] >= ix->n_tensors)
+      return amber__fail(&r->err, AMBER_EINVAL, "tensor index %zu out of range", indices[i]);
+    const amber__tensor *tt = &ix->tensors[indices[i]];
+    if (sizes[i] != tt->nbytes)
+      return amber__fail(&r->err, AMBER_EINVAL,
+                         "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64, tt->name,
+                         tt->nbytes, sizes[i]);
+    if (sizes[i] && !bufs[i])
+      return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s': NULL buffer", tt->name);
+    if (sizes[i]) njobs += (size_t)tt->n_chunks;
+  }
+  if (njobs > r->jobs_cap) {
+    free(r->jobs);
+    r->jobs_cap = 0;
+    if (!(r->jobs = malloc(njobs * sizeof *r->jobs)))
+      return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+    r->jobs_cap = njobs;
+  }
+  size_t j = 0;
+  for (size_t i = 0; i < count; i++) {
+    if (!sizes[i]) continue;
+    for (uint64_t c = 0; c < ix->tensors[indices[i]].n_chunks; c++) {
+      r->jobs[j].tensor = indices[i];
+      r->jobs[j].chunk = c;
+      r->jobs[j].dst = bufs[i]; /* the tensor's start: restore_chunk adds the offset */
+      j++;
+    }
+  }
+  advise_deltas(r);
+  r->rc = 0;
+  amber__pool_for(r->pool, njobs, restore_many_job, r);
+  if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg);
+  return r->rc;
 }
 
 int amber_reader_verify(amber_reader *r) {

@@ -898,6 +898,33 @@ static void earlier_steps_run(uint64_t seed, const char *rule, const pol *p, uin
       CHECK(bad == 0);
       if (bad) DETAIL("seed %" PRIu64 " step %d '%s': %zu bad elements\n", seed, s, t->name, bad);
     }
+    /* amber_reader_read_many, every tensor in reverse order in one call: the same
+     * bytes; bad arguments fail before anything is written */
+    size_t idxs[64];
+    void *bufs[64];
+    uint64_t sizes[64];
+    for (size_t i = 0; i < W.n; i++) {
+      idxs[i] = W.n - 1 - i;
+      sizes[i] = W.t[idxs[i]].nb;
+      bufs[i] = W.t[idxs[i]].got;
+      memset(bufs[i], 0x5A, (size_t)sizes[i]);
+    }
+    CHECK_OK(amber_reader_read_many(r, W.n, idxs, bufs, sizes));
+    size_t differ = 0;
+    for (size_t i = 0; i < W.n; i++) differ += memcmp(W.t[i].got, got[s][i], W.t[i].nb) != 0;
+    CHECK(differ == 0);
+    if (differ) DETAIL("seed %" PRIu64 " step %d: read_many differs in %zu tensors\n", seed, s, differ);
+    for (size_t i = 0; i < W.n; i++) memset(bufs[i], 0x5A, (size_t)sizes[i]);
+    sizes[W.n - 1]++;
+    CHECK_RC(amber_reader_read_many(r, W.n, idxs, bufs, sizes), AMBER_EINVAL);
+    sizes[W.n - 1]--;
+    idxs[W.n - 1] = W.n;
+    CHECK_RC(amber_reader_read_many(r, W.n, idxs, bufs, sizes), AMBER_EINVAL);
+    size_t touched = 0;
+    for (size_t i = 0; i < W.n; i++)
+      for (size_t b = 0; b < (size_t)sizes[i]; b++) touched += ((uint8_t *)bufs[i])[b] != 0x5A;
+    CHECK(touched == 0);
+    CHECK_OK(amber_reader_read_many(r, 0, NULL, NULL, NULL));
     amber_reader_close(r);
   }
   amber_store_close(st);

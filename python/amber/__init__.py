@@ -168,6 +168,8 @@ _reader_count = _fn("amber_reader_count", c_size_t, _H)
 _reader_info = _fn("amber_reader_info", c_int, _H, c_size_t, POINTER(_TensorInfo))
 _reader_find = _fn("amber_reader_find", c_int, _H, c_char_p, POINTER(c_size_t))
 _reader_read = _fn("amber_reader_read", c_int, _H, c_size_t, c_void_p, c_uint64)
+_reader_read_many = _fn("amber_reader_read_many", c_int, _H, c_size_t, POINTER(c_size_t),
+                        POINTER(c_void_p), POINTER(c_uint64), optional=True)
 _reader_meta = _fn("amber_reader_meta", c_int, _H, POINTER(c_void_p), POINTER(c_size_t))
 _reader_verify = _fn("amber_reader_verify", c_int, _H)
 
@@ -558,6 +560,24 @@ class Reader(_Handle):
         its nbytes); every checksum is verified before this returns."""
         with self._lock:
             _check(_reader_read(self._handle(), index, address or None, size), self._h)
+
+    def read_many(self, items):
+        """Restores several tensors in one call: `items` is a sequence of
+        (index, address, size) as for read_into. Every chunk of every tensor is a
+        job for the library's threads, so many small tensors load in parallel."""
+        items = list(items)
+        if not items:
+            return
+        if _reader_read_many is None:  # an older library: one at a time
+            for index, address, size in items:
+                self.read_into(index, address, size)
+            return
+        n = len(items)
+        idx = (c_size_t * n)(*[i for i, _, _ in items])
+        bufs = (c_void_p * n)(*[a or None for _, a, _ in items])
+        sizes = (c_uint64 * n)(*[s for _, _, s in items])
+        with self._lock:
+            _check(_reader_read_many(self._handle(), n, idx, bufs, sizes), self._h)
 
     def read(self, index):
         """Restores tensor `index` into a new bytearray."""

@@ -332,6 +332,27 @@ class _Restore:
         self.strict = strict
         self.step = step
         self.dry = dry
+        # Inside module() and optimizer(), reads into CPU tensors are collected and
+        # done by one read_many (all chunks of all tensors in parallel) before
+        # anything uses the tensors; everywhere else a read happens at once.
+        self.defer = False
+        self.pending = []
+
+    def flush(self):
+        """Does the collected reads. Tensors that share memory (tied weights) are
+        read once: the library's buffers must not overlap."""
+        if self.pending:
+            items, self.pending, seen = self.pending, [], {}
+            once, later = [], []
+            for it in items:
+                size = seen.setdefault(it[1], it[2])
+                if size != it[2]:
+                    later.append(it)  # another extent at the same address: after the rest
+                elif len(seen) > len(once):
+                    once.append(it)
+            self.r.read_many(once)
+            for it in later:
+                self.r.read_into(*it)
 
     def mismatch(self, key, msg):
         if self.strict:
@@ -366,18 +387,25 @@ class _Restore:
                 self._read(idx, info, target)  # straight into the live tensor's memory
             else:
                 tmp = torch.empty(info.shape, dtype=dtype)
-                self._read(idx, info, tmp)
+                self._read(idx, info, tmp, now=True)
                 with torch.no_grad():
                     target.copy_(tmp)
             return target
         if self.dry:
             return None
         t = torch.empty(info.shape, dtype=dtype)
-        self._read(idx, info, t)
-        return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+        if device is None or torch.device(device).type == "cpu":
+            self._read(idx, info, t)
+            return t
+        self._read(idx, info, t, now=True)
+        return t.to(device)
 
-    def _read(self, idx, info, t):
-        if info.nbytes:
+    def _read(self, idx, info, t, now=False):
+        if not info.nbytes:
+            return
+        if self.defer and not now:
+            self.pending.append((idx, t.data_ptr(), info.nbytes))
+        else:
             self.r.read_into(idx, t.data_ptr(), info.nbytes)
 
     def dec(self, e, path, target=None, device=None):
@@ -427,13 +455,18 @@ class _Restore:
         live = {t.data_ptr() for t in list(mod.parameters()) + list(mod.buffers())}
         needs_load = False
         restored = {}
-        for k, e in stored.items():
-            if k not in sd:
-                continue
-            v = self.dec(e, f"{key}/{k}", sd[k])
-            restored[k] = v
-            if not isinstance(v, torch.Tensor) or v is not sd[k] or v.data_ptr() not in live:
-                needs_load = True
+        self.defer = True
+        try:
+            for k, e in stored.items():
+                if k not in sd:
+                    continue
+                v = self.dec(e, f"{key}/{k}", sd[k])
+                restored[k] = v
+                if not isinstance(v, torch.Tensor) or v is not sd[k] or v.data_ptr() not in live:
+                    needs_load = True
+        finally:
+            self.defer = False
+        self.flush()
         if needs_load and not self.dry:  # e.g. extra state, or a state_dict that is not a view of the module
             mod.load_state_dict(restored, strict=False)
 
@@ -465,8 +498,13 @@ class _Restore:
             cur = opt.state.get(p) or {}
             if cur:
                 self.keys(f"{key}/{pn}", e, cur)
-            new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", cur.get(k), p.device)
-                            for k, v in e.items()}
+            self.defer = True
+            try:
+                new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", cur.get(k), p.device)
+                                for k, v in e.items()}
+            finally:
+                self.defer = False
+        self.flush()  # before anything below can look at the state's tensors
         for p, s in opt.state.items():
             if s and id(p) in pos and pnames[pos[id(p)]] not in entry["state"]:
                 self.mismatch(f"{key}/{pnames[pos[id(p)]]}", "has optimizer state in the state, "
