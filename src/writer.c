@@ -755,8 +755,20 @@ static int load_reference(amber_writer *w) {
   if (ensure_ref(w) != 0) return 0;
   if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return 0;
   int ok = same_tensors(w, r);
-  for (size_t i = 0; ok && i < w->n; i++)
-    ok = amber_reader_read(r, i, w->ref[i], w->tensors[i].nbytes) == 0;
+  size_t *idx = ok ? malloc((w->n ? w->n : 1) * sizeof *idx) : NULL;
+  void **bufs = ok ? malloc((w->n ? w->n : 1) * sizeof *bufs) : NULL;
+  uint64_t *sizes = ok ? malloc((w->n ? w->n : 1) * sizeof *sizes) : NULL;
+  ok = ok && idx && bufs && sizes;
+  for (size_t i = 0; ok && i < w->n; i++) {
+    idx[i] = i;
+    bufs[i] = w->ref[i];
+    sizes[i] = w->tensors[i].nbytes;
+  }
+  /* all tensors at once: every chunk a job for the reader's threads */
+  ok = ok && amber_reader_read_many(r, w->n, idx, bufs, sizes) == 0;
+  free(idx);
+  free(bufs);
+  free(sizes);
   amber_reader_close(r);
   return ok;
 }
