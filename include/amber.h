@@ -215,7 +215,10 @@ typedef struct amber_writer_opts {
   uint32_t reserved0;    /* must be zero */
   double full_share;     /* also a full checkpoint once the deltas written since the last
                             full add up to this share of its size; 0 = default (0.5),
-                            negative = never */
+                            negative = never. A single delta that reaches it (dense
+                            changes: the exact policy under Adam makes deltas ~75% of a
+                            full and slower to write) makes the next 1, 2, 4, ... 32
+                            saves full before a delta is tried again */
   uint64_t stage_bytes;  /* host memory for encoded data waiting to be written: when it
                             is full, scan and encode wait for the disk (back-pressure);
                             0 = default (32 MiB), at least 4 MiB. Besides it the writer

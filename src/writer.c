@@ -89,6 +89,7 @@ struct amber_writer {
   int have_latest;
   uint64_t latest_step, latest_state;
   uint64_t deltas_since_full, bytes_since_full, last_full_bytes;
+  uint32_t dense_backoff, fulls_to_go; /* dense deltas: fulls before the next try */
   int cadence_known;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
   amber__save_stats stats; /* of the last save */
@@ -777,6 +778,7 @@ static int want_full(amber_writer *w, uint32_t flags) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
   if (!w->cadence_known) load_cadence(w);
   if (w->opts.full_every != UINT32_MAX && w->deltas_since_full >= w->opts.full_every) return 1;
+  if (w->fulls_to_go) return 1; /* backing off after a dense delta */
   if (w->opts.full_share > 0 && w->last_full_bytes &&
       (double)w->bytes_since_full >= w->opts.full_share * (double)w->last_full_bytes)
     return 1;
@@ -842,9 +844,19 @@ static int run_save(amber_writer *w, uint64_t step) {
   if (w->delta) {
     w->deltas_since_full++;
     w->bytes_since_full += bytes;
+    /* A delta that alone reaches full_share of a full costs about as much to write
+     * and more to restore: write fulls for a while, twice as long each time. */
+    if (w->opts.full_share > 0 && w->last_full_bytes &&
+        (double)bytes >= w->opts.full_share * (double)w->last_full_bytes) {
+      w->dense_backoff = w->dense_backoff ? (w->dense_backoff >= 16 ? 32 : 2 * w->dense_backoff) : 1;
+      w->fulls_to_go = w->dense_backoff;
+    } else {
+      w->dense_backoff = 0;
+    }
   } else {
     w->deltas_since_full = w->bytes_since_full = 0;
     w->last_full_bytes = bytes;
+    if (w->fulls_to_go) w->fulls_to_go--;
   }
   w->cadence_known = 1;
   return 0;

@@ -1036,12 +1036,58 @@ static void test_small_full_share_makes_fulls_more_often(void) {
     kinds_of(S.st, kinds, sizeof kinds);
     for (char *k = kinds; *k; k++) fulls[c] += *k == 'F';
     if (c == 0) {
-      CHECK(!strcmp(kinds, "FDFDFDFDFDFD"));
-      if (strcmp(kinds, "FDFDFDFDFDFD")) DETAIL("full_share=0.01 gave kinds %s\n", kinds);
+      /* each delta alone is above the share: the writer backs off, 1, 2, 4 fulls */
+      CHECK(!strcmp(kinds, "FDFDFFDFFFFD"));
+      if (strcmp(kinds, "FDFDFFDFFFFD")) DETAIL("full_share=0.01 gave kinds %s\n", kinds);
     }
     small_close(&S);
   }
-  CHECK(fulls[0] == 6 && fulls[1] < fulls[0]);
+  CHECK(fulls[0] == 8 && fulls[1] < fulls[0]);
+}
+
+/* Deltas as big as a full (dense changes under the exact policy) are not worth
+ * writing: after one, the writer writes fulls, twice as many each time, up to 32,
+ * and goes back to deltas as soon as one is small again. full_share < 0 keeps
+ * every save a delta. */
+static void test_dense_deltas_back_off_to_fulls_and_recover(void) {
+  for (int c = 0; c < 2; c++) {
+    small S;
+    small_init(&S, 730 + (uint64_t)c);
+    amber_writer_opts wo;
+    amber_writer_opts_init(&wo);
+    wo.full_share = c ? -1 : 0;
+    wo.full_every = UINT32_MAX;
+    small_open(&S, tu_tmpdir(), &wo);
+    uint64_t s = 0;
+    for (int i = 0; S.w && i < 70; i++) { /* every element changes: deltas ~ a full */
+      small_step(&S, 1.0);
+      CHECK_OK(amber_writer_save(S.w, ++s, 0));
+    }
+    for (int i = 0; S.w && i < 40; i++) { /* then 1% of them */
+      small_step(&S, 0.01);
+      CHECK_OK(amber_writer_save(S.w, ++s, 0));
+    }
+    char kinds[200];
+    kinds_of(S.st, kinds, sizeof kinds);
+    if (c == 0) {
+      /* F D F D FF D FFFF D FFFFFFFF D (16 F) D (32 F) D ..., then deltas once small */
+      const char *want = "FDFDFFDFFFFDFFFFFFFFDFFFFFFFFFFFFFFFFDFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFD";
+      CHECK(!strncmp(kinds, want, strlen(want)));
+      if (strncmp(kinds, want, strlen(want))) DETAIL("dense deltas gave kinds %s\n", kinds);
+      /* the first small delta resets the back-off: deltas from then on, up to
+       * full_share's own cadence */
+      size_t fulls_late = 0;
+      for (size_t i = 72; i < strlen(kinds); i++) fulls_late += kinds[i] == 'F';
+      CHECK(fulls_late <= 3 && !strstr(kinds + 72, "FF"));
+      if (fulls_late > 3 || strstr(kinds + 72, "FF"))
+        DETAIL("after the changes became sparse: %s\n", kinds + 70);
+    } else {
+      size_t fulls = 0;
+      for (char *k = kinds; *k; k++) fulls += *k == 'F';
+      CHECK(fulls == 1);
+    }
+    small_close(&S);
+  }
 }
 
 static void test_save_full_flag_forces_a_full(void) {
@@ -1605,6 +1651,7 @@ int main(void) {
   TEST_RUN(test_every_earlier_step_restores_its_own_values);
   TEST_RUN(test_full_every_sets_the_cadence);
   TEST_RUN(test_small_full_share_makes_fulls_more_often);
+  TEST_RUN(test_dense_deltas_back_off_to_fulls_and_recover);
   TEST_RUN(test_save_full_flag_forces_a_full);
   TEST_RUN(test_cadence_continues_across_reopen);
   TEST_RUN(test_reopened_writer_continues_with_deltas);
