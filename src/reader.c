@@ -434,12 +434,12 @@ static void advise_deltas(amber_reader *r) {
 #endif
 }
 
-/* Restores tensor `index` into dst (NULL: only decode and check, for verify). */
-static int restore(amber_reader *r, size_t index, uint8_t *dst) {
+/* Decodes and checks tensor `index` chunk by chunk into the workers' buffers (verify). */
+static int verify_tensor(amber_reader *r, size_t index) {
   advise_deltas(r);
   r->rc = 0;
   r->tensor = index;
-  r->dst = dst;
+  r->dst = NULL;
   amber__pool_for(r->pool, (size_t)r->chain[r->nchain - 1].ix.tensors[index].n_chunks,
                   restore_job, r);
   if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg); /* also the thread's message */
@@ -448,15 +448,7 @@ static int restore(amber_reader *r, size_t index, uint8_t *dst) {
 
 int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
   if (!r || (!buf && size)) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read: NULL");
-  const amber__index *ix = &target(r)->ix;
-  if (index >= ix->n_tensors)
-    return amber__fail(&r->err, AMBER_EINVAL, "tensor index %zu out of range", index);
-  const amber__tensor *tt = &ix->tensors[index];
-  if (size != tt->nbytes)
-    return amber__fail(&r->err, AMBER_EINVAL,
-                       "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64, tt->name,
-                       tt->nbytes, size);
-  return size ? restore(r, index, buf) : 0;
+  return amber_reader_read_many(r, 1, &index, &buf, &size);
 }
 
 int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
@@ -507,6 +499,6 @@ int amber_reader_verify(amber_reader *r) {
    * makes: checksums, frame sizes, decodability. */
   int rc = 0;
   const amber__index *ix = &target(r)->ix;
-  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) rc = restore(r, (size_t)i, NULL);
+  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) rc = verify_tensor(r, (size_t)i);
   return rc;
 }
