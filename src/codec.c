@@ -113,26 +113,43 @@ size_t amber__sparse_bound(size_t n, size_t k, size_t w) {
   return 1 + (bitmap > varints ? bitmap : varints) + k * w;
 }
 
+static uint8_t *put_varint(uint8_t *p, uint32_t g) {
+  while (g >= 0x80) {
+    *p++ = (uint8_t)(g | 0x80);
+    g >>= 7;
+  }
+  *p++ = (uint8_t)g;
+  return p;
+}
+
 size_t amber__sparse_encode(uint8_t *body, const uint32_t *idx, const uint8_t *vals, size_t k,
                             size_t n, size_t w) {
-  size_t bitmap = (n + 7) / 8, varints = 0;
-  for (size_t i = 0; i < k && varints < bitmap; i++)
-    varints += varint_len(i ? idx[i] - idx[i - 1] - 1 : idx[0]);
+  /* The gaps are written as varints while they stay more than one varint (5
+   * bytes) short of the bitmap's size; near that size the rest is only counted,
+   * so the index never runs past what the smaller encoding needs. One pass over
+   * idx in the common, sparse case. */
+  size_t bitmap = (n + 7) / 8, i = 0;
   uint8_t *p = body + 1;
+  const uint8_t *safe = body + 1 + (bitmap > 5 ? bitmap - 5 : 0);
+  for (uint32_t prev = 0; i < k && p < safe; i++) {
+    uint32_t g = idx[i] - prev; /* prev is idx[i - 1] + 1 */
+    prev = idx[i] + 1;
+    if (g < 0x80)
+      *p++ = (uint8_t)g;
+    else
+      p = put_varint(p, g);
+  }
+  size_t varints = (size_t)(p - (body + 1));
+  for (size_t j = i; j < k && varints < bitmap; j++)
+    varints += varint_len(idx[j] - (j ? idx[j - 1] + 1 : 0));
   if (varints < bitmap) {
     body[0] = 1;
-    for (size_t i = 0; i < k; i++) {
-      uint32_t g = i ? idx[i] - idx[i - 1] - 1 : idx[0];
-      while (g >= 0x80) {
-        *p++ = (uint8_t)(g | 0x80);
-        g >>= 7;
-      }
-      *p++ = (uint8_t)g;
-    }
+    for (; i < k; i++) p = put_varint(p, idx[i] - (i ? idx[i - 1] + 1 : 0));
   } else {
     body[0] = 0;
+    p = body + 1;
     memset(p, 0, bitmap);
-    for (size_t i = 0; i < k; i++) p[idx[i] / 8] |= (uint8_t)(1u << (idx[i] % 8));
+    for (size_t j = 0; j < k; j++) p[idx[j] / 8] |= (uint8_t)(1u << (idx[j] % 8));
     p += bitmap;
   }
   amber__shuffle(p, vals, k, w);

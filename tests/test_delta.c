@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "codec.h"
 #include "internal.h"
 #include "scan.h"
 #include "testutil.h"
@@ -1633,6 +1634,97 @@ static void test_policies_hold_through_the_portable_kernels(void) {
   amber__scan_use_simd(2);
 }
 
+/* The sparse body as docs/FORMAT.md describes it, written the obvious way: the
+ * index form is the varint gaps when they are shorter than the bitmap. */
+static size_t reference_sparse_body(uint8_t *body, const uint32_t *idx, const uint8_t *vals,
+                                    size_t k, size_t n, size_t w) {
+  size_t bitmap = (n + 7) / 8, varints = 0, o = 1;
+  for (size_t i = 0; i < k; i++)
+    for (uint32_t g = i ? idx[i] - idx[i - 1] - 1 : idx[0];; g >>= 7) {
+      varints++;
+      if (g < 0x80) break;
+    }
+  body[0] = varints < bitmap;
+  if (body[0]) {
+    for (size_t i = 0; i < k; i++) {
+      uint32_t g = i ? idx[i] - idx[i - 1] - 1 : idx[0];
+      for (; g >= 0x80; g >>= 7) body[o++] = (uint8_t)(g | 0x80);
+      body[o++] = (uint8_t)g;
+    }
+  } else {
+    memset(body + 1, 0, bitmap);
+    for (size_t i = 0; i < k; i++) body[1 + idx[i] / 8] |= (uint8_t)(1u << (idx[i] % 8));
+    o += bitmap;
+  }
+  for (size_t i = 0; i < k; i++)
+    for (size_t b = 0; b < w; b++) body[o + b * k + i] = vals[i * w + b];
+  return o + k * w;
+}
+
+/* amber__sparse_encode writes the reference body byte for byte on both sides of
+ * the bitmap/varint crossover (gaps of 1 to 4 varint bytes, selections from empty
+ * to full), and amber__sparse_apply puts every value back where it came from. */
+static void test_sparse_bodies_match_the_format_across_the_crossover(void) {
+  const size_t sizes[] = {1, 7, 8, 9, 40, 41, 1000, 4099, 70000};
+  const size_t widths[] = {1, 2, 4, 8};
+  uint64_t rng = 0x5eed5;
+  size_t cases = 0, varint_cases = 0;
+  for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+    size_t n = sizes[si];
+    uint32_t *idx = malloc(n * sizeof *idx), *scratch = malloc(n * sizeof *scratch);
+    uint8_t *vals = malloc(n * 8), *dst = malloc(n * 8), *want = malloc(n * 8);
+    size_t cap = amber__sparse_bound(n, n, 8);
+    uint8_t *got = malloc(cap), *ref = malloc(cap);
+    CHECK(idx && scratch && vals && dst && want && got && ref);
+    for (int trial = 0; trial < 60; trial++) {
+      /* densities around 1/8 (the crossover for one-byte gaps) and far from it;
+       * sparse selections have gaps of 2 and 3 bytes */
+      double p = trial < 40 ? 0.05 + 0.0025 * trial : 1.0 / (double)(1 + (trial % 20) * 40);
+      size_t k = 0;
+      for (size_t i = 0; i < n; i++) {
+        rng = rng * 6364136223846793005u + 1442695040888963407u;
+        double u = (double)(rng >> 11) / 9007199254740992.0;
+        if (u < p || (trial % 7 == 3 && i == n - 1)) idx[k++] = (uint32_t)i;
+      }
+      size_t w = widths[trial % 4];
+      for (size_t i = 0; i < k * w; i++) vals[i] = (uint8_t)(rng >> (8 * (i % 8)));
+      size_t glen = amber__sparse_encode(got, idx, vals, k, n, w);
+      size_t rlen = reference_sparse_body(ref, idx, vals, k, n, w);
+      CHECK(glen == rlen);
+      CHECK(glen <= amber__sparse_bound(n, k, w));
+      if (glen != rlen || memcmp(got, ref, rlen) != 0) {
+        fprintf(stderr, "    n=%zu k=%zu w=%zu trial=%d: body differs\n", n, k, w, trial);
+        CHECK(0);
+        break;
+      }
+      varint_cases += got[0] == 1;
+      memset(dst, 0xA5, n * w);
+      memset(want, 0xA5, n * w);
+      for (size_t i = 0; i < k; i++) memcpy(want + (size_t)idx[i] * w, vals + i * w, w);
+      CHECK_OK(amber__sparse_apply(dst, got, glen, n, k, w, scratch));
+      CHECK(memcmp(dst, want, n * w) == 0);
+      cases++;
+    }
+    free(idx), free(scratch), free(vals), free(dst), free(want), free(got), free(ref);
+  }
+  CHECK(varint_cases > 0 && varint_cases < cases); /* both forms were exercised */
+  /* four-byte gaps: three elements of the largest chunk */
+  size_t n = AMBER__MAX_CHUNK_ELEMS, k = 3;
+  uint32_t idx[3] = {0, (1u << 21) + 7, (uint32_t)n - 1}, scratch[3];
+  uint8_t vals[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  uint8_t *got = malloc(amber__sparse_bound(n, k, 4)), *ref = malloc(amber__sparse_bound(n, k, 4));
+  CHECK(got && ref);
+  size_t glen = amber__sparse_encode(got, idx, vals, k, n, 4);
+  CHECK(glen == reference_sparse_body(ref, idx, vals, k, n, 4) && memcmp(got, ref, glen) == 0);
+  CHECK(got[0] == 1 && glen == 1 + 1 + 4 + 4 + 12);
+  uint8_t *dst = calloc(n, 4);
+  CHECK(dst != NULL);
+  CHECK_OK(amber__sparse_apply(dst, got, glen, n, k, 4, scratch));
+  CHECK(memcmp(dst + 4 * (size_t)idx[1], vals + 4, 4) == 0 &&
+        memcmp(dst + 4 * (n - 1), vals + 8, 4) == 0);
+  free(dst), free(got), free(ref);
+}
+
 int main(void) {
   TEST_RUN(test_exact_policy_restores_bit_exact_every_step);
   TEST_RUN(test_threshold_bound_holds_every_step_of_long_chains);
@@ -1657,6 +1749,7 @@ int main(void) {
   TEST_RUN(test_reopened_writer_continues_with_deltas);
   TEST_RUN(test_reopened_writer_with_other_tensors_saves_full);
   TEST_RUN(test_sparse_exact_delta_is_small);
+  TEST_RUN(test_sparse_bodies_match_the_format_across_the_crossover);
   TEST_RUN(test_unchanged_tensors_have_payload_free_chunks);
   TEST_RUN(test_flipped_byte_in_delta_fails_it_and_later_steps);
   TEST_RUN(test_missing_parent_fails_children_with_eparent);
