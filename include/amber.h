@@ -191,7 +191,8 @@ AMBER_API int amber_store_compact(amber_store *st, uint64_t step);
 
 /* Deletes every checkpoint except the newest `keep_last` and the checkpoints
  * their restores need (parents back to a full checkpoint). keep_last >= 1.
- * removed: if not NULL, receives the number of files deleted. */
+ * removed: if not NULL, receives the number of files deleted. A file that cannot
+ * be deleted does not stop the others; the first such failure is returned. */
 AMBER_API int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed);
 
 /* ---- Writer ------------------------------------------------------------------- */
@@ -224,7 +225,10 @@ typedef struct amber_writer_opts {
                             0 = default (32 MiB), at least 4 MiB. Besides it the writer
                             holds the reference state (one copy of the tensors) and, per
                             worker thread, about 7x the largest chunk of scan buffers. */
-  uint64_t reserved[5];  /* must be zero */
+  uint64_t keep_last;    /* retention: after each committed save, remove every checkpoint
+                            except the newest keep_last and those their restores need
+                            (as amber_store_prune); 0 = keep everything */
+  uint64_t reserved[4];  /* must be zero */
 } amber_writer_opts;
 
 AMBER_API void amber_writer_opts_init(amber_writer_opts *opts);
@@ -325,6 +329,14 @@ AMBER_API int amber_writer_wait(amber_writer *w);
  * store is unchanged; the next save reloads the reference), 0 when it had
  * already committed. 0 when no save is in progress. */
 AMBER_API int amber_writer_cancel(amber_writer *w);
+
+/* With keep_last: the outcome of the prune that followed the last committed save.
+ * A failed prune does not fail the save (the checkpoint is committed and durable);
+ * it is tried again after the next save. Returns 0 or the prune's error code;
+ * *removed (may be NULL) receives the number of files it removed, *message (may be
+ * NULL) its error message, owned by the writer and valid until the next save. */
+AMBER_API int amber_writer_prune_status(const amber_writer *w, size_t *removed,
+                                        const char **message);
 
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */

@@ -149,15 +149,19 @@ int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed) {
       k = p - 1;
     }
   }
-  for (size_t i = 0; i < n && !rc; i++) {
+  /* A file that cannot be removed does not stop the others; the first failure
+   * is reported. */
+  for (size_t i = 0; i < n; i++) {
     if (keep[i]) continue;
     char path[4200];
     amber__ckpt_path(st, info[i].step, NULL, path, sizeof path);
-    if (unlink(path) != 0 && errno != ENOENT)
-      rc = amber__fail(&st->err, amber__errno_code(errno), "cannot remove %s: %s", path,
-                       strerror(errno));
-    else if (removed)
+    if (unlink(path) != 0 && errno != ENOENT) {
+      if (!rc)
+        rc = amber__fail(&st->err, amber__errno_code(errno), "cannot remove %s: %s", path,
+                         strerror(errno));
+    } else if (removed) {
       (*removed)++;
+    }
   }
   if (amber__fsync_dir(st->path) != 0 && !rc)
     rc = amber__fail(&st->err, AMBER_EIO, "cannot fsync %s", st->path);

@@ -93,6 +93,9 @@ struct amber_writer {
   int cadence_known;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
   amber__save_stats stats; /* of the last save */
+  int prune_rc;             /* the prune after the last commit (keep_last) */
+  size_t pruned;            /* files it removed */
+  amber__err prune_err;     /* its message when it failed */
   /* the asynchronous save (amber_writer_begin / fence / wait) */
   pthread_mutex_t amu;
   pthread_cond_t acv;
@@ -129,7 +132,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   }
   if (!out || !st) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: NULL argument");
   *out = NULL;
-  for (int i = 0; i < 5; i++)
+  for (int i = 0; i < 4; i++)
     if (opts->reserved[i] || opts->reserved0)
       return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: reserved option set");
   if (opts->stage_bytes && opts->stage_bytes < MIN_STAGE_BYTES)
@@ -814,6 +817,15 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   return 0;
 }
 
+/* Retention after a commit: the store keeps the newest keep_last checkpoints and
+ * what they need. A failure leaves the save committed; it is kept for
+ * amber_writer_prune_status and the next save's prune tries again. */
+static void prune(amber_writer *w) {
+  w->pruned = 0;
+  w->prune_rc = amber_store_prune(w->st, w->opts.keep_last, &w->pruned);
+  if (w->prune_rc) amber__err_adopt(&w->prune_err);
+}
+
 /* Writes and commits the save that start_save set up. */
 static int run_save(amber_writer *w, uint64_t step) {
   double t_start = w->stats.total_s;
@@ -859,7 +871,14 @@ static int run_save(amber_writer *w, uint64_t step) {
     if (w->fulls_to_go) w->fulls_to_go--;
   }
   w->cadence_known = 1;
+  if (w->opts.keep_last) prune(w);
   return 0;
+}
+
+int amber_writer_prune_status(const amber_writer *w, size_t *removed, const char **message) {
+  if (removed) *removed = w ? w->pruned : 0;
+  if (message) *message = w && w->prune_rc ? w->prune_err.msg : NULL;
+  return w ? w->prune_rc : AMBER_EINVAL;
 }
 
 int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {

@@ -30,7 +30,7 @@ from ctypes import (POINTER, Structure, byref, c_char_p, c_double, c_int, c_int3
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 
 __all__ = [
-    "AmberError", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
+    "AmberError", "PruneWarning", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
     "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
     "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
     "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC",
@@ -60,7 +60,7 @@ class _StoreOpts(Structure):
 class _WriterOpts(Structure):
     _fields_ = [("chunk_elems", c_uint64), ("flags", c_uint32), ("zstd_level", c_int32),
                 ("full_every", c_uint32), ("reserved0", c_uint32), ("full_share", c_double),
-                ("stage_bytes", c_uint64), ("reserved", c_uint64 * 5)]
+                ("stage_bytes", c_uint64), ("keep_last", c_uint64), ("reserved", c_uint64 * 4)]
 
 
 class _ReaderOpts(Structure):
@@ -156,6 +156,8 @@ _writer_close = _fn("amber_writer_close", None, _H)
 _writer_begin = _fn("amber_writer_begin", c_int, _H, c_uint64, c_uint32, optional=True)
 _writer_fence = _fn("amber_writer_fence", c_int, _H, optional=True)
 _writer_wait = _fn("amber_writer_wait", c_int, _H, optional=True)
+_writer_prune_status = _fn("amber_writer_prune_status", c_int, _H, POINTER(c_size_t),
+                           POINTER(c_char_p), optional=True)
 HAS_ASYNC = _writer_begin is not None and _writer_fence is not None and _writer_wait is not None
 
 _reader_opts_init = _fn("amber_reader_opts_init", None, POINTER(_ReaderOpts))
@@ -211,6 +213,10 @@ class AmberError(Exception):
         self.name = name if name is not None else (_err_name(code) or b"").decode()
         self.message = message
         super().__init__(f"{self.name}: {message}" if self.name else message)
+
+
+class PruneWarning(UserWarning):
+    """A checkpoint was committed, but removing old ones (keep_last) failed."""
 
 
 def _error(code, handle):
@@ -386,11 +392,13 @@ class Writer(_Handle):
     """Saves checkpoints of tensors that live in caller-owned host memory.
 
     Writer(store, chunk_elems=0, compress_full=False, zstd_level=0, full_every=0,
-    full_share=0.0, stage_bytes=0, direct_io=True); zero means the library's
-    default (full_every: a full checkpoint after 50 deltas; full_share: or once the
-    deltas since the last full add up to 0.5 of it; UINT32_MAX / a negative share
-    mean never; stage_bytes: host memory for encoded data waiting for the disk,
-    32 MiB).
+    full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0); zero means the
+    library's default (full_every: a full checkpoint after 50 deltas; full_share: or
+    once the deltas since the last full add up to 0.5 of it; UINT32_MAX / a negative
+    share mean never; stage_bytes: host memory for encoded data waiting for the
+    disk, 32 MiB; keep_last: keep every checkpoint). keep_last=K: after each
+    committed save, remove all checkpoints but the newest K and those their
+    restores need (see prune_status()).
 
     Ownership: add() and set_data() take a raw address (an int). The library reads
     that memory during save(), and from begin() until fence() (or wait/close)
@@ -398,8 +406,10 @@ class Writer(_Handle):
     reads it otherwise."""
 
     def __init__(self, store, chunk_elems=0, compress_full=False, zstd_level=0,
-                 full_every=0, full_share=0.0, stage_bytes=0, direct_io=True):
+                 full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0):
         super().__init__()
+        if keep_last and _writer_prune_status is None:
+            raise AmberError(-8, "this libamber has no keep_last", name="AMBER_EFORMAT")
         opts = _WriterOpts()
         _writer_opts_init(byref(opts))
         opts.chunk_elems = chunk_elems
@@ -409,6 +419,7 @@ class Writer(_Handle):
         opts.full_every = full_every
         opts.full_share = full_share
         opts.stage_bytes = stage_bytes
+        opts.keep_last = keep_last
         h = _H()
         with store._lock:
             _check(_writer_open(byref(h), store._handle(), byref(opts)), None)
@@ -482,6 +493,18 @@ class Writer(_Handle):
         if HAS_ASYNC:
             with self._lock:
                 _check(_writer_wait(self._handle()), self._h)
+
+
+    def prune_status(self):
+        """With keep_last: (code, removed, message) of the prune after the last
+        committed save. A failed prune (code < 0, message says why) does not fail
+        the save; the next save's prune tries again."""
+        if _writer_prune_status is None:
+            return (0, 0, None)
+        with self._lock:
+            n, msg = c_size_t(), c_char_p()
+            rc = _writer_prune_status(self._handle(), byref(n), byref(msg))
+            return (rc, n.value, msg.value.decode("utf-8", "replace") if msg.value else None)
 
 
 def _save_flags(full, no_reference):

@@ -85,6 +85,7 @@ import json
 import os
 import random
 import time
+import warnings
 import weakref
 
 import torch
@@ -590,13 +591,19 @@ class Checkpointer:
     """Saves and restores training state in the amber store at `path`.
 
     Checkpointer(path, policy=None, full_every=None, full_share=None, rng=True,
-                 readonly=False, threads=0, chunk_elems=0)
+                 readonly=False, threads=0, chunk_elems=0, keep_last=None)
       policy: "exact" (default, also for None), "lossy", a rule, a list of rules or
               a dict {pattern: spec} (see the module's documentation).
       full_every: a full checkpoint after this many deltas (None: library default,
               50). full_share: also once the deltas since the last full add up to
               this share of it (None: library default, 0.5; negative: never).
       rng: save and restore the RNG states (torch, random, numpy).
+      keep_last: retention; after each committed save, remove every checkpoint
+              but the newest keep_last and those their restores need (a delta's
+              parents back to its full checkpoint). None: keep everything. Runs
+              in the background with the save; a failure to remove a file does
+              not fail the save: it is reported as an amber.PruneWarning and
+              tried again after the next save.
       readonly: open the store without its lock, for load() only.
       threads, chunk_elems: passed to the library (0: its defaults).
 
@@ -605,10 +612,15 @@ class Checkpointer:
     "fence" (the wait for the scan), "wait" (the last wait for durability)."""
 
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
-                 readonly=False, threads=0, chunk_elems=0):
+                 readonly=False, threads=0, chunk_elems=0, keep_last=None):
         self._rules = _rules(policy)
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
+        if keep_last:
+            self._wopts["keep_last"] = keep_last
+        self._prune_msg = None
         self.rng = rng
         self.readonly = readonly
         parent = os.path.dirname(os.path.abspath(os.fspath(path)))
@@ -748,6 +760,13 @@ class Checkpointer:
             self._writer.wait()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
+        if "keep_last" in self._wopts:
+            rc, _, msg = self._writer.prune_status()
+            if rc and msg != self._prune_msg:  # once per distinct failure
+                warnings.warn(f"amber: a checkpoint was saved, but old ones could not be "
+                              f"removed (keep_last={self._wopts['keep_last']}): {msg}",
+                              _amber.PruneWarning, stacklevel=2)
+            self._prune_msg = msg if rc else None
 
     def close(self):
         """Waits for the save in progress, removes the optimizer hooks and

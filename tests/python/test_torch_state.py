@@ -3,8 +3,11 @@ momentum: state, step counters, param_groups) keyed by parameter name, LR
 schedulers, RNG states, tensors and plain values; an earlier step restores exactly
 that step's state; mismatched state raises an error naming the key, or is
 skipped with strict=False; a change of the tensor set starts a full checkpoint."""
+import os
 import random
+import warnings
 
+import amber
 import numpy as np
 import pytest
 import torch
@@ -418,3 +421,54 @@ def test_load_reads_a_module_and_an_optimizer_in_batches(store, monkeypatch):
     assert calls["many"] == 2 and calls["tensors"] == 16, calls
     assert calls["one"] == 0, calls
     assert_same(snapshot(model, opt), snapshot(fresh, fopt))
+
+
+def test_keep_last_keeps_the_newest_steps_and_their_chain(store):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 1)  # the optimizer has its state: step 2 is a delta
+    snaps = {}
+    with Checkpointer(store, keep_last=2, full_every=3, full_share=-1) as ck:
+        for step in range(1, 10):  # fulls at 1, 5, 9; deltas between
+            train(model, opt, 1, seed=step)
+            ck.save(step, {"model": model, "optim": opt})
+            snaps[step] = snapshot(model, opt)
+            ck.wait()
+            kept = [c.step for c in ck.steps()]
+            # the newest two and the chain back to the oldest one's full checkpoint
+            oldest = max(1, step - 1)
+            full = max(f for f in (1, 5, 9) if f <= oldest)
+            assert kept == list(range(full, step + 1)), (step, kept)
+        for step in (8, 9, 5):
+            ck.load({"model": model, "optim": opt}, step=step)
+            assert_same(snapshot(model, opt), snaps[step], f"step {step}")
+    with pytest.raises(ValueError, match="keep_last"):
+        Checkpointer(store, keep_last=0)
+
+
+def test_a_failed_prune_warns_and_training_goes_on(store):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 1)  # the optimizer has its state: step 2 is a delta
+    with Checkpointer(store, keep_last=1, full_every=2, full_share=-1) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+        ck.wait()
+        # a directory under step 1's name cannot be removed (unlink: EISDIR)
+        path = os.path.join(ck.path, "ckpt-%020d.amber" % 1)
+        os.remove(path)
+        os.mkdir(path)
+        for step in range(2, 5):  # full at 4: steps 1..3 are no longer needed
+            train(model, opt, 1)
+            ck.save(step, {"model": model, "optim": opt})
+        with pytest.warns(amber.PruneWarning, match="ckpt-00000000000000000001.amber"):
+            ck.wait()
+        steps = ck.steps()
+        assert [c.step for c in steps] == [1, 4]  # 2 and 3 went; 1 could not
+        assert steps[1].kind == "full"
+        os.rmdir(path)
+        train(model, opt, 1)
+        ck.save(5, {"model": model, "optim": opt})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.wait()
+        assert [c.step for c in ck.steps()] == [4, 5]
