@@ -163,10 +163,14 @@ AMBER_API const char *amber_store_path(const amber_store *st);
 #define AMBER_NO_STEP UINT64_MAX
 #define AMBER_LATEST UINT64_MAX
 
+/* amber_ckpt_info.flags: the file's header or footer cannot be read or fails its
+ * checks; kind, parent and hash are then only as far as known. */
+#define AMBER_CKPT_DAMAGED (1u << 0)
+
 typedef struct amber_ckpt_info {
   uint64_t step;
   uint32_t kind;      /* AMBER_KIND_FULL or AMBER_KIND_DELTA */
-  uint32_t reserved0;
+  uint32_t flags;     /* AMBER_CKPT_* */
   uint64_t parent;    /* parent step, AMBER_NO_STEP for a full checkpoint */
   uint64_t bytes;     /* size of the checkpoint's file on disk */
   uint64_t hash;      /* state id (docs/FORMAT.md) */
@@ -175,7 +179,8 @@ typedef struct amber_ckpt_info {
 
 /* Lists committed checkpoints in increasing step order. Reads each file's header
  * and footer (not its data); a checkpoint whose header or footer is damaged is
- * still listed with kind/parent/hash as far as known, and verify reports it.
+ * still listed, flagged AMBER_CKPT_DAMAGED, with kind/parent/hash as far as known,
+ * and verify reports it.
  * out: receives an array to free with amber_free() (NULL when count is 0). */
 AMBER_API int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count);
 

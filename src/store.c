@@ -325,7 +325,10 @@ static int peek_ckpt(amber_store *st, uint64_t step, amber_ckpt_info *info) {
   info->step = step;
   info->parent = AMBER_NO_STEP;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return AMBER_EIO;
+  if (fd < 0) {
+    info->flags |= AMBER_CKPT_DAMAGED;
+    return AMBER_EIO;
+  }
   struct stat sb;
   uint8_t h[AMBER__HEADER_SIZE], f[AMBER__FOOTER_SIZE];
   amber__header hdr;
@@ -344,6 +347,7 @@ static int peek_ckpt(amber_store *st, uint64_t step, amber_ckpt_info *info) {
     }
   }
   close(fd);
+  if (rc) info->flags |= AMBER_CKPT_DAMAGED;
   return rc;
 }
 

@@ -477,6 +477,39 @@ static void store_that_lost_latest_is_reported_damaged(void) {
   result_free(&r);
 }
 
+/* ls shows a checkpoint whose header is damaged as such (table and JSON), not as
+ * a full checkpoint with a zero hash. */
+static void ls_flags_a_damaged_checkpoint(void) {
+  const char *d = tu_tmpdir();
+  char in[4200], store[4200], f4[4300];
+  snprintf(in, sizeof in, "%s/in.safetensors", d);
+  snprintf(store, sizeof store, "%s/store", d);
+  snprintf(f4, sizeof f4, "%s/ckpt-%020d.amber", store, 4);
+  CHECK(write_safetensors(in, all_dtypes, 3, NULL, 11) == 0);
+  result r = cli("import '%s' '%s' --step 4 --full", in, store);
+  CHECK_EXIT(r, 0);
+  result_free(&r);
+  r = cli("import '%s' '%s' --step 5 --full", in, store);
+  CHECK_EXIT(r, 0);
+  result_free(&r);
+  size_t n = 0;
+  uint8_t *b = tu_read_file(f4, &n);
+  CHECK(b && n > 64);
+  if (!b) return;
+  b[20] ^= 0x04; /* inside the header */
+  tu_write_file(f4, b, n);
+  free(b);
+  json_t *ls = cli_json(0, "ls '%s' --json", store);
+  CHECK(json_array_size(ls) == 2);
+  CHECK(json_is_true(json_object_get(json_array_get(ls, 0), "damaged")));
+  CHECK(json_is_false(json_object_get(json_array_get(ls, 1), "damaged")));
+  json_decref(ls);
+  r = cli("ls '%s'", store);
+  CHECK_EXIT(r, 0);
+  CHECK(strstr(r.out, "damaged") != NULL);
+  result_free(&r);
+}
+
 static void usage_errors_exit_2(void) {
   static const char *const bad[] = {
       "",
@@ -652,6 +685,7 @@ int main(void) {
   TEST_RUN(verify_passes_intact_and_names_file_of_flipped_byte);
   TEST_RUN(successive_imports_export_exactly);
   TEST_RUN(store_that_lost_latest_is_reported_damaged);
+  TEST_RUN(ls_flags_a_damaged_checkpoint);
   TEST_RUN(usage_errors_exit_2);
   TEST_RUN(help_and_version_exit_0);
   TEST_RUN(export_failures_exit_1_and_leave_no_file);

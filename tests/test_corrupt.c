@@ -615,6 +615,44 @@ static void test_hostile_sizes_cause_no_big_allocation(void) {
     }
 }
 
+/* Listing reads only headers and footers: a damaged one is listed, flagged
+ * AMBER_CKPT_DAMAGED; intact ones are not flagged. */
+static void test_listing_flags_damaged_headers_and_footers(void) {
+  const char *dir = clone(raw_master);
+  char p[4200];
+  size_t n = 0;
+  path_in(p, dir, F20);
+  uint8_t *b = tu_read_file(p, &n);
+  CHECK(b && n > 200);
+  if (!b) return;
+  b[9] ^= 0x10; /* inside the header */
+  tu_write_file(p, b, n);
+  free(b);
+  path_in(p, dir, F30);
+  b = tu_read_file(p, &n);
+  CHECK(b && n > 200);
+  if (!b) return;
+  b[n - 3] ^= 0x01; /* inside the footer */
+  tu_write_file(p, b, n);
+  free(b);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY;
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, &so));
+  amber_ckpt_info *info = NULL;
+  size_t cnt = 0;
+  CHECK_OK(amber_store_list(st, &info, &cnt));
+  CHECK(cnt == 3);
+  for (size_t i = 0; i < cnt && info; i++) {
+    CHECK(info[i].step == 10 * (i + 1));
+    CHECK(!!(info[i].flags & AMBER_CKPT_DAMAGED) == (i > 0));
+  }
+  CHECK(cnt == 3 && info && info[0].hash != 0);
+  amber_free(info);
+  amber_store_close(st);
+}
+
 static void test_wrong_or_missing_parent_is_detected(void) {
   const char *dir = clone(dlt_master);
   char p[4200], msg[1024];
@@ -647,6 +685,7 @@ int main(void) {
   TEST_RUN(test_appended_bytes_are_detected);
   TEST_RUN(test_missing_file_is_reported_and_older_steps_still_restore);
   TEST_RUN(test_renamed_or_foreign_file_is_detected);
+  TEST_RUN(test_listing_flags_damaged_headers_and_footers);
   TEST_RUN(test_missing_latest_with_checkpoints_is_corruption);
   TEST_RUN(test_malformed_latest_is_detected);
   TEST_RUN(test_latest_state_id_mismatch_is_detected);

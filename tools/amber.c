@@ -621,9 +621,10 @@ static int cmd_ls(const args *a) {
   if (a->json) {
     json_t *arr = json_array();
     for (size_t i = 0; arr && i < n; i++) {
-      json_t *o = json_pack("{s:o,s:s,s:o,s:o,s:o}", "step", ju64(ck[i].step), "kind",
+      json_t *o = json_pack("{s:o,s:s,s:o,s:o,s:o,s:b}", "step", ju64(ck[i].step), "kind",
                             kind_name(ck[i].kind), "parent", jstep_or_null(ck[i].parent),
-                            "bytes", ju64(ck[i].bytes), "hash", jhash(ck[i].hash));
+                            "bytes", ju64(ck[i].bytes), "hash", jhash(ck[i].hash), "damaged",
+                            (ck[i].flags & AMBER_CKPT_DAMAGED) != 0);
       if (json_array_append_new(arr, o) != 0) {
         json_decref(arr);
         arr = NULL;
@@ -637,8 +638,12 @@ static int cmd_ls(const args *a) {
       char parent[24] = "-";
       if (ck[i].parent != AMBER_NO_STEP)
         snprintf(parent, sizeof parent, "%" PRIu64, ck[i].parent);
-      printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %016" PRIx64 "\n", ck[i].step,
-             kind_name(ck[i].kind), parent, ck[i].bytes, ck[i].hash);
+      if (ck[i].flags & AMBER_CKPT_DAMAGED)
+        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  damaged (amber verify says why)\n",
+               ck[i].step, "?", "?", ck[i].bytes);
+      else
+        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %016" PRIx64 "\n", ck[i].step,
+               kind_name(ck[i].kind), parent, ck[i].bytes, ck[i].hash);
     }
   }
   amber_free(ck);
@@ -898,8 +903,9 @@ static const command commands[] = {
      "  --step N           the step (default: the latest)\n"
      "  --json             print the summary as a JSON object\n"},
     {"ls", cmd_ls, OPT_JSON, 1, 0, "STORE [--json]",
-     "Lists the committed checkpoints: step, kind, parent, bytes, hash.\n"
-     "  --json             an array of {step, kind, parent, bytes, hash}\n"},
+     "Lists the committed checkpoints: step, kind, parent, bytes, hash. A file whose\n"
+     "header or footer is damaged is listed as damaged (amber verify says why).\n"
+     "  --json             an array of {step, kind, parent, bytes, hash, damaged}\n"},
     {"info", cmd_info, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
      "Describes one checkpoint and its tensors: dtype, shape, policy, stored bytes and\n"
      "the share of elements stored.\n"

@@ -42,6 +42,7 @@ F32, F16, BF16, F64, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U8, BOOL = range(1, 13
 MAX_DIMS = 8
 OPEN_READONLY = 1 << 0
 OPEN_NOCREATE = 1 << 1
+CKPT_DAMAGED = 1 << 0
 WRITER_COMPRESS_FULL = 1 << 0
 WRITER_NO_DIRECT_IO = 1 << 1
 SAVE_FULL = 1 << 0
@@ -68,7 +69,7 @@ class _ReaderOpts(Structure):
 
 
 class _CkptInfo(Structure):
-    _fields_ = [("step", c_uint64), ("kind", c_uint32), ("reserved0", c_uint32),
+    _fields_ = [("step", c_uint64), ("kind", c_uint32), ("flags", c_uint32),
                 ("parent", c_uint64), ("bytes", c_uint64), ("hash", c_uint64),
                 ("reserved", c_uint64 * 3)]
 
@@ -243,8 +244,9 @@ def _name_bytes(name):
 
 class CheckpointInfo:
     """One committed checkpoint: step, kind ("full"/"delta"), parent (step or None),
-    bytes (its file's size) and hash (its state id)."""
-    __slots__ = ("step", "kind", "parent", "bytes", "hash")
+    bytes (its file's size), hash (its state id) and damaged (its header or footer
+    cannot be read: kind, parent and hash only as far as known; verify says why)."""
+    __slots__ = ("step", "kind", "parent", "bytes", "hash", "damaged")
 
     def __init__(self, c):
         self.step = c.step
@@ -252,10 +254,11 @@ class CheckpointInfo:
         self.parent = None if c.parent == NO_STEP else c.parent
         self.bytes = c.bytes
         self.hash = c.hash
+        self.damaged = bool(c.flags & CKPT_DAMAGED)
 
     def __repr__(self):
         return (f"CheckpointInfo(step={self.step}, kind={self.kind!r}, parent={self.parent}, "
-                f"bytes={self.bytes})")
+                f"bytes={self.bytes}{', damaged' if self.damaged else ''})")
 
 
 class TensorInfo:

@@ -141,3 +141,21 @@ def test_library_is_found_through_amber_library(tmp_path):
 def test_dtype_helpers():
     assert amber.dtype_size(amber.BF16) == 2 and amber.dtype_name(amber.F8_E4M3) == "f8_e4m3"
     assert amber.dtype_from_name("i64") == amber.I64 and amber.dtype_name(99) is None
+
+
+def test_listing_flags_a_damaged_checkpoint(store):
+    a, addr, n = _buf(range(1000))
+    with amber.Store(store) as st:
+        w = st.writer()
+        w.add("x", amber.F32, (1000,), addr)
+        w.save(1)
+        w.save(2, full=True)
+        w.close()
+        with open(os.path.join(st.path, "ckpt-%020d.amber" % 1), "r+b") as f:
+            f.seek(12)
+            b = f.read(1)
+            f.seek(12)
+            f.write(bytes([b[0] ^ 0x20]))  # inside the header
+        infos = st.list()
+        assert [(c.step, c.damaged) for c in infos] == [(1, True), (2, False)]
+        assert "damaged" in repr(infos[0]) and "damaged" not in repr(infos[1])
