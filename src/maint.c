@@ -111,25 +111,29 @@ int amber_store_compact(amber_store *st, uint64_t step) {
   amber__ckpt_path(st, ci.step, ".tmp", tmp, sizeof tmp);
   rc = write_compacted(st, r, ix, ci.hash, tmp);
   amber_reader_close(r);
-  if (!rc) rc = amber__commit_file(st, tmp, ci.step);
+  if (!rc) rc = amber__commit_file(st, &st->err, tmp, ci.step);
   return rc;
 }
 
 int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed) {
   if (!st) return amber__fail(NULL, AMBER_EINVAL, "amber_store_prune: NULL store");
+  return amber__store_prune(st, &st->err, keep_last, removed);
+}
+
+int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_t *removed) {
   if (removed) *removed = 0;
   if (keep_last == 0)
-    return amber__fail(&st->err, AMBER_EINVAL, "prune must keep at least one checkpoint");
+    return amber__fail(e, AMBER_EINVAL, "prune must keep at least one checkpoint");
   if (st->lockfd < 0)
-    return amber__fail(&st->err, AMBER_EREADONLY, "store %s is open read-only", st->path);
+    return amber__fail(e, AMBER_EREADONLY, "store %s is open read-only", st->path);
   amber_ckpt_info *info = NULL;
   size_t n = 0;
-  int rc = amber_store_list(st, &info, &n);
+  int rc = amber__store_list(st, e, &info, &n);
   if (rc) return rc;
   char *keep = calloc(n ? n : 1, 1);
   if (!keep) {
     amber_free(info);
-    return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+    return amber__fail(e, AMBER_ENOMEM, "out of memory");
   }
   /* Keep the newest K and everything their restores need (parents, back to a
    * full checkpoint). A damaged file's parent is unknown: keep everything older
@@ -157,14 +161,14 @@ int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed) {
     amber__ckpt_path(st, info[i].step, NULL, path, sizeof path);
     if (unlink(path) != 0 && errno != ENOENT) {
       if (!rc)
-        rc = amber__fail(&st->err, amber__errno_code(errno), "cannot remove %s: %s", path,
+        rc = amber__fail(e, amber__errno_code(errno), "cannot remove %s: %s", path,
                          strerror(errno));
     } else if (removed) {
       (*removed)++;
     }
   }
   if (amber__fsync_dir(st->path) != 0 && !rc)
-    rc = amber__fail(&st->err, AMBER_EIO, "cannot fsync %s", st->path);
+    rc = amber__fail(e, AMBER_EIO, "cannot fsync %s", st->path);
   free(keep);
   amber_free(info);
   return rc;

@@ -109,7 +109,7 @@ int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
   /* Fallback: the newest step <= the requested one that opens and verifies. */
   amber_ckpt_info *info = NULL;
   size_t n = 0, skipped = 0;
-  int rc = amber_store_list(st, &info, &n);
+  int rc = amber__store_list(st, NULL, &info, &n);
   if (rc) return rc;
   char first[AMBER__ERRLEN] = "";
   uint64_t first_step = 0;
@@ -157,8 +157,7 @@ static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   }
   uint64_t latest, latest_state;
-  int rc = amber__store_state(st, &latest, &latest_state);
-  if (rc) amber__err_adopt(&r->err);
+  int rc = amber__store_state(st, &r->err, &latest, &latest_state);
   if (!rc && step == AMBER_LATEST) step = latest;
   if (!rc && step > latest)
     rc = amber__fail(&r->err, AMBER_ENOENT,

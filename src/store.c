@@ -44,19 +44,19 @@ static int parse_ckpt_name(const char *name, const char *suffix, uint64_t *step)
   return 1;
 }
 
-int amber__read_latest(amber_store *st, uint64_t *step, uint64_t *state) {
+int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state) {
   char path[4200], buf[128];
   snprintf(path, sizeof path, "%s/LATEST", st->path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return AMBER_ENOENT;
-    return amber__fail(&st->err, amber__errno_code(errno), "cannot open %s: %s", path,
+    return amber__fail(e, amber__errno_code(errno), "cannot open %s: %s", path,
                        strerror(errno));
   }
   ssize_t n = read(fd, buf, sizeof buf - 1);
   close(fd);
   if (n < 0)
-    return amber__fail(&st->err, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
+    return amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
   buf[n] = 0;
   if (strlen(buf) != (size_t)n) n = 0; /* a NUL inside: malformed */
   char *end;
@@ -75,53 +75,53 @@ int amber__read_latest(amber_store *st, uint64_t *step, uint64_t *state) {
     }
   }
   if (!ok)
-    return amber__fail(&st->err, AMBER_ECORRUPT,
+    return amber__fail(e, AMBER_ECORRUPT,
                        "%s is malformed (expected '<step> <16 hex digits>')", path);
   *step = s;
   *state = id;
   return 0;
 }
 
-int amber__write_latest(amber_store *st, uint64_t step, uint64_t state) {
+int amber__write_latest(amber_store *st, amber__err *e, uint64_t step, uint64_t state) {
   char tmp[4200], dst[4200], line[64];
   snprintf(tmp, sizeof tmp, "%s/LATEST.tmp", st->path);
   snprintf(dst, sizeof dst, "%s/LATEST", st->path);
   int n = snprintf(line, sizeof line, "%" PRIu64 " %016" PRIx64 "\n", step, state);
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0)
-    return amber__fail(&st->err, amber__errno_code(errno), "cannot create %s: %s", tmp,
+    return amber__fail(e, amber__errno_code(errno), "cannot create %s: %s", tmp,
                        strerror(errno));
   if (amber__write_full(fd, line, (size_t)n) != 0 || fsync(fd) != 0) {
     int err = errno;
     close(fd);
     unlink(tmp);
-    return amber__fail(&st->err, amber__errno_code(err), "cannot write %s: %s", tmp,
+    return amber__fail(e, amber__errno_code(err), "cannot write %s: %s", tmp,
                        strerror(err));
   }
   close(fd);
   if (rename(tmp, dst) != 0) {
     int err = errno;
     unlink(tmp);
-    return amber__fail(&st->err, amber__errno_code(err), "cannot rename %s: %s", tmp,
+    return amber__fail(e, amber__errno_code(err), "cannot rename %s: %s", tmp,
                        strerror(err));
   }
   if (amber__fsync_dir(st->path) != 0)
-    return amber__fail(&st->err, amber__errno_code(errno), "cannot fsync %s: %s", st->path,
+    return amber__fail(e, amber__errno_code(errno), "cannot fsync %s: %s", st->path,
                        strerror(errno));
   return 0;
 }
 
-int amber__commit_file(amber_store *st, const char *tmp, uint64_t step) {
+int amber__commit_file(amber_store *st, amber__err *e, const char *tmp, uint64_t step) {
   char dst[4200];
   amber__ckpt_path(st, step, NULL, dst, sizeof dst);
   if (rename(tmp, dst) != 0) {
     int err = errno;
     unlink(tmp);
-    return amber__fail(&st->err, amber__errno_code(err), "cannot rename %s to %s: %s", tmp,
+    return amber__fail(e, amber__errno_code(err), "cannot rename %s to %s: %s", tmp,
                        dst, strerror(err));
   }
   if (amber__fsync_dir(st->path) != 0)
-    return amber__fail(&st->err, amber__errno_code(errno), "cannot fsync %s: %s", st->path,
+    return amber__fail(e, amber__errno_code(errno), "cannot fsync %s: %s", st->path,
                        strerror(errno));
   return 0;
 }
@@ -143,18 +143,18 @@ static size_t count_ckpt_files(amber_store *st, uint64_t *only) {
   return n;
 }
 
-int amber__store_state(amber_store *st, uint64_t *step, uint64_t *state) {
-  int rc = amber__read_latest(st, step, state);
+int amber__store_state(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state) {
+  int rc = amber__read_latest(st, e, step, state);
   if (rc != AMBER_ENOENT) return rc;
   /* No LATEST: one checkpoint file is what a crash in the very first commit
    * leaves (never committed: the store is empty); more cannot come from a crash. */
   size_t n = count_ckpt_files(st, NULL);
   if (n >= 2)
-    return amber__fail(&st->err, AMBER_ECORRUPT,
+    return amber__fail(e, AMBER_ECORRUPT,
                        "%s/LATEST is missing but the store holds %zu checkpoint files "
                        "(restore LATEST, or move the files away)",
                        st->path, n);
-  return amber__fail(&st->err, AMBER_ENOENT, "store %s has no committed checkpoint", st->path);
+  return amber__fail(e, AMBER_ENOENT, "store %s has no committed checkpoint", st->path);
 }
 
 /* 1 when checkpoint `step`'s file exists and its footer holds `state`. */
@@ -180,7 +180,7 @@ static int latest_file_matches(amber_store *st, uint64_t step, uint64_t state) {
  * committed checkpoint look uncommitted. Called with the lock held. */
 static int clean_stale(amber_store *st) {
   uint64_t latest = 0, state = 0, lone = 0;
-  int rc = amber__read_latest(st, &latest, &state);
+  int rc = amber__read_latest(st, &st->err, &latest, &state);
   int trust = rc == 0 && latest_file_matches(st, latest, state);
   int first_commit = rc == AMBER_ENOENT && count_ckpt_files(st, &lone) == 1;
   DIR *d = opendir(st->path);
@@ -277,7 +277,7 @@ void amber_store_close(amber_store *st) {
 
 int amber_store_latest(amber_store *st, uint64_t *step) {
   uint64_t state;
-  return amber__store_state(st, step, &state);
+  return amber__store_state(st, &st->err, step, &state);
 }
 
 static int cmp_u64(const void *a, const void *b) {
@@ -286,17 +286,18 @@ static int cmp_u64(const void *a, const void *b) {
 }
 
 /* Steps of the committed checkpoint files, sorted. */
-static int list_steps(amber_store *st, uint64_t latest, uint64_t **out, size_t *count) {
+static int list_steps(amber_store *st, amber__err *e, uint64_t latest, uint64_t **out,
+                      size_t *count) {
   DIR *d = opendir(st->path);
   if (!d)
-    return amber__fail(&st->err, amber__errno_code(errno), "cannot list %s: %s", st->path,
+    return amber__fail(e, amber__errno_code(errno), "cannot list %s: %s", st->path,
                        strerror(errno));
   size_t n = 0, cap = 64;
   uint64_t *steps = malloc(cap * sizeof *steps);
-  struct dirent *e;
-  while (steps && (e = readdir(d))) {
+  struct dirent *de;
+  while (steps && (de = readdir(d))) {
     uint64_t step;
-    if (!parse_ckpt_name(e->d_name, "", &step) || step > latest) continue;
+    if (!parse_ckpt_name(de->d_name, "", &step) || step > latest) continue;
     if (n == cap) {
       uint64_t *grown = realloc(steps, 2 * cap * sizeof *steps);
       if (!grown) {
@@ -310,7 +311,7 @@ static int list_steps(amber_store *st, uint64_t latest, uint64_t **out, size_t *
     steps[n++] = step;
   }
   closedir(d);
-  if (!steps) return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+  if (!steps) return amber__fail(e, AMBER_ENOMEM, "out of memory");
   qsort(steps, n, sizeof *steps, cmp_u64);
   *out = steps;
   *count = n;
@@ -351,25 +352,31 @@ static int peek_ckpt(amber_store *st, uint64_t step, amber_ckpt_info *info) {
   return rc;
 }
 
-int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count) {
+int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, size_t *count) {
   *out = NULL;
   *count = 0;
   uint64_t latest, state, *steps = NULL;
   size_t n = 0;
-  int rc = amber__store_state(st, &latest, &state);
+  int rc = amber__store_state(st, e, &latest, &state);
   if (rc == AMBER_ENOENT) return 0;
   if (rc) return rc;
-  if ((rc = list_steps(st, latest, &steps, &n))) return rc;
+  if ((rc = list_steps(st, e, latest, &steps, &n))) return rc;
   amber_ckpt_info *info = calloc(n ? n : 1, sizeof *info);
   if (!info) {
     free(steps);
-    return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+    return amber__fail(e, AMBER_ENOMEM, "out of memory");
   }
   for (size_t i = 0; i < n; i++) peek_ckpt(st, steps[i], &info[i]);
   free(steps);
   *out = info;
   *count = n;
   return 0;
+}
+
+int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count) {
+  if (!st || !out || !count)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_store_list: NULL argument");
+  return amber__store_list(st, &st->err, out, count);
 }
 
 /* ---- one checkpoint file ---- */

@@ -164,7 +164,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   st->writers++;
   /* A damaged store (LATEST lost) is refused: saving into it would make its
    * checkpoints look uncommitted, and the next writer would remove them. */
-  int rc = amber__store_state(st, &w->latest_step, &w->latest_state);
+  int rc = amber__store_state(st, &w->err, &w->latest_step, &w->latest_state);
   if (rc == 0) {
     w->have_latest = 1;
   } else if (rc != AMBER_ENOENT) {
@@ -735,7 +735,7 @@ static void load_cadence(amber_writer *w) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
   w->deltas_since_full = w->bytes_since_full = w->last_full_bytes = 0;
-  if (amber_store_list(w->st, &info, &n) == 0) {
+  if (amber__store_list(w->st, NULL, &info, &n) == 0) {
     uint64_t want = w->latest_step;
     for (size_t i = n; i-- > 0;) {
       if (info[i].step != want) continue;
@@ -822,8 +822,7 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
  * amber_writer_prune_status and the next save's prune tries again. */
 static void prune(amber_writer *w) {
   w->pruned = 0;
-  w->prune_rc = amber_store_prune(w->st, w->opts.keep_last, &w->pruned);
-  if (w->prune_rc) amber__err_adopt(&w->prune_err);
+  w->prune_rc = amber__store_prune(w->st, &w->prune_err, w->opts.keep_last, &w->pruned);
 }
 
 /* Writes and commits the save that start_save set up. */
@@ -839,11 +838,9 @@ static int run_save(amber_writer *w, uint64_t step) {
   int rc = write_file(w, tmp, step, &state, &bytes);
   mark_scanned(w); /* also when write_file failed early */
   double t_commit = now_s();
-  if (!rc && (rc = amber__commit_file(w->st, tmp, step)) != 0) amber__err_adopt(&w->err);
-  if (!rc && (rc = amber__write_latest(w->st, step, state)) != 0) {
-    amber__err_adopt(&w->err);
+  if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
+  if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
     unlink(dst); /* never committed; keep the store as it was */
-  }
   if (rc) return rc;
   w->stats.commit_s = now_s() - t_commit;
   w->stats.total_s = now_s() - t_start;

@@ -3,6 +3,7 @@
  * afterwards, compaction keeps later deltas and LATEST valid, prune never removes
  * a file that a kept step needs, and both refuse what they must.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -263,12 +264,41 @@ static void test_failed_prune_does_not_fail_the_save(void) {
   amber_store_close(st);
 }
 
+/* Readers are separate handles: opened from two threads on one store handle,
+ * each reports its own failure (under TSan: no shared message buffer is written). */
+static void *open_empty_readers(void *arg) {
+  amber_store *st = arg;
+  for (int i = 0; i < 200; i++) {
+    amber_reader *r = NULL;
+    int rc = amber_reader_open(&r, st, AMBER_LATEST, NULL);
+    if (rc != AMBER_ENOENT || r != NULL || !strstr(amber_last_error(NULL), "no committed")) {
+      fprintf(stderr, "    reader of an empty store: rc %d, \"%s\"\n", rc, amber_last_error(NULL));
+      return (void *)1;
+    }
+  }
+  return NULL;
+}
+
+static void test_readers_opened_in_parallel_report_their_own_failures(void) {
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, tu_tmpdir(), NULL));
+  pthread_t t[2];
+  for (int i = 0; i < 2; i++) CHECK(pthread_create(&t[i], NULL, open_empty_readers, st) == 0);
+  for (int i = 0; i < 2; i++) {
+    void *bad = NULL;
+    pthread_join(t[i], &bad);
+    CHECK(bad == NULL);
+  }
+  amber_store_close(st);
+}
+
 int main(void) {
   TEST_RUN(test_compact_keeps_every_step_identical);
   TEST_RUN(test_writer_continues_after_compaction);
   TEST_RUN(test_prune_keeps_what_kept_steps_need);
   TEST_RUN(test_writer_keep_last_prunes_after_every_save);
   TEST_RUN(test_failed_prune_does_not_fail_the_save);
+  TEST_RUN(test_readers_opened_in_parallel_report_their_own_failures);
   TEST_RUN(test_maintenance_needs_a_writable_store);
   TEST_RUN(test_compact_refuses_a_damaged_chain);
   return tu_finish();
