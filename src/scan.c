@@ -5,7 +5,7 @@
  *
  * The common case, f32 under threshold or budget, runs as one fused loop on
  * x86-64: AVX-512 (sixteen elements a step, the selected ones compressed into the
- * outputs and into the reference with masked stores, no branch) or AVX2 (32
+ * outputs with masked stores, no branch on the selection) or AVX2 (32
  * elements a step, flags as a bit mask, only set bits visited), chosen at run
  * time. Everything else takes the portable kernels: the chunk is walked in
  * blocks of 256 elements; for each block a flag kernel, written as a plain loop
@@ -322,23 +322,31 @@ __attribute__((target("avx2"))) static size_t scan_f32_avx2(const amber__scan_ar
   return k;
 }
 
-/* The same with AVX-512: sixteen elements per step and no branch at all;
- * the selected indices, values, old values and keys are compressed into the
- * output with masked stores, and the reference takes the new values with a
- * masked store of only the selected lanes. */
+/* The same with AVX-512: sixteen elements per step. The selected indices and
+ * values (and, for a budget, keys) are compressed into the outputs with masked
+ * stores, with no branch on the selection. A threshold moves the selected lanes
+ * into the reference with a masked store; a budget leaves the reference alone
+ * (its cut then writes only the kept ones, see cut4_avx512), which saves the old
+ * values' store. A non-finite change (either side non-finite, or an overflow)
+ * is the only lane that needs the full rule: it shows as a non-finite |x - r|,
+ * so the common step tests one mask and takes a rarely taken branch. */
 __attribute__((target("avx512f"))) static size_t scan_f32_avx512(const amber__scan_args *a,
                                                                  float abs_, float rel,
-                                                                 float cap, int keep_old) {
+                                                                 float cap, int budget) {
   const uint8_t *x = a->live;
   uint8_t *r = a->ref;
   size_t n = a->n, k = 0;
   const __m512 vabs = _mm512_set1_ps(abs_), vrel = _mm512_set1_ps(rel),
-               vcap = _mm512_set1_ps(cap), tiny = _mm512_set1_ps(0x1p-149f);
+               vcap = _mm512_set1_ps(cap), tiny = _mm512_set1_ps(0x1p-149f),
+               zero = _mm512_setzero_ps();
   const __m512i expo = _mm512_set1_epi32((int)EXP32), absm = _mm512_set1_epi32(0x7fffffff),
                 forcedk = _mm512_set1_epi32((int)AMBER__KEY_FORCED),
                 lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  /* max(abs - tiny, 0): the bound of every finite reference when rel is 0 */
+  const __m512 bconst = _mm512_max_ps(_mm512_sub_ps(vabs, tiny), zero);
+  const int use_rel = rel != 0;
   uint32_t *idx = a->idx, *keys = a->keys;
-  float *vals = (float *)(void *)a->vals, *olds = (float *)(void *)a->olds;
+  float *vals = (float *)(void *)a->vals;
   for (size_t i = 0; i < n; i += 16) {
     const float *xp = (const float *)(const void *)(x + 4 * i);
     float *rp = (float *)(void *)(r + 4 * i);
@@ -351,15 +359,24 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512(const amber__sc
       vx = _mm512_maskz_loadu_ps(in, xp);
       vr = _mm512_maskz_loadu_ps(in, rp);
     }
-    __m512i xi = _mm512_castps_si512(vx), ri = _mm512_castps_si512(vr);
-    __m512 d = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(vx, vr)), absm));
-    __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(ri, absm));
-    __m512 b = _mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, ar)), tiny);
-    b = _mm512_max_ps(b, _mm512_setzero_ps()); /* max(NaN, 0) is 0 */
-    __mmask16 nf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(xi, expo), expo) |
-                   _mm512_cmpeq_epi32_mask(_mm512_and_si512(ri, expo), expo);
-    __mmask16 forced = nf & _mm512_cmpneq_epi32_mask(xi, ri);
-    __mmask16 sel = _mm512_cmp_ps_mask(d, b, _CMP_GT_OQ) | forced;
+    __m512i di = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(vx, vr)), absm);
+    __m512 d = _mm512_castsi512_ps(di);
+    __m512 b = bconst;
+    if (use_rel) {
+      __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vr), absm));
+      b = _mm512_max_ps(_mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, ar)), tiny), zero);
+    }
+    __mmask16 sel = _mm512_cmp_ps_mask(d, b, _CMP_GT_OQ), forced = 0;
+    if (__builtin_expect(_mm512_cmpeq_epi32_mask(_mm512_and_si512(di, expo), expo) != 0, 0)) {
+      /* the full rule: a change to or from NaN/Inf is forced; max(NaN, 0) is 0 */
+      __m512i xi = _mm512_castps_si512(vx), ri = _mm512_castps_si512(vr);
+      __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(ri, absm));
+      b = _mm512_max_ps(_mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, ar)), tiny), zero);
+      __mmask16 nf = _mm512_cmpeq_epi32_mask(_mm512_and_si512(xi, expo), expo) |
+                     _mm512_cmpeq_epi32_mask(_mm512_and_si512(ri, expo), expo);
+      forced = nf & _mm512_cmpneq_epi32_mask(xi, ri);
+      sel = _mm512_cmp_ps_mask(d, b, _CMP_GT_OQ) | forced;
+    }
     /* no branch on sel: at a few percent selected, a third of the steps select
      * something, and the mispredictions cost more than the stores */
     unsigned c = (unsigned)__builtin_popcount(sel);
@@ -368,25 +385,38 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512(const amber__sc
                              _mm512_maskz_compress_epi32(sel, _mm512_add_epi32(
                                                                   lanes, _mm512_set1_epi32((int)i))));
     _mm512_mask_storeu_ps(vals + k, pre, _mm512_maskz_compress_ps(sel, vx));
-    if (keep_old) {
+    if (budget) {
       __mmask16 fk = forced | _mm512_cmp_ps_mask(d, vcap, _CMP_GT_OQ);
-      __m512i key = _mm512_mask_blend_epi32(fk, _mm512_castps_si512(d), forcedk);
-      _mm512_mask_storeu_ps(olds + k, pre, _mm512_maskz_compress_ps(sel, vr));
+      __m512i key = _mm512_mask_blend_epi32(fk, di, forcedk);
       _mm512_mask_storeu_epi32(keys + k, pre, _mm512_maskz_compress_epi32(sel, key));
+    } else {
+      _mm512_mask_storeu_ps(rp, sel, vx);
     }
-    _mm512_mask_storeu_ps(rp, sel, vx);
     k += c;
   }
   return k;
 }
 
-/* cut4 with AVX-512: sixteen candidates per step; the kept ones are compressed
- * to the front, the others' old values scattered back into the reference. */
+/* After scan_f32_avx512 under a budget that kept every candidate: the reference
+ * takes their new values. */
+__attribute__((target("avx512f"))) static void put_all_avx512(const amber__scan_args *a,
+                                                              size_t k) {
+  float *ref = (float *)a->ref;
+  const float *vals = (const float *)(const void *)a->vals;
+  for (size_t i = 0; i < k; i += 16) {
+    __mmask16 in = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+    _mm512_mask_i32scatter_ps(ref, in, _mm512_maskz_loadu_epi32(in, a->idx + i),
+                              _mm512_maskz_loadu_ps(in, vals + i), 4);
+  }
+}
+
+/* cut4 after scan_f32_avx512: sixteen candidates per step; the kept ones are
+ * compressed to the front and their new values scattered into the reference
+ * (which still holds every old value). */
 __attribute__((target("avx512f"))) static size_t cut4_avx512(const amber__scan_args *a, size_t k,
                                                              int cut, size_t partial) {
   size_t out = 0;
   float *ref = (float *)a->ref, *vals = (float *)(void *)a->vals;
-  const float *olds = (const float *)(const void *)a->olds;
   const __m512i forcedk = _mm512_set1_epi32((int)AMBER__KEY_FORCED),
                 vcut = _mm512_set1_epi32(cut);
   for (size_t i = 0; i < k; i += 16) {
@@ -411,9 +441,7 @@ __attribute__((target("avx512f"))) static size_t cut4_avx512(const amber__scan_a
     }
     __m512i ix = _mm512_maskz_loadu_epi32(in, a->idx + i);
     __m512 v = _mm512_maskz_loadu_ps(in, vals + i);
-    __mmask16 back = in & (__mmask16)~keep;
-    if (back)
-      _mm512_mask_i32scatter_ps(ref, back, ix, _mm512_maskz_loadu_ps(back, olds + i), 4);
+    _mm512_mask_i32scatter_ps(ref, keep, ix, v, 4);
     unsigned c = (unsigned)__builtin_popcount(keep);
     __mmask16 pre = (__mmask16)((1u << c) - 1);
     _mm512_mask_storeu_epi32(a->idx + out, pre, _mm512_maskz_compress_epi32(keep, ix));
@@ -645,6 +673,9 @@ static size_t finish(const amber__scan_args *a, size_t k, size_t w, int level, i
                      const float band[2]) {
   if (a->kind != AMBER__SCAN_BUDGET) return k;
   if (k > a->budget) return budget_cut(a, k, w, level);
+#ifdef HAVE_F32_AVX2
+  if (level == 2) put_all_avx512(a, k); /* its pass left the reference alone */
+#endif
   if (strict && k < a->budget) {
     size_t m = fill_band(a, w, band, a->budget - k, a->keys, a->olds);
     merge_fill(a, w, k, a->keys, a->olds, m);
@@ -688,7 +719,7 @@ size_t amber__scan(const amber__scan_args *a) {
   if (level > __atomic_load_n(&use_simd, __ATOMIC_RELAXED))
     level = __atomic_load_n(&use_simd, __ATOMIC_RELAXED);
   if (level) {
-    p.k = level == 2 ? scan_f32_avx512(a, abs_f, rel_f, cap_f, p.keep_old)
+    p.k = level == 2 ? scan_f32_avx512(a, abs_f, rel_f, cap_f, a->kind == AMBER__SCAN_BUDGET)
                      : scan_f32_avx2(a, abs_f, rel_f, cap_f, p.keep_old);
     return finish(a, p.k, w, level, strict, band);
   }

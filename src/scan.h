@@ -25,7 +25,8 @@ typedef struct amber__scan_args {
   uint32_t *keys;     /* scratch for budget, n entries */
   uint32_t *idx;      /* out: selected indices, up to n */
   uint8_t *vals;      /* out: selected live values, up to n * width bytes */
-  uint8_t *olds;      /* out (exact, budget): their previous reference values */
+  uint8_t *olds;      /* out (exact): their previous reference values; scratch for
+                         budget, n * width bytes */
 } amber__scan_args;
 
 /* Selects the elements a delta stores under the policy, gathers their indices
