@@ -21,15 +21,20 @@ Measured, each as the median of several repetitions:
     delta (its chain: a full checkpoint and the deltas after it), into the live
     model and optimizer. Both read cold files: the script drops them from the page
     cache first (posix_fadvise DONTNEED; amber writes with O_DIRECT anyway).
+  - bounds: reading the state twice (a delta's scan reads the live state and the
+    reference once) and writing a full checkpoint's bytes with O_DIRECT + fsync
+    (the disk's pace); the ratios above cannot exceed torch.save's time over these.
 
     torch_bench.py [--out bench-out] [--policy lossy] [--deltas 5] [--lr 1e-4]
 """
 import argparse
 import gc
 import glob
+import mmap
 import os
 import shutil
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,6 +116,62 @@ def torch_save(path, model, opt):
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - t0
+
+
+def state_tensors(model, opt):
+    """The tensors a checkpoint of the state holds (weights, moments)."""
+    ts = [p.data for p in model.parameters()]
+    for st in opt.state.values():
+        ts += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+    return ts
+
+
+def read_floor(tensors, reps=3):
+    """Seconds to read the state twice (stands for the live state and the
+    reference, which every delta's scan reads once): a sum over every tensor and
+    over a copy of it, on all threads. No delta save can be faster than this."""
+    copies = [t.clone() for t in tensors]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for t in tensors:
+            t.sum()
+        for t in copies:
+            t.sum()
+        times.append(time.perf_counter() - t0)
+    del copies
+    gc.collect()
+    return median(times)
+
+
+def direct_write(path, nbytes, piece=8 << 20, inflight=2, reps=3):
+    """Seconds to write `nbytes` to a new file with O_DIRECT, `inflight` writes at
+    once (as amber does), then fsync: the disk's own pace, which a full save of
+    raw bytes cannot beat. None where the file system refuses O_DIRECT."""
+    buf = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
+    buf.write(bytes(range(256)) * (piece // 256))
+    n = (nbytes + piece - 1) // piece
+    times = []
+    for _ in range(reps):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except (OSError, AttributeError):
+            return None
+        try:
+            t0 = time.perf_counter()
+            workers = [threading.Thread(target=lambda k: [os.pwrite(fd, buf, i * piece)
+                                                          for i in range(k, n, inflight)],
+                                        args=(k,)) for k in range(inflight)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            os.fsync(fd)
+            times.append(time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+            os.remove(path)
+    return median(times)
 
 
 def main():
@@ -233,6 +294,16 @@ def main():
     print(f"\nload: torch.load {tl:.2f} s (+ load_state_dict {median(t_load_sd):.2f} s); "
           f"amber load of the latest delta into the live state {median(a_load):.2f} s "
           f"({tl / median(a_load):.1f}x faster than torch.load)")
+    # What the machine allows, measured now: the floors of a delta and of a full save.
+    t_read = read_floor(state_tensors(model, opt))
+    t_disk = direct_write(os.path.join(a.out, "direct.bin"), full_bytes)
+    print(f"bounds, same run: reading the state twice (live + reference, as every delta's "
+          f"scan does) takes {t_read:.3f} s: no delta save can beat {ts / t_read:.1f}x "
+          f"torch.save+fsync here")
+    if t_disk:
+        print(f"                  writing {full_bytes / 1e9:.2f} GB with O_DIRECT + fsync (the "
+              f"disk's pace) takes {t_disk:.2f} s: no full save of raw bytes can beat "
+              f"{ts / t_disk:.1f}x")
     targets = [("delta save-to-durable >= 25x faster", ts / median(delta_durable) >= 25),
                ("stall >= 100x smaller", ts / median(delta_stall) >= 100),
                ("full save >= 3x faster", ts / median(full_durable) >= 3),
