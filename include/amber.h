@@ -135,7 +135,9 @@ typedef struct amber_store amber_store;
 
 typedef struct amber_store_opts {
   uint32_t flags;        /* AMBER_OPEN_* */
-  uint32_t threads;      /* worker threads for encode and restore; 0 = online CPUs */
+  uint32_t threads;      /* worker threads for encode and restore; 0 = online CPUs for
+                            saves, and at least 4 for restores (which wait on the
+                            disk: more reads in flight) */
   uint64_t reserved[6];  /* must be zero */
 } amber_store_opts;
 
