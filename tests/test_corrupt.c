@@ -620,21 +620,10 @@ static void test_hostile_sizes_cause_no_big_allocation(void) {
 static void test_listing_flags_damaged_headers_and_footers(void) {
   const char *dir = clone(raw_master);
   char p[4200];
-  size_t n = 0;
   path_in(p, dir, F20);
-  uint8_t *b = tu_read_file(p, &n);
-  CHECK(b && n > 200);
-  if (!b) return;
-  b[9] ^= 0x10; /* inside the header */
-  tu_write_file(p, b, n);
-  free(b);
+  CHECK(tu_flip_byte(p, 9, 0x10) == 0); /* inside the header */
   path_in(p, dir, F30);
-  b = tu_read_file(p, &n);
-  CHECK(b && n > 200);
-  if (!b) return;
-  b[n - 3] ^= 0x01; /* inside the footer */
-  tu_write_file(p, b, n);
-  free(b);
+  CHECK(tu_flip_byte(p, -3, 0x01) == 0); /* inside the footer */
   amber_store_opts so;
   amber_store_opts_init(&so);
   so.flags = AMBER_OPEN_READONLY;

@@ -2,6 +2,7 @@
 #include "testutil.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -109,6 +110,19 @@ int tu_write_file(const char *path, const void *data, size_t len) {
   if (!f) return -1;
   size_t w = fwrite(data, 1, len, f);
   return (fclose(f) == 0 && w == len) ? 0 : -1;
+}
+
+int tu_flip_byte(const char *path, long pos, uint8_t mask) {
+  int fd = open(path, O_RDWR);
+  if (fd < 0) return -1;
+  struct stat sb;
+  long size = fstat(fd, &sb) == 0 ? (long)sb.st_size : -1;
+  long at = pos == TU_MIDDLE ? size / 2 : pos < 0 ? size + pos : pos;
+  uint8_t b;
+  int ok = size > 0 && at >= 0 && at < size && pread(fd, &b, 1, at) == 1;
+  b = (uint8_t)(b ^ mask);
+  ok = ok && pwrite(fd, &b, 1, at) == 1;
+  return (close(fd) == 0 && ok) ? 0 : -1;
 }
 
 int tu_system(const char *fmt, ...) {

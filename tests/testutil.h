@@ -9,6 +9,7 @@
 #ifndef AMBER_TESTUTIL_H
 #define AMBER_TESTUTIL_H
 
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -59,6 +60,10 @@ void tu_fill_random(void *buf, size_t n, uint64_t seed);
 /* Reads a whole file into a malloc'ed buffer; returns NULL on failure. */
 uint8_t *tu_read_file(const char *path, size_t *len);
 int tu_write_file(const char *path, const void *data, size_t len);
+/* Flips the bits `mask` of the byte at `pos` of a file (pos < 0: from its end;
+ * TU_MIDDLE: its middle byte); 0, or -1 when there is no such byte. */
+#define TU_MIDDLE LONG_MIN
+int tu_flip_byte(const char *path, long pos, uint8_t mask);
 /* Runs a shell command, returns its exit status (or -1). */
 int tu_system(const char *fmt, ...);
 
