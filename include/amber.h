@@ -337,9 +337,10 @@ AMBER_API int amber_writer_wait(amber_writer *w);
  * already committed. 0 when no save is in progress. */
 AMBER_API int amber_writer_cancel(amber_writer *w);
 
-/* With keep_last: the outcome of the prune that followed the last committed save.
- * A failed prune does not fail the save (the checkpoint is committed and durable);
- * it is tried again after the next save. Returns 0 or the prune's error code;
+/* With keep_last: the outcome of the prune that followed the last committed save
+ * (call it when no save is in progress, e.g. after amber_writer_wait). A failed
+ * prune does not fail the save (the checkpoint is committed and durable); it is
+ * tried again after the next save. Returns 0 or the prune's error code;
  * *removed (may be NULL) receives the number of files it removed, *message (may be
  * NULL) its error message, owned by the writer and valid until the next save. */
 AMBER_API int amber_writer_prune_status(const amber_writer *w, size_t *removed,
