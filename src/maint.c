@@ -153,9 +153,10 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
       k = p - 1;
     }
   }
-  /* A file that cannot be removed does not stop the others; the first failure
-   * is reported. */
-  for (size_t i = 0; i < n; i++) {
+  /* Newest first: a delta goes before its parent, so a crash in between leaves
+   * no checkpoint whose chain is broken. A file that cannot be removed does not
+   * stop the others; the first failure is reported. */
+  for (size_t i = n; i-- > 0;) {
     if (keep[i]) continue;
     char path[4200];
     amber__ckpt_path(st, info[i].step, NULL, path, sizeof path);
