@@ -13,7 +13,7 @@
 #define STEPS 12
 #define N 5000
 
-static float states[STEPS + 1][N]; /* live state at each step (exact policy) */
+static float states[STEPS + 3][N]; /* live state at each step (exact policy) */
 
 /* Builds a chain: full at step 1, deltas after, with full_every = 5. */
 static void build(const char *dir) {
@@ -232,7 +232,7 @@ static void test_failed_prune_does_not_fail_the_save(void) {
   int64_t n = N;
   CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 1, &n, live, NULL));
   live[3] += 2.0f;
-  memcpy(states[STEPS], live, sizeof live); /* states[] holds the step being saved */
+  memcpy(states[STEPS + 1], live, sizeof live);
   CHECK_OK(amber_writer_save(w, STEPS + 1, 0));
   size_t removed = 0;
   const char *msg = NULL;
@@ -249,12 +249,7 @@ static void test_failed_prune_does_not_fail_the_save(void) {
   CHECK_OK(amber_writer_prune_status(w, &removed, &msg));
   CHECK(msg == NULL && removed == 0);
   amber_writer_close(w);
-  amber_reader *r = NULL;
-  CHECK_OK(amber_reader_open(&r, st, STEPS + 1, NULL));
-  static float back[N];
-  if (r) CHECK_OK(amber_reader_read(r, 0, back, sizeof back));
-  CHECK(memcmp(back, live, sizeof back) == 0);
-  amber_reader_close(r);
+  check_step(st, STEPS + 1);
   amber_store_close(st);
 }
 
