@@ -34,6 +34,8 @@ __all__ = [
     "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
     "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
     "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC",
+    "EINVAL", "ENOMEM", "EIO", "ENOSPC", "ENOENT", "EEXIST", "ECORRUPT", "EFORMAT", "ELOCKED",
+    "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -50,6 +52,10 @@ SAVE_NO_REFERENCE = 1 << 1
 READER_FALLBACK = 1 << 0
 KIND_FULL, KIND_DELTA = 0, 1
 NO_STEP = LATEST = (1 << 64) - 1
+# Error codes, mirrored from AMBER_ERRNO_MAP in amber.h (tests/python/test_binding.py
+# checks that the two agree).
+EINVAL, ENOMEM, EIO, ENOSPC, ENOENT, EEXIST, ECORRUPT, EFORMAT = range(-1, -9, -1)
+ELOCKED, EMISMATCH, EPARENT, ERANGE, EBUSY, ECANCELED, EPERM, EREADONLY = range(-9, -17, -1)
 
 # ---- C structs, mirrored field by field -----------------------------------------
 
@@ -364,7 +370,7 @@ class Store(_Handle):
         with self._lock:
             s = c_uint64()
             rc = _store_latest(self._handle(), byref(s))
-            if rc == -5:  # AMBER_ENOENT: empty store
+            if rc == ENOENT:  # empty store
                 return None
             _check(rc, self._h)
             return s.value
@@ -412,7 +418,7 @@ class Writer(_Handle):
                  full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0):
         super().__init__()
         if keep_last and _writer_prune_status is None:
-            raise AmberError(-8, "this libamber has no keep_last", name="AMBER_EFORMAT")
+            raise AmberError(EFORMAT, "this libamber has no keep_last", name="AMBER_EFORMAT")
         opts = _WriterOpts()
         _writer_opts_init(byref(opts))
         opts.chunk_elems = chunk_elems
@@ -528,7 +534,7 @@ class Reader(_Handle):
         _reader_opts_init(byref(opts))
         if fallback:
             if _reader_skipped is None:
-                raise AmberError(-8, "this libamber has no reader fallback", name="AMBER_EFORMAT")
+                raise AmberError(EFORMAT, "this libamber has no reader fallback", name="AMBER_EFORMAT")
             opts.flags = READER_FALLBACK
         h = _H()
         with store._lock:
@@ -576,7 +582,7 @@ class Reader(_Handle):
         with self._lock:
             idx = c_size_t()
             rc = _reader_find(self._handle(), _name_bytes(name), byref(idx))
-            if rc == -5:  # AMBER_ENOENT
+            if rc == ENOENT:
                 return None
             _check(rc, self._h)
             return idx.value

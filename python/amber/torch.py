@@ -9,22 +9,28 @@
                            "extra": {"data_pos": pos}})
     # leaving the block waits until the last save is durable, then releases the store
 
+Supported PyTorch: 2.11 and newer (tested with 2.13); an older torch raises
+ImportError at import.
+
 What a state holds. `save(step, state)` takes a dict of named values:
-  - nn.Module: its state_dict(); tensors are named "<key>/<state_dict name>",
-    e.g. "model/blocks.0.attn.weight".
-  - torch.optim.Optimizer: per-parameter state keyed by PARAMETER NAME, not by
-    position: "<key>/<param name>/<state name>", e.g. "optim/blocks.0.attn.weight/
-    exp_avg". A parameter's name is the one it has in the nn.Module of the same
-    save/load call that owns it (the first such module in the dict's order); when
-    the dict holds more than one module the name is qualified by the module's key,
-    "<module key>/<param name>"; a parameter that no module of the call owns is named
-    "param<i>" after its position. So pass the model in the same call as its
-    optimizer, in save and in load. param_groups (lr, betas, ...) are kept with the
-    parameter names they list.
-  - anything else with state_dict()/load_state_dict() (LR schedulers, GradScaler,
-    ...): its state_dict; tensors in it are named by their path ("<key>/<k1>/<k2>").
-    Functions and bound methods in a state_dict (e.g. OneCycleLR's anneal_func) are
-    code, not state: they are skipped and the object keeps its own.
+  - nn.Module: its state dict as torch.distributed.checkpoint.state_dict's
+    get_model_state_dict gives it, keyed by fully qualified name (FQN): the names
+    FSDP2 and DCP use, without the "_orig_mod." of a torch.compile'd module, so a
+    compiled and a plain module save and load interchangeably. Tensors are named
+    "<key>/<FQN>", e.g. "model/blocks.0.attn.weight".
+  - torch.optim.Optimizer: per-parameter state keyed by the parameter's FQN, as
+    get_optimizer_state_dict gives it: "<key>/<FQN>/<state name>", e.g.
+    "optim/blocks.0.attn.weight/exp_avg". The FQN comes from the nn.Module of the
+    same save/load call that owns the parameter; when the dict holds more than one
+    module the name is qualified by the module's key, "<module key>/<FQN>"; a
+    parameter that no module of the call owns is named "param<i>" after its
+    position. So pass the model in the same call as its optimizer, in save and in
+    load. param_groups (lr, betas, ...) are kept with the FQNs they list.
+  - anything else with state_dict()/load_state_dict() (DCP's Stateful protocol: LR
+    schedulers, GradScaler, data loaders' state, ...): its state_dict; tensors in
+    it are named by their path ("<key>/<k1>/<k2>"). Functions and bound methods in
+    a state_dict (e.g. OneCycleLR's anneal function) are code, not state: they are
+    skipped and the object keeps its own.
   - a tensor: named "<key>".
   - plain data (numbers, strings, None, lists, tuples, dicts, small numpy arrays),
     possibly holding tensors: kept exactly in the checkpoint's metadata; tensors
@@ -33,10 +39,35 @@ What a state holds. `save(step, state)` takes a dict of named values:
     CUDA generators if CUDA is in use ("rng/cuda<i>"), Python's `random` and NumPy's
     global generator ("rng/python", "rng/numpy"). The key "rng" is then reserved.
 
-Tensors are saved zero-copy: the library reads each tensor's memory where it is.
-A tensor that is not a contiguous CPU tensor is first copied to one (documented
-exception; parameters and optimizer state are contiguous). Supported dtypes:
-float32, float16, bfloat16, float64, int64, int32, int16, int8, uint8, bool.
+Supported dtypes: float32, float16, bfloat16, float64, float8_e4m3fn, float8_e5m2,
+int64, int32, int16, int8, uint8, bool, and uint16/uint32/uint64 where the library
+has them.
+
+What the library reads, and when (the rule of the time between save() and the
+fence). save() returns once the scan of the tensors has started; encoding and the
+durable write run in the background.
+  - Tensors that the next forward pass or anything else may change in place are
+    copied before save() returns: module buffers (BatchNorm's running statistics
+    and num_batches_tracked), every tensor that no optimizer of the same save owns
+    (neither a parameter of it nor its state), every tensor of at most
+    CAPTURE_BYTES bytes, and tensors that are not contiguous CPU tensors. The
+    copies go to staging buffers that are reused from save to save.
+  - The rest (parameters of a saved optimizer and its state: the bulk) are read
+    in place by the scan, until the fence. They may be read, not written, by
+    forward and backward passes in between. The Checkpointer fences by itself
+    before the next optimizer.step() of every optimizer in the saved state (a step
+    pre-hook); save(), load(), wait() and close() fence too. Anything else that
+    changes them in place (assigning weights, model.load_state_dict, an in-place
+    op under torch.no_grad) must call ck.fence() first.
+  - Checked: each such tensor's version counter (`t._version`, bumped by every
+    in-place op through autograd's view of it) is read at save() and compared at
+    the fence; the commit of the save waits for that comparison. If a tensor
+    changed, the save fails (AmberError AMBER_ECHANGED naming the tensor, raised by
+    the next save(), wait() or close()), nothing of it becomes visible, and the
+    next save is correct. Not seen by any counter: writes through `.data`, NumPy
+    or DLPack views, raw pointers and other processes; avoid them before the fence.
+So a committed checkpoint always holds the state at its save() call. After the
+fence the library holds no reference to Python memory.
 
 Policies. `policy=` is "exact" (the default: every restored tensor is bit-exact),
 "lossy" (the preset LOSSY below), a single rule "SPEC" or "PATTERN=SPEC", a list of
@@ -46,39 +77,36 @@ budget:FRAC[:CAP] (see README); PATTERN is a glob on the tensor names above
 Integer and bool tensors, and optimizer step counters ("<optim key>/*/step", a
 float tensor in Adam), are always exact.
 
-Overlap. With a library that has the split save (amber_writer_begin/fence/wait),
-save() returns as soon as the scan of the tensors has started; encoding and the
-durable write run in the background. The tensors must not change until the scan
-is over: the Checkpointer therefore fences (waits for the scan) before the next
-optimizer.step() of every optimizer in the saved state by itself - through
-Optimizer.register_step_pre_hook where torch has it (>= 2.0), and on torch 1.13 by
-replacing the optimizer's `step` attribute with a wrapper that fences and then
-calls the original (LR schedulers' step counting keeps working; close() removes
-the wrapper). If you modify saved tensors any other way (assigning weights,
-model.load_state_dict, ...), call ck.fence() first. save(), load(), wait() and
-close() fence too. So a checkpoint always holds the state at its save() call.
-After the fence the library holds no reference to Python memory: it works on its
-own copies, and Python drops the tensors it kept alive for the scan.
-
 The set of tensors may change between saves (Adam's state appears after its first
 step, a layer is added, ...). The Checkpointer then closes its writer and opens a
 new one, whose first checkpoint is a full one. Each save with the same tensors
 (names, dtypes, shapes) as the store's latest checkpoint is a delta, also in a new
-process after a restart, subject to the cadence (full_every, full_share).
+process after a restart, subject to the cadence (full_every, full_share). After a
+load() of the store's latest step, the writer's reference state is seeded from
+what the load read, so the first save after a resume is a delta that reads nothing
+back from the store.
+
+Loading is all or nothing where it can be. load() first decodes and checks
+everything that needs no tensor data: the metadata, every name, shape and dtype,
+the presence of every tensor, the value types of every entry, and (when the
+reader opens the step) every header and index checksum. Any failure there raises
+before one byte of live state changes. Tensor data is checked as it is read,
+without a second copy of the state: a checksum that fails there raises AmberError
+(AMBER_ECORRUPT) whose message says that the live state is partially loaded and
+which entries were being restored; with fallback=True the step is verified
+completely before anything is restored, and the load falls back to the newest
+intact step.
 
 Errors. Library failures raise amber.AmberError (code, name, message). The failure
 of a background save is raised by the next save(), wait() or close(); the store
 keeps its earlier checkpoints and later saves work again. load() raises
 StateMismatchError (an AmberError with code AMBER_EMISMATCH and a `key` attribute)
 naming the first tensor or entry whose presence, shape or dtype differs between the
-checkpoint and the state, before it restores anything of that entry; with
-strict=False such entries are skipped instead. Entries of the checkpoint that the
-load state does not ask for are ignored. Damage found while reading (a checksum)
-raises AMBER_ECORRUPT naming the file; tensors restored before that point keep
-their new values, so resume with load(..., fallback=True), which verifies the
-whole step before restoring anything and falls back to the newest intact one.
-Step numbers must increase: a save of a step at or below the store's latest
-raises AMBER_EEXIST.
+checkpoint and the state; with strict=False such entries are skipped instead.
+Entries of the checkpoint that the load state does not ask for are ignored. Store
+metadata that does not decode (a dtype amber does not write, a value of the wrong
+type) raises AmberError AMBER_EFORMAT before anything is restored. Step numbers
+must increase: a save of a step at or below the store's latest raises AMBER_EEXIST.
 """
 
 import json
@@ -90,15 +118,31 @@ import weakref
 
 import torch
 
-import amber as _amber
-from amber import AmberError, Store
+
+def _torch_version(v):
+    parts = []
+    for p in v.split("+")[0].split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+MIN_TORCH = (2, 11)
+if _torch_version(torch.__version__) < MIN_TORCH:
+    raise ImportError(f"amber.torch supports PyTorch {MIN_TORCH[0]}.{MIN_TORCH[1]} and newer "
+                      f"(tested with 2.13); this is torch {torch.__version__}")
+
+from torch.distributed.checkpoint import state_dict as _dsd  # noqa: E402
+
+import amber as _amber  # noqa: E402
+from amber import AmberError, Store  # noqa: E402
 
 try:
     import numpy as _np
 except ImportError:  # NumPy is optional: its RNG is then not saved
     _np = None
 
-__all__ = ["Checkpointer", "StateMismatchError", "EXACT", "LOSSY", "PRESETS"]
+__all__ = ["Checkpointer", "StateMismatchError", "EXACT", "LOSSY", "PRESETS", "CAPTURE_BYTES"]
 
 # The lossy preset ("lossy"), chosen by measurement on the demo's training
 # (examples/demo_gpt.py: 3.3M-parameter GPT, AdamW with betas 0.9/0.95, saved every
@@ -140,16 +184,32 @@ LOSSY = (
 EXACT = ("exact",)
 PRESETS = {"exact": EXACT, "lossy": LOSSY}
 
+# Tensors of at most this many bytes are copied at save() whoever owns them: their
+# copy costs next to nothing against the scan, and no version counter is needed.
+CAPTURE_BYTES = 256 << 10
+
 _DTYPES = {
     torch.float32: _amber.F32, torch.float16: _amber.F16, torch.bfloat16: _amber.BF16,
-    torch.float64: _amber.F64, torch.int64: _amber.I64, torch.int32: _amber.I32,
+    torch.float64: _amber.F64, torch.float8_e4m3fn: _amber.F8_E4M3,
+    torch.float8_e5m2: _amber.F8_E5M2, torch.int64: _amber.I64, torch.int32: _amber.I32,
     torch.int16: _amber.I16, torch.int8: _amber.I8, torch.uint8: _amber.U8,
     torch.bool: _amber.BOOL,
 }
+for _tn, _an in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _tn) and hasattr(_amber, _an):  # a library with the unsigned dtypes
+        _DTYPES[getattr(torch, _tn)] = getattr(_amber, _an)
 _TORCH = {v: k for k, v in _DTYPES.items()}
-_EMISMATCH = -10
+# The dtypes that a "$dtype" value of the metadata may name: the torch dtypes, by the
+# name save() writes for them (str(dtype) without "torch."). Nothing else is looked up.
+_DTYPE_NAMES = {str(v).replace("torch.", ""): v for v in vars(torch).values()
+                if isinstance(v, torch.dtype)}
+_NP_KINDS = set("biuf")  # numpy arrays in metadata: booleans, integers, floats
 _FORMAT = "amber.torch/1"
 _SKIP = object()  # an encoded value that is left out (code in a state_dict)
+
+
+def _code(name):
+    return getattr(_amber, name, None)
 
 
 class StateMismatchError(AmberError):
@@ -157,7 +217,12 @@ class StateMismatchError(AmberError):
 
     def __init__(self, key, message):
         self.key = key
-        super().__init__(_EMISMATCH, f"{key}: {message}", name="AMBER_EMISMATCH")
+        super().__init__(_amber.EMISMATCH, f"{key}: {message}", name="AMBER_EMISMATCH")
+
+
+def _format_error(step, path, message):
+    return AmberError(_amber.EFORMAT, f"step {step}: metadata at '{path}': {message}",
+                      name="AMBER_EFORMAT")
 
 
 def _rules(policy):
@@ -173,54 +238,105 @@ def _rules(policy):
     return out
 
 
-# ---- naming parameters ---------------------------------------------------------------
+# ---- naming: modules, FQNs and optimizers ------------------------------------------
 
-def _param_names(state):
-    """id(parameter) -> name, from the modules of one save/load call."""
-    modules = [(k, v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
-    names = {}
-    for key, mod in modules:
-        for pname, p in mod.named_parameters():
-            if id(p) not in names:
-                names[id(p)] = pname if len(modules) == 1 else f"{key}/{pname}"
-    return names
+def _fqn(module, name):
+    """The fully qualified name that torch.distributed.checkpoint.state_dict gives the
+    parameter or buffer `name` of `module` ("_orig_mod." of torch.compile and the
+    "module." of DDP removed)."""
+    try:
+        fqns = _dsd._get_fqns(module, name)
+        if len(fqns) == 1:
+            return next(iter(fqns))
+    except Exception:  # a private helper: fall back to the same rule by hand
+        pass
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
 
 
-def _optim_params(opt, names):
-    """The optimizer's parameters in state_dict order, and their names."""
-    params, seen = [], set()
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-    return params, [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+class _Names:
+    """The modules of one save/load call and the names of their parameters."""
+
+    def __init__(self, state):
+        self.modules = [(k, v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
+        self.single = len(self.modules) == 1
+        self.by_id = {}  # id(parameter) -> name ("<FQN>" or "<module key>/<FQN>")
+        for key, mod in self.modules:
+            for pname, p in mod.named_parameters(remove_duplicate=False):
+                if id(p) not in self.by_id:
+                    fqn = _fqn(mod, pname)
+                    self.by_id[id(p)] = fqn if self.single else f"{key}/{fqn}"
+
+    def optimizer_params(self, opt):
+        """The optimizer's parameters in state_dict order, and their names."""
+        params, seen = [], set()
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params, [self.by_id.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+    def owner(self, opt):
+        """The module that get_optimizer_state_dict can name `opt`'s parameters
+        against: the call's one module when it owns all of them; else None."""
+        if not self.single:
+            return None
+        params, _ = self.optimizer_params(opt)
+        mod = self.modules[0][1]
+        own = {id(p) for p in mod.parameters()}
+        return mod if all(id(p) in own for p in params) else None
+
+
+def _model_state(mod):
+    """get_model_state_dict(mod): FQN -> value (the module's tensors themselves, not
+    copies, for modules that are not FSDP1-wrapped)."""
+    return _dsd.get_model_state_dict(mod)
+
+
+def _optimizer_state(opt, names):
+    """The optimizer's state_dict with parameters named: ({name: {k: v}}, groups).
+    Through get_optimizer_state_dict when the call's module owns every parameter and
+    the optimizer has state (it would otherwise take a zero-lr step to create it)."""
+    params, pnames = names.optimizer_params(opt)
+    mod = names.owner(opt)
+    if mod is not None and opt.state:
+        osd = _dsd.get_optimizer_state_dict(mod, opt)
+        return dict(osd["state"]), [dict(g) for g in osd["param_groups"]]
+    sd = opt.state_dict()
+    state = {}
+    for idx, s in sd["state"].items():
+        if not isinstance(idx, int) or idx >= len(pnames):
+            raise TypeError(f"optimizer state key {idx!r} is not a parameter index")
+        state[pnames[idx]] = s
+    groups = [dict(g, params=[pnames[i] for i in g["params"]]) for g in sd["param_groups"]]
+    return state, groups
 
 
 # ---- save side: state -> (named tensors, JSON) ----------------------------------------
 
 class _Flat:
-    """Tensors of one save in declaration order, and the JSON that describes the rest."""
+    """Tensors of one save in declaration order, and the JSON that describes the rest.
+    `owned` holds the storages of the optimizers' parameters and state: those are
+    read in place; every other tensor is captured (copied) at save()."""
 
     def __init__(self):
-        self.tensors = []  # (name, contiguous CPU tensor)
+        self.tensors = []  # (name, tensor as given, detached)
         self.names = set()
 
     def tensor(self, name, t):
         if name in self.names:
             raise ValueError(f"{name}: two tensors of the state have this name")
+        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and \
+                not isinstance(t, torch.nn.Parameter):
+            raise TypeError(f"{name}: {type(t).__name__} tensors are not supported "
+                            "(DTensor and other tensor subclasses come with the distributed "
+                            "Checkpointer)")
         if t.layout != torch.strided:
             raise TypeError(f"{name}: {t.layout} tensors are not supported")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported by amber")
-        if t.requires_grad:
-            t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()  # documented copy
-        if not t.is_contiguous() or t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg().contiguous()  # documented copy
         self.names.add(name)
-        self.tensors.append((name, t))
+        self.tensors.append((name, t.detach()))
         return {"$t": name}
 
     def enc(self, x, path, code_ok=False):
@@ -254,6 +370,8 @@ class _Flat:
         if _np is not None and isinstance(x, _np.generic):
             return self.enc(x.item(), path, code_ok)
         if _np is not None and isinstance(x, _np.ndarray):
+            if x.dtype.kind not in _NP_KINDS:
+                raise TypeError(f"{path}: numpy arrays of dtype {x.dtype} are not supported")
             return {"$np": {"dtype": x.dtype.str, "shape": list(x.shape), "data": x.ravel().tolist()}}
         if code_ok and callable(x):
             return _SKIP
@@ -261,21 +379,15 @@ class _Flat:
                         "(not a tensor, a state_dict holder or JSON-able data)")
 
     def optimizer(self, opt, key, names):
-        params, pnames = _optim_params(opt, names)
-        sd = opt.state_dict()
-        state = {}
-        for idx, s in sd["state"].items():
-            if not isinstance(idx, int) or idx >= len(pnames):
-                raise TypeError(f"{key}: optimizer state key {idx!r} is not a parameter index")
-            pn = pnames[idx]
-            state[pn] = self.enc(dict(s), f"{key}/{pn}")
-        groups = []
-        for g in sd["param_groups"]:
+        state, groups = _optimizer_state(opt, names)
+        out_state = {pn: self.enc(dict(s), f"{key}/{pn}") for pn, s in state.items()}
+        out_groups = []
+        for g in groups:
             e = self.enc({k: v for k, v in g.items() if k != "params"}, f"{key}/param_groups")
-            e["params"] = [pnames[i] for i in g["params"]]
-            groups.append(e)
-        return {"type": "optimizer", "class": type(opt).__name__, "state": state,
-                "param_groups": groups}
+            e["params"] = list(g["params"])
+            out_groups.append(e)
+        return {"type": "optimizer", "class": type(opt).__name__, "state": out_state,
+                "param_groups": out_groups}
 
     def rng(self):
         out = {}
@@ -295,9 +407,29 @@ class _Flat:
         return out
 
 
+def _storage_key(t):
+    return t.untyped_storage().data_ptr() if t.numel() else None
+
+
+def _owned_storages(state):
+    """Storages of the saved optimizers' parameters and state tensors."""
+    out = set()
+    for v in state.values():
+        if isinstance(v, torch.optim.Optimizer):
+            for g in v.param_groups:
+                for p in g["params"]:
+                    out.add(_storage_key(p))
+            for s in v.state.values():
+                for t in s.values():
+                    if isinstance(t, torch.Tensor):
+                        out.add(_storage_key(t))
+    out.discard(None)
+    return out
+
+
 def _flatten(state, rng):
     flat = _Flat()
-    names = _param_names(state)
+    names = _Names(state)
     entries = {}
     for key, value in state.items():
         if not isinstance(key, str) or not key:
@@ -307,7 +439,7 @@ def _flatten(state, rng):
         if isinstance(value, torch.Tensor):
             entries[key] = {"type": "tensor", "value": flat.tensor(key, value)}
         elif isinstance(value, torch.nn.Module):
-            entries[key] = {"type": "module", "state": flat.enc(value.state_dict(), key)}
+            entries[key] = {"type": "module", "state": flat.enc(_model_state(value), key)}
         elif isinstance(value, torch.optim.Optimizer):
             entries[key] = flat.optimizer(value, key, names)
         elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
@@ -321,124 +453,141 @@ def _flatten(state, rng):
     return flat, meta
 
 
-# ---- load side: (reader, JSON) -> state, in place -------------------------------------
+# ---- load side: (reader, JSON) -> a plan, then the live state -------------------------
 
-class _Restore:
-    """One load. With dry=True it only checks names, shapes and dtypes against
-    the checkpoint (raising the first mismatch) and changes nothing: a strict
-    load runs a dry pass first, so that a mismatch leaves the state untouched."""
+class _Load:
+    """One load in two passes. plan() decodes everything that needs no tensor data
+    and checks it against the state (raising before anything changes); it collects
+    the tensor reads (into live tensors, or into new ones) and the updates that
+    apply them. apply() then reads the tensors and applies the updates."""
 
-    def __init__(self, reader, strict, step, dry=False):
+    def __init__(self, reader, strict, step):
         self.r = reader
         self.strict = strict
         self.step = step
-        self.dry = dry
-        # Inside module() and optimizer(), reads into CPU tensors are collected and
-        # done by one read_many (all chunks of all tensors in parallel) before
-        # anything uses the tensors; everywhere else a read happens at once.
-        self.defer = False
-        self.pending = []
-
-    def flush(self):
-        """Does the collected reads. Tensors that share memory (tied weights) are
-        read once: the library's buffers must not overlap."""
-        if self.pending:
-            items, self.pending, seen = self.pending, [], {}
-            once, later = [], []
-            for it in items:
-                size = seen.setdefault(it[1], it[2])
-                if size != it[2]:
-                    later.append(it)  # another extent at the same address: after the rest
-                elif len(seen) > len(once):
-                    once.append(it)
-            self.r.read_many(once)
-            for it in later:
-                self.r.read_into(*it)
+        self.fresh = []     # reads into new tensors: (idx, tensor)
+        self.inplace = []   # reads into live tensors: (idx, tensor, entry key)
+        self.after = []     # (entry key, fn) run after the reads
+        self.copies = []    # (live target, staging tensor): copy_ after the reads
+        self.tensors = {t.name: t for t in reader.tensors()}
+        self.key = None     # the entry being planned
 
     def mismatch(self, key, msg):
         if self.strict:
             raise StateMismatchError(key, msg)
 
-    def skip(self, target, key, msg):
-        self.mismatch(key, msg)
-        return target
+    def bad(self, path, msg):
+        raise _format_error(self.step, path, msg)
 
     def tensor(self, name, target=None, device=None):
-        """Restores tensor `name` into `target` (in place; returned) or into a new
-        tensor."""
-        idx = self.r.find(name)
-        if idx is None:
-            raise AmberError(-7, f"step {self.step}: the metadata names tensor '{name}', "
-                             "which the checkpoint does not hold", name="AMBER_ECORRUPT")
-        info = self.r.tensors()[idx]
+        """Plans the restore of tensor `name` into `target` (in place; returned) or
+        into a new tensor (returned, filled by apply())."""
+        if not isinstance(name, str):
+            self.bad(name, "a tensor reference that is not a name")
+        info = self.tensors.get(name)
+        if info is None:
+            raise AmberError(_amber.ECORRUPT, f"step {self.step}: the metadata names tensor "
+                             f"'{name}', which the checkpoint does not hold", name="AMBER_ECORRUPT")
         dtype = _TORCH.get(info.dtype)
         if dtype is None:
             raise TypeError(f"{name}: amber dtype {_amber.dtype_name(info.dtype)} has no torch dtype")
         if isinstance(target, torch.Tensor):
             # a skipped mismatch (strict=False) leaves the live tensor as it is
             if tuple(target.shape) != info.shape:
-                return self.skip(target, name, f"shape {list(info.shape)} in the checkpoint of step "
-                                     f"{self.step}, {list(target.shape)} in the state")
+                self.mismatch(name, f"shape {list(info.shape)} in the checkpoint of step "
+                              f"{self.step}, {list(target.shape)} in the state")
+                return target
             if target.dtype != dtype:
-                return self.skip(target, name, f"dtype {dtype} in the checkpoint of step {self.step}, "
-                                     f"{target.dtype} in the state")
-            if self.dry:
+                self.mismatch(name, f"dtype {dtype} in the checkpoint of step {self.step}, "
+                              f"{target.dtype} in the state")
                 return target
             if target.device.type == "cpu" and target.is_contiguous():
-                self._read(idx, info, target)  # straight into the live tensor's memory
+                self.inplace.append((info.index, target, self.key))
             else:
                 tmp = torch.empty(info.shape, dtype=dtype)
-                self._read(idx, info, tmp, now=True)
-                with torch.no_grad():
-                    target.copy_(tmp)
+                self.fresh.append((info.index, tmp))
+                self.copies.append((target, tmp))
             return target
-        if self.dry:
-            return None
         t = torch.empty(info.shape, dtype=dtype)
-        if device is None or torch.device(device).type == "cpu":
-            self._read(idx, info, t)
-            return t
-        self._read(idx, info, t, now=True)
-        return t.to(device)
-
-    def _read(self, idx, info, t, now=False):
-        if not info.nbytes:
-            return
-        if self.defer and not now:
-            self.pending.append((idx, t.data_ptr(), info.nbytes))
-        else:
-            self.r.read_into(idx, t.data_ptr(), info.nbytes)
+        self.fresh.append((info.index, t))
+        if device is not None and torch.device(device).type != "cpu":
+            dev = torch.empty(info.shape, dtype=dtype, device=device)
+            self.copies.append((dev, t))
+            return dev
+        return t
 
     def dec(self, e, path, target=None, device=None):
-        """The value that JSON `e` describes; tensors are read into the tensor at
+        """The value that JSON `e` describes; tensors are planned into the tensor at
         the same place of `target` when there is one."""
         if isinstance(e, list):
             tl = target if isinstance(target, (list, tuple)) else ()
             return [self.dec(v, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
                     for i, v in enumerate(e)]
-        if not isinstance(e, dict):
+        if e is None or isinstance(e, (bool, int, float, str)):
             return e
-        if "$t" in e and len(e) == 1:
-            return self.tensor(e["$t"], target, device)
-        if "$f" in e and len(e) == 1:
-            return float(e["$f"])
-        if "$tuple" in e and len(e) == 1:
-            tl = target if isinstance(target, (list, tuple)) else ()
-            return tuple(self.dec(v, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
-                         for i, v in enumerate(e["$tuple"]))
-        if "$dtype" in e and len(e) == 1:
-            return getattr(torch, e["$dtype"])
-        if "$np" in e and len(e) == 1:
-            a = e["$np"]
-            return _np.array(a["data"], dtype=_np.dtype(a["dtype"])).reshape(a["shape"])
+        if not isinstance(e, dict):
+            self.bad(path, f"a value of type {type(e).__name__}")
+        if len(e) == 1:
+            (tag, v), = e.items()
+            if tag == "$t":
+                return self.tensor(v, target, device)
+            if tag == "$f":
+                if not isinstance(v, str):
+                    self.bad(path, "a float that is not a string")
+                try:
+                    return float(v)
+                except ValueError:
+                    self.bad(path, f"'{v}' is not a float")
+            if tag == "$tuple":
+                if not isinstance(v, list):
+                    self.bad(path, "a tuple that is not a list")
+                tl = target if isinstance(target, (list, tuple)) else ()
+                return tuple(self.dec(x, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
+                             for i, x in enumerate(v))
+            if tag == "$dtype":
+                dt = _DTYPE_NAMES.get(v) if isinstance(v, str) else None
+                if dt is None:
+                    self.bad(path, f"{v!r} is not a torch dtype")
+                return dt
+            if tag == "$np":
+                return self.numpy(v, path)
+            if tag == "$d":
+                if not isinstance(v, list) or not all(isinstance(i, list) and len(i) == 2 for i in v):
+                    self.bad(path, "a dict that is not a list of pairs")
+                td = target if isinstance(target, dict) else {}
+                out = {}
+                for k, x in v:
+                    k = self.dec(k, path)
+                    try:
+                        hash(k)
+                    except TypeError:
+                        self.bad(path, f"a dict key of type {type(k).__name__}")
+                    out[k] = self.dec(x, f"{path}/{k}", td.get(k), device)
+                return out
+        if any(k.startswith("$") for k in e):
+            self.bad(path, f"unknown tag among {sorted(e)[:3]}")
         td = target if isinstance(target, dict) else {}
-        if "$d" in e and len(e) == 1:
-            out = {}
-            for k, v in e["$d"]:
-                k = self.dec(k, path)
-                out[k] = self.dec(v, f"{path}/{k}", td.get(k), device)
-            return out
         return {k: self.dec(v, f"{path}/{k}", td.get(k), device) for k, v in e.items()}
+
+    def numpy(self, a, path):
+        if _np is None:
+            self.bad(path, "a numpy array, and numpy is not installed")
+        if not isinstance(a, dict) or set(a) != {"dtype", "shape", "data"}:
+            self.bad(path, "a numpy array without dtype, shape and data")
+        try:
+            dt = _np.dtype(a["dtype"]) if isinstance(a["dtype"], str) else None
+        except TypeError:
+            dt = None
+        if dt is None or dt.kind not in _NP_KINDS:
+            self.bad(path, f"numpy dtype {a['dtype']!r} is not one amber writes")
+        if not isinstance(a["shape"], list) or not all(isinstance(d, int) and d >= 0 for d in a["shape"]):
+            self.bad(path, "a numpy shape that is not a list of sizes")
+        if not isinstance(a["data"], list):
+            self.bad(path, "numpy data that is not a list")
+        try:
+            return _np.array(a["data"], dtype=dt).reshape(a["shape"])
+        except (ValueError, TypeError, OverflowError) as err:
+            self.bad(path, f"numpy data does not decode: {err}")
 
     def keys(self, key, stored, current):
         """Mismatch on the first key present on one side only."""
@@ -449,34 +598,43 @@ class _Restore:
             if k not in stored:
                 self.mismatch(f"{key}/{k}", f"in the state, not in the checkpoint of step {self.step}")
 
+    # -- entries --
     def module(self, key, entry, mod):
-        stored = entry["state"]
-        sd = mod.state_dict()
+        stored = entry.get("state")
+        if not isinstance(stored, dict):
+            self.bad(key, "a module entry whose state is not a dict")
+        stored = _compat_fqns(stored)
+        sd = _model_state(mod)
         self.keys(key, stored, sd)
         live = {t.data_ptr() for t in list(mod.parameters()) + list(mod.buffers())}
-        needs_load = False
         restored = {}
-        self.defer = True
-        try:
-            for k, e in stored.items():
-                if k not in sd:
-                    continue
-                v = self.dec(e, f"{key}/{k}", sd[k])
-                restored[k] = v
-                if not isinstance(v, torch.Tensor) or v is not sd[k] or v.data_ptr() not in live:
-                    needs_load = True
-        finally:
-            self.defer = False
-        self.flush()
-        if needs_load and not self.dry:  # e.g. extra state, or a state_dict that is not a view of the module
-            mod.load_state_dict(restored, strict=False)
+        needs_load = False
+        for k, e in stored.items():
+            if k not in sd:
+                continue
+            v = self.dec(e, f"{key}/{k}", sd[k])
+            if isinstance(sd[k], torch.Tensor) and not isinstance(v, torch.Tensor):
+                self.bad(f"{key}/{k}", f"a {type(v).__name__} where the module has a tensor")
+            restored[k] = v
+            if not isinstance(v, torch.Tensor) or v is not sd[k] or v.data_ptr() not in live:
+                needs_load = True
+        if needs_load:  # e.g. extra state, or a state_dict that is not a view of the module
+            self.after.append((key, lambda: _dsd.set_model_state_dict(
+                mod, restored, options=_dsd.StateDictOptions(strict=False))))
 
     def optimizer(self, key, entry, opt, names):
-        params, pnames = _optim_params(opt, names)
+        if not isinstance(entry.get("state"), dict) or not isinstance(entry.get("param_groups"), list):
+            self.bad(key, "an optimizer entry without state and param_groups")
+        params, pnames = names.optimizer_params(opt)
         pos = {id(p): i for i, p in enumerate(params)}
         by_name = dict(zip(pnames, params))
-        # param_groups must list the same parameters, by name, in the same order
+        stored_state = _compat_fqns(entry["state"], slash=not names.single)
         stored_groups = entry["param_groups"]
+        for gi, sg in enumerate(stored_groups):
+            if not isinstance(sg, dict) or not isinstance(sg.get("params"), list):
+                self.bad(f"{key}/param_groups/{gi}", "a parameter group without params")
+            sg["params"] = [_compat_name(n, slash=not names.single) for n in sg["params"]]
+        # param_groups must list the same parameters, by name, in the same order
         if len(stored_groups) != len(opt.param_groups):
             self.mismatch(f"{key}/param_groups", f"{len(stored_groups)} parameter groups in the "
                           f"checkpoint of step {self.step}, {len(opt.param_groups)} in the state")
@@ -489,100 +647,197 @@ class _Restore:
                         else f"parameter '{only_st[0]}' of group {gi} is in the state only"
                         if only_st else f"group {gi} lists its parameters in another order")
                 self.mismatch(f"{key}/param_groups", f"{what} (step {self.step})")
-        new_state = dict(opt.state)
-        for pn, e in entry["state"].items():
+        new_state = {}
+        for pn, e in stored_state.items():
             p = by_name.get(pn)
             if p is None:
                 self.mismatch(f"{key}/{pn}", f"in the checkpoint of step {self.step}, but the "
                               f"optimizer has no parameter named '{pn}'")
                 continue
+            if not isinstance(e, dict):
+                self.bad(f"{key}/{pn}", "parameter state that is not a dict")
             cur = opt.state.get(p) or {}
             if cur:
                 self.keys(f"{key}/{pn}", e, cur)
-            self.defer = True
-            try:
-                new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", cur.get(k), p.device)
-                                for k, v in e.items()}
-            finally:
-                self.defer = False
-        self.flush()  # before anything below can look at the state's tensors
+            new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", cur.get(k), p.device)
+                            for k, v in e.items()}
         for p, s in opt.state.items():
-            if s and id(p) in pos and pnames[pos[id(p)]] not in entry["state"]:
+            if s and id(p) in pos and pnames[pos[id(p)]] not in stored_state:
                 self.mismatch(f"{key}/{pnames[pos[id(p)]]}", "has optimizer state in the state, "
                               f"none in the checkpoint of step {self.step}")
-        if self.dry:
-            return
         groups = []
         for i, g in enumerate(opt.param_groups):
             if i < len(stored_groups):
                 ng = self.dec({k: v for k, v in stored_groups[i].items() if k != "params"},
-                              f"{key}/param_groups")
+                              f"{key}/param_groups/{i}")
             else:
                 ng = {k: v for k, v in g.items() if k != "params"}
             ng["params"] = g["params"]
             groups.append(ng)
-        if type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
-            # what Optimizer.load_state_dict does, minus its deep copy of every tensor
-            from collections import defaultdict
-            state = defaultdict(dict)
-            state.update(new_state)
-            opt.__setstate__({"state": state, "param_groups": groups})
-        else:  # a custom optimizer: go through its own load_state_dict
-            index = {id(p): i for i, p in enumerate(params)}
-            opt.load_state_dict({
-                "state": {index[id(p)]: s for p, s in new_state.items() if id(p) in index},
-                "param_groups": [dict(g, params=[index[id(p)] for p in g["params"]])
-                                 for g in groups]})
+        self.after.append((key, lambda: _set_optimizer(opt, params, new_state, groups)))
+
+    def value(self, key, e, target, state):
+        if "value" not in e:
+            self.bad(key, "a value entry without a value")
+        v = self.dec(e["value"], key, target)
+
+        def put():
+            if isinstance(target, dict) and isinstance(v, dict):
+                target.clear()
+                target.update(v)
+            elif isinstance(target, list) and isinstance(v, list):
+                target[:] = v
+            else:
+                state[key] = v
+        self.after.append((key, put))
+
+    def entry(self, key, e, target, state, names):
+        self.key = key
+        if not isinstance(e, dict) or not isinstance(e.get("type"), str):
+            self.bad(key, "an entry without a type")
+        kind = e["type"]
+        if kind == "module":
+            if not isinstance(target, torch.nn.Module):
+                return self.mismatch(key, f"a module in the checkpoint, a {type(target).__name__} in the state")
+            self.module(key, e, target)
+        elif kind == "optimizer":
+            if not isinstance(target, torch.optim.Optimizer):
+                return self.mismatch(key, f"an optimizer in the checkpoint, a {type(target).__name__} in the state")
+            self.optimizer(key, e, target, names)
+        elif kind == "object":
+            if not hasattr(target, "load_state_dict"):
+                return self.mismatch(key, f"a {e.get('class')} in the checkpoint, a "
+                                     f"{type(target).__name__} in the state")
+            cur = target.state_dict()
+            stored = e.get("state")
+            if isinstance(stored, dict) and isinstance(cur, dict) and "$d" not in stored:
+                self.keys(key, stored, {k: v for k, v in cur.items() if not callable(v)})
+            value = self.dec(stored, key, cur)
+            self.after.append((key, lambda: target.load_state_dict(value)))
+        elif kind == "tensor":
+            ref = e.get("value")
+            if not isinstance(ref, dict) or "$t" not in ref:
+                self.bad(key, "a tensor entry without a tensor")
+            v = self.tensor(ref["$t"], target if isinstance(target, torch.Tensor) else None)
+            if v is not target:
+                self.after.append((key, lambda: state.__setitem__(key, v)))
+        elif kind == "value":
+            self.value(key, e, target, state)
+        else:
+            self.bad(key, f"unknown entry type {kind!r}")
 
     def rng(self, meta):
-        torch.set_rng_state(self.tensor("rng/torch"))
+        """Plans the RNG states; every field is checked here."""
+        self.key = "rng"
+        if not isinstance(meta, dict):
+            self.bad("rng", "RNG states that are not a dict")
+        t = self.tensor("rng/torch")
         n = meta.get("cuda", 0)
-        if n and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([self.tensor(f"rng/cuda{i}") for i in range(n)])
-        py = meta["python"]
-        mt = tuple(self.tensor("rng/python").tolist())
-        random.setstate((py["version"], mt, py["gauss_next"]))
-        if _np is not None and "numpy" in meta:
-            nm = meta["numpy"]
-            keys = self.tensor("rng/numpy").numpy().astype(_np.uint32)
-            _np.random.set_state((nm["name"], keys, nm["pos"], nm["has_gauss"],
-                                  nm["cached_gaussian"]))
+        if not isinstance(n, int) or n < 0:
+            self.bad("rng/cuda", "a CUDA device count that is not a count")
+        cuda = [self.tensor(f"rng/cuda{i}") for i in range(n)] if n else []
+        py = meta.get("python")
+        if not isinstance(py, dict) or not isinstance(py.get("version"), int) or \
+                not (py.get("gauss_next") is None or isinstance(py.get("gauss_next"), (int, float))):
+            self.bad("rng/python", "Python RNG state without version and gauss_next")
+        mt = self.tensor("rng/python")
+        npm = meta.get("numpy") if _np is not None else None
+        if npm is not None:
+            ok = isinstance(npm, dict) and isinstance(npm.get("name"), str) and \
+                all(isinstance(npm.get(f), int) for f in ("pos", "has_gauss")) and \
+                isinstance(npm.get("cached_gaussian"), (int, float))
+            if not ok:
+                self.bad("rng/numpy", "NumPy RNG state without name, pos, has_gauss, cached_gaussian")
+            keys = self.tensor("rng/numpy")
+
+        def put():
+            torch.set_rng_state(t)
+            if cuda and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(cuda)
+            random.setstate((py["version"], tuple(mt.tolist()), py["gauss_next"]))
+            if npm is not None:
+                _np.random.set_state((npm["name"], keys.numpy().astype(_np.uint32), npm["pos"],
+                                      npm["has_gauss"], npm["cached_gaussian"]))
+        self.after.append(("rng", put))
+
+    # -- the second pass --
+    def apply(self):
+        """Reads every planned tensor and applies the updates. Reads into new
+        tensors come first: until they are done no live tensor has changed."""
+        _read_many(self.r, [(i, t) for i, t in self.fresh])
+        done = []
+        try:
+            _read_many(self.r, [(i, t) for i, t, _ in self.inplace])
+        except AmberError as err:
+            keys = ", ".join(dict.fromkeys(k for _, _, k in self.inplace))
+            partial = AmberError(err.code, f"{err.message}; the live state is partially loaded: "
+                                 f"tensors of {keys} may hold values of step {self.step}, the "
+                                 "others their previous values, and nothing else was restored "
+                                 "(load(..., fallback=True) verifies a step whole before "
+                                 "restoring it)", name=err.name)
+            partial.partial = True
+            raise partial from err
+        with torch.no_grad():
+            for target, src in self.copies:
+                target.copy_(src)
+        for key, fn in self.after:
+            fn()
+            done.append(key)
 
 
-# ---- the optimizer step hook ------------------------------------------------------
+def _read_many(reader, items):
+    """Reads (index, tensor) pairs with one read_many. Tensors that share memory
+    (tied weights) are read once: the library's buffers must not overlap."""
+    once, later, seen = [], [], {}
+    for idx, t in items:
+        n = t.numel() * t.element_size()
+        if not n:
+            continue
+        it = (idx, t.data_ptr(), n)
+        size = seen.setdefault(it[1], n)
+        if size != n:
+            later.append(it)  # another extent at the same address: after the rest
+        elif len(seen) > len(once):
+            once.append(it)
+    reader.read_many(once)
+    for it in later:
+        reader.read_into(*it)
 
-class _FencedStep:
-    """Stands in for optimizer.step on torch without step pre-hooks: fences the
-    Checkpointer's save in progress, then steps. Looks like a bound method
-    (__self__, __func__) so that LR schedulers can still wrap it."""
 
-    def __init__(self, opt, orig, ck):
-        self._opt = weakref.ref(opt)
-        self._orig = orig  # an instance attribute it replaced, or None for the class's
-        self._ck = weakref.ref(ck)
-        if getattr(orig, "_with_counter", False):
-            self._with_counter = True
+def _compat_name(name, slash=False):
+    """A stored parameter name in today's convention: names that amber.torch wrote
+    for a torch.compile'd or DDP-wrapped module before it used FQNs carry
+    "_orig_mod." / "module." components."""
+    if not isinstance(name, str):
+        return name
+    head, sep, tail = name.rpartition("/") if slash else ("", "", name)
+    parts = tail.split(".")
+    if "_orig_mod" in parts:
+        parts = [p for p in parts if p != "_orig_mod"]
+    return head + sep + ".".join(parts)
 
-    @property
-    def __self__(self):
-        return self._opt()
 
-    @property
-    def __func__(self):
-        fenced = self
+def _compat_fqns(stored, slash=False):
+    if not any(isinstance(k, str) and "_orig_mod" in k for k in stored):
+        return stored
+    return {_compat_name(k, slash): v for k, v in stored.items()}
 
-        def step(opt, *args, **kwargs):
-            return fenced(*args, **kwargs)
-        return step
 
-    def __call__(self, *args, **kwargs):
-        ck = self._ck()
-        if ck is not None:
-            ck.fence()
-        if self._orig is not None:
-            return self._orig(*args, **kwargs)
-        opt = self._opt()
-        return type(opt).step(opt, *args, **kwargs)
+def _set_optimizer(opt, params, new_state, groups):
+    """Installs the restored state and param_groups, without copying tensors."""
+    if type(opt).load_state_dict is torch.optim.Optimizer.load_state_dict:
+        # what Optimizer.load_state_dict does, minus its casts (the tensors already
+        # have the parameters' dtypes and devices)
+        from collections import defaultdict
+        state = defaultdict(dict)
+        state.update(new_state)
+        opt.__setstate__({"state": state, "param_groups": groups})
+    else:  # a custom optimizer: go through its own load_state_dict
+        index = {id(p): i for i, p in enumerate(params)}
+        opt.load_state_dict({
+            "state": {index[id(p)]: s for p, s in new_state.items() if id(p) in index},
+            "param_groups": [dict(g, params=[index[id(p)] for p in g["params"]])
+                             for g in groups]})
 
 
 # ---- the Checkpointer -------------------------------------------------------------
@@ -631,10 +886,14 @@ class Checkpointer:
         self._writer = None
         self._sig = None
         self._ptrs = []
+        self._stage = {}     # name -> reused staging tensor for captured tensors
         self._pinned = None  # tensors the scan in progress reads; dropped at the fence
+        self._versions = None  # [(name, tensor, version at save())] checked at the fence
+        self._gated = False  # the save in progress waits for confirm()
         self._hooks = {}     # id(optimizer) -> (weakref(optimizer), undo)
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
         self.skipped = 0
+        self.seeded = False  # the last load() seeded the writer's reference
 
     # -- context manager --
     def __enter__(self):
@@ -660,46 +919,78 @@ class Checkpointer:
     # -- saving --
     def save(self, step, state, full=False):
         """Checkpoints `state` (a dict, see the module's documentation) as `step`.
-        Returns once the scan has started (or, with a library without the split
-        save, once the checkpoint is durable). full=True forces a full checkpoint.
-        Raises the failure of the previous background save, if any."""
+        Returns once the scan has started; what may happen before the fence is in
+        the module's documentation. full=True forces a full checkpoint. Raises the
+        failure of the previous background save, if any."""
         self._open()
         if self.readonly:
-            raise AmberError(-16, f"store {self.path} is open read-only", name="AMBER_EREADONLY")
+            raise AmberError(_amber.EREADONLY, f"store {self.path} is open read-only",
+                             name="AMBER_EREADONLY")
         t0 = time.perf_counter()
         self.wait()
         flat, meta = _flatten(state, self.rng)
         meta["step"] = int(step)
-        sig = [(n, _DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
-        if self._writer is None or sig != self._sig:
-            self._reopen(sig, flat, state)
+        scanned = self._prepare(flat, state)
         w = self._writer
-        for i, (_, t) in enumerate(flat.tensors):
-            p = t.data_ptr() if t.numel() else 0
-            if p != self._ptrs[i]:
-                w.set_data(i, p)
-                self._ptrs[i] = p
         w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
-        self._pinned = [t for _, t in flat.tensors]
+        self._pinned = [t for _, t in scanned]
+        self._versions = [(n, t, t._version) for n, t in scanned]
         for v in state.values():
             if isinstance(v, torch.optim.Optimizer):
                 self._hook(v)
+        self._gated = getattr(_amber, "HAS_CONFIRM", False) and bool(self._versions)
         try:
-            w.begin(int(step), full=full)
-        finally:
-            if not _amber.HAS_ASYNC:
-                self._pinned = None
+            w.begin(int(step), full=full, confirm=self._gated) if self._gated \
+                else w.begin(int(step), full=full)
+        except BaseException:
+            self._pinned = self._versions = None
+            self._gated = False
+            raise
         self.timings["save"] = time.perf_counter() - t0
 
-    def _reopen(self, sig, flat, state):
+    def _prepare(self, flat, state):
+        """Declares the tensors (a new writer when the set changed), copies those
+        that are captured into the staging buffers and points the writer at every
+        tensor's memory. Returns the (name, tensor) pairs read in place."""
+        sig = [(n, _DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
+        owned = _owned_storages(state)
+        ptrs, scanned = [], []
+        with torch.no_grad():
+            for name, t in flat.tensors:
+                nbytes = t.numel() * t.element_size()
+                if (t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and
+                        not t.is_neg() and nbytes > CAPTURE_BYTES and _storage_key(t) in owned):
+                    ptrs.append(t.data_ptr())
+                    scanned.append((name, t))
+                    continue
+                buf = self._stage.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype)
+                    self._stage[name] = buf
+                buf.copy_(t.resolve_conj().resolve_neg())
+                ptrs.append(buf.data_ptr())
+        if len(self._stage) > len(flat.tensors):  # drop buffers of tensors gone
+            names = {n for n, _ in flat.tensors}
+            self._stage = {n: b for n, b in self._stage.items() if n in names}
+        ptrs = [p if t.numel() else 0 for p, (_, t) in zip(ptrs, flat.tensors)]
+        if self._writer is None or sig != self._sig:
+            self._reopen(sig, flat, state, ptrs)
+        else:
+            for i, p in enumerate(ptrs):
+                if p != self._ptrs[i]:
+                    self._writer.set_data(i, p)
+                    self._ptrs[i] = p
+        return scanned
+
+    def _reopen(self, sig, flat, state, ptrs):
         """A new writer for a new set of tensors; its first save is a full one."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         w = self.store.writer(**self._wopts)
         try:
-            for name, t in flat.tensors:
-                w.add(name, _DTYPES[t.dtype], t.shape, t.data_ptr() if t.numel() else 0)
+            for (name, t), p in zip(flat.tensors, ptrs):
+                w.add(name, _DTYPES[t.dtype], t.shape, p)
             for r in self._rules:
                 w.add_policy(r)
             for k, v in state.items():  # step counters are never lossy
@@ -709,33 +1000,26 @@ class Checkpointer:
             w.close()
             raise
         self._writer, self._sig = w, sig
-        self._ptrs = [t.data_ptr() if t.numel() else 0 for _, t in flat.tensors]
+        self._ptrs = list(ptrs)
 
     def _hook(self, opt):
         if id(opt) in self._hooks and self._hooks[id(opt)][0]() is opt:
             return
         ref = weakref.ref(self)
-        if hasattr(opt, "register_step_pre_hook"):  # torch >= 2.0
-            def pre_hook(_opt, _args, _kwargs):
-                ck = ref()
-                if ck is not None:
-                    ck.fence()
-            handle = opt.register_step_pre_hook(pre_hook)
-            self._hooks[id(opt)] = (weakref.ref(opt), handle.remove)
-            return
-        orig = opt.__dict__.get("step")
-        fenced = _FencedStep(opt, orig, self)
-        opt.step = fenced
-        opt_ref = weakref.ref(opt)
 
-        def undo():
-            o = opt_ref()
-            if o is not None and o.__dict__.get("step") is fenced:
-                if orig is None:
-                    del o.__dict__["step"]
-                else:
-                    o.step = orig
-        self._hooks[id(opt)] = (opt_ref, undo)
+        def pre_hook(_opt, _args, _kwargs):
+            ck = ref()
+            if ck is not None:
+                ck.fence()
+        handle = opt.register_step_pre_hook(pre_hook)
+        self._hooks[id(opt)] = (weakref.ref(opt), handle.remove)
+
+    def _changed(self):
+        """The first tensor read in place whose version counter moved since save()."""
+        for name, t, v in self._versions or ():
+            if t._version != v:
+                return name
+        return None
 
     def fence(self):
         """Blocks until the save in progress no longer reads the tensors; then
@@ -746,8 +1030,19 @@ class Checkpointer:
         try:
             self._writer.fence()
         finally:
-            self._pinned = None
+            changed = self._changed()
+            gated, self._gated = self._gated, False
+            self._pinned = self._versions = None
             self.timings["fence"] = time.perf_counter() - t0
+            if gated:
+                why = "" if changed is None else (
+                    f"tensor '{changed}' changed in place after save() and before the fence: "
+                    "the checkpoint could hold a torn state, so it was not committed; call "
+                    "fence() (or wait()) before changing saved tensors outside optimizer.step()")
+                try:
+                    self._writer.confirm(changed is None, why)
+                except AmberError:
+                    pass  # the save failed already; wait() reports it
 
     def wait(self):
         """Blocks until the save in progress is committed and durable; raises
@@ -784,7 +1079,8 @@ class Checkpointer:
                 self._writer = None
             self.store.close()
             self.store = None
-            self._pinned = None
+            self._pinned = self._versions = None
+            self._stage = {}
 
     def __del__(self):
         try:
@@ -814,13 +1110,16 @@ class Checkpointer:
         values (and objects that cannot be updated in place) are put back into the
         `state` dict; dicts and lists there are updated in place. strict=False
         skips mismatched entries instead of raising StateMismatchError.
-        fallback=True: if the step is damaged, restore the newest older step that
-        verifies instead (`skipped` then counts the steps passed over); without
-        it a damaged step raises AmberError (AMBER_ECORRUPT, naming the file)
-        before anything is restored."""
+        Everything but tensor data is checked before the live state changes (see
+        the module's documentation). fallback=True: the step is verified whole
+        before anything is restored, and if it is damaged the newest older step
+        that verifies is restored instead (`skipped` then counts the steps passed
+        over); without it a damaged header or index raises AmberError
+        (AMBER_ECORRUPT, naming the file) before anything is restored."""
         self._open()
         self.wait()
         self.skipped = 0
+        self.seeded = False
         if step is None and self.store.latest() is None:
             return None
         with self.store.reader(step, fallback=fallback) as r:
@@ -832,59 +1131,43 @@ class Checkpointer:
             except ValueError:
                 meta = None
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-                raise AmberError(-8, f"step {done} of {self.path} was not written by "
+                raise AmberError(_amber.EFORMAT, f"step {done} of {self.path} was not written by "
                                  "amber.torch (no amber.torch metadata)", name="AMBER_EFORMAT")
-            entries = meta["entries"]
-            names = _param_names(state)
-            for dry in ((True, False) if strict else (False,)):
-                rs = _Restore(r, strict, done, dry)
-                for key, target in state.items():
-                    e = entries.get(key)
-                    if e is None:
-                        rs.mismatch(key, f"not in the checkpoint of step {done}")
-                        continue
-                    self._restore(rs, key, e, target, state, names)
+            entries = meta.get("entries")
+            if not isinstance(entries, dict):
+                raise _format_error(done, "entries", "not a dict")
+            names = _Names(state)
+            ld = _Load(r, strict, done)
+            for key, target in state.items():
+                e = entries.get(key)
+                if e is None:
+                    ld.mismatch(key, f"not in the checkpoint of step {done}")
+                    continue
+                ld.entry(key, e, target, state, names)
             if self.rng and "rng" in meta:
-                rs.rng(meta["rng"])
+                ld.rng(meta["rng"])
+            ld.apply()
+        if strict and not self.readonly and step is None and not self.skipped:
+            self._seed(state, done)
         return done
 
-    @staticmethod
-    def _restore(rs, key, e, target, state, names):
-        kind = e["type"]
-        if kind == "module":
-            if not isinstance(target, torch.nn.Module):
-                return rs.mismatch(key, f"a module in the checkpoint, a {type(target).__name__} in the state")
-            rs.module(key, e, target)
-        elif kind == "optimizer":
-            if not isinstance(target, torch.optim.Optimizer):
-                return rs.mismatch(key, f"an optimizer in the checkpoint, a {type(target).__name__} in the state")
-            rs.optimizer(key, e, target, names)
-        elif kind == "object":
-            if not hasattr(target, "load_state_dict"):
-                return rs.mismatch(key, f"a {e['class']} in the checkpoint, a {type(target).__name__} "
-                                   "in the state")
-            cur = target.state_dict()
-            stored = e["state"]
-            if isinstance(stored, dict) and isinstance(cur, dict) and "$d" not in stored:
-                rs.keys(key, stored, {k: v for k, v in cur.items() if not callable(v)})
-            value = rs.dec(stored, key, cur)
-            if not rs.dry:
-                target.load_state_dict(value)
-        elif kind == "tensor":
-            v = rs.tensor(e["value"]["$t"], target if isinstance(target, torch.Tensor) else None)
-            if v is not target and not rs.dry:
-                state[key] = v
-        else:
-            v = rs.dec(e["value"], key, target)
-            if rs.dry:
-                return
-            if isinstance(target, dict) and isinstance(v, dict):
-                target.clear()
-                target.update(v)
-            elif isinstance(target, list) and isinstance(v, list):
-                target[:] = v
-            else:
-                state[key] = v
+    def _seed(self, state, step):
+        """After a load of the latest step: declare the state's tensors and seed the
+        writer's reference from them (they hold exactly that step's restored state),
+        so the first save after a resume is a delta that reads nothing back."""
+        if not getattr(_amber, "HAS_SEED", False):
+            return
+        try:
+            flat, _ = _flatten(state, self.rng)
+            self._prepare(flat, state)
+            self._writer.seed_reference(step)
+            self.seeded = True
+        except (AmberError, TypeError, ValueError):
+            # the state is not what the step holds (strict=False skips, values that
+            # are not state_dict holders...): the writer reads its reference instead
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
 
 def _glob_escape(s):
