@@ -8,7 +8,7 @@
  * lists, restores and verifies them. The on-disk format is specified in
  * docs/FORMAT.md; this header never exposes it.
  *
- * Conventions (see STYLE.md):
+ * Conventions (docs/DESIGN.md, "How the code is written"):
  *  - Every function that can fail returns int: 0 on success or a negative AMBER_E*
  *    code. Results come back through out-parameters.
  *  - Every handle keeps a human-readable message for its last failure, naming the

@@ -16,7 +16,7 @@
  * reference. Either way live and reference memory are read once, and every
  * path selects exactly the same elements (test_delta checks it).
  *
- * Policies (DESIGN.md): exact selects changed bits; threshold selects
+ * Policies (docs/DESIGN.md, "Concepts"): exact selects changed bits; threshold selects
  * |x - r| > ABS + REL*|r|; budget selects the FRAC*n largest changes plus all
  * above CAP. Budget finds its cut without sorting: a threshold estimated from a
  * strided sample of the chunk selects a few more candidates than the budget,

@@ -1,5 +1,5 @@
 /*
- * test_cli.c - the `amber` command line as other programs use it (DESIGN.md,
+ * test_cli.c - the `amber` command line as other programs use it (docs/DESIGN.md,
  * "Interfaces other programs depend on"): import then export is bit-exact for every
  * dtype, scalar, empty, multi-chunk and non-ASCII tensors and keeps __metadata__;
  * ls/info/verify --json parse and report what is on disk; verify catches a flipped

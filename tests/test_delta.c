@@ -1,5 +1,5 @@
 /*
- * test_delta.c - delta checkpoints keep their policy's promise (DESIGN.md,
+ * test_delta.c - delta checkpoints keep their policy's promise (docs/DESIGN.md,
  * Guarantees 1, 2 and 4) over random training-like trajectories.
  *
  * A trajectory declares tensors of every float dtype (scalar, empty, odd sizes,

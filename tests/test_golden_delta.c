@@ -1,6 +1,6 @@
 /*
  * test_golden_delta.c - a chain of delta checkpoints written by format 1.0 must
- * restore forever (docs/FORMAT.md; DESIGN.md, "Golden files").
+ * restore forever (docs/FORMAT.md; docs/DESIGN.md, "Golden files").
  *
  * tests/golden/v1.0/delta/ holds a small store written once by this program
  * (`test_golden_delta --regenerate DIR`, one thread, so the files are

@@ -5,7 +5,7 @@
  * header code (src/safetensors.h): `import` turns a safetensors file into a step of
  * a store, `export` writes a step back as a standard safetensors file, `ls`, `info`
  * and `verify` inspect a store, and `bench` forwards to tools/bench.c. The command
- * line is a contract (DESIGN.md, "Interfaces other programs depend on"): exit 0 on
+ * line is a contract (docs/DESIGN.md, "Interfaces other programs depend on"): exit 0 on
  * success, 1 on failure, 2 on a usage error; `--json` prints machine output, built
  * with jansson, on stdout. Errors go to stderr as "amber: <what failed>: <why>",
  * naming the file and the step. Nothing here knows the store's file format.
