@@ -1,0 +1,178 @@
+"""amber.torch on PyTorch 2.x: every dtype torch and amber share round-trips (bf16,
+f16, float8), objects of DCP's Stateful protocol are saved like anything with
+state_dict(), optimizer state is keyed by FQN exactly as
+torch.distributed.checkpoint.state_dict names it, a torch.compile'd module and the
+plain one load each other's checkpoints, a torch older than supported is refused
+at import, and stores written by amber.torch before the FQN change still load."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+import amber
+from amber.torch import Checkpointer
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "torch-v1")
+
+
+def model_and_adamw(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def step(model, opt, n=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        model(torch.randn(5, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def dtypes():
+    out = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
+           torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+           torch.bool]
+    for name, code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+        if hasattr(amber, code):
+            out.append(getattr(torch, name))
+    return out
+
+
+def random_tensor(dtype, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        x = torch.randn(shape, generator=g) * 4
+        if dtype.itemsize == 1:  # float8: every bit pattern but NaN is a value
+            return x.to(dtype)
+        return x.to(dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -2**62), min(info.max, 2**62)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype) \
+        if dtype not in (torch.uint32, torch.uint64) else \
+        torch.randint(0, 2**31, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("policy", ["exact", "threshold:0.5"])
+def test_every_shared_dtype_round_trips_bit_exactly(store, policy):
+    ts = {str(dt).replace("torch.", ""): random_tensor(dt, (7, 33), i) for i, dt in enumerate(dtypes())}
+    with Checkpointer(store, rng=False, policy=policy) as ck:
+        ck.save(1, dict(ts))
+        ck.wait()
+        for t in ts.values():  # a second step: a delta of every dtype
+            if t.dtype == torch.bool:
+                t[0] = ~t[0]
+            else:
+                t[0] = t[1]
+        ck.save(2, dict(ts))
+        ck.wait()
+        got = {k: torch.zeros_like(v) for k, v in ts.items()}
+        assert ck.load(got) == 2
+    for k, t in ts.items():
+        assert got[k].dtype == t.dtype
+        if policy == "exact" or not t.dtype.is_floating_point:  # integers, bools: always exact
+            assert torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+        else:
+            err = (got[k].double() - t.double()).abs().max().item()
+            assert err <= 0.5, (k, err)
+
+
+def test_stateful_objects_are_saved_and_loaded(store):
+    class Loader:
+        """A data loader position, as torchdata's stateful loaders keep it."""
+
+        def __init__(self):
+            self.pos, self.epoch = 0, 0
+
+        def state_dict(self):
+            return {"pos": self.pos, "epoch": self.epoch, "order": torch.arange(5)}
+
+        def load_state_dict(self, sd):
+            self.pos, self.epoch = sd["pos"], sd["epoch"]
+            assert torch.equal(sd["order"], torch.arange(5))
+
+    src = Loader()
+    assert isinstance(src, Stateful)
+    src.pos, src.epoch = 17, 3
+    with Checkpointer(store, rng=False) as ck:
+        ck.save(1, {"loader": src})
+        dst = Loader()
+        ck.load({"loader": dst})
+    assert (dst.pos, dst.epoch) == (17, 3)
+
+
+def test_optimizer_state_is_keyed_by_the_fqns_of_get_optimizer_state_dict(store):
+    model, opt = model_and_adamw()
+    step(model, opt, 2)
+    want = get_optimizer_state_dict(model, opt)
+    with Checkpointer(store, rng=False) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+    with amber.Store(store, readonly=True) as st, st.reader() as r:
+        names = {t.name for t in r.tensors()}
+        meta = json.loads(r.meta())
+    for fqn, s in want["state"].items():
+        for k in s:
+            assert f"optim/{fqn}/{k}" in names
+    assert meta["entries"]["optim"]["param_groups"][0]["params"] == want["param_groups"][0]["params"]
+
+
+def test_a_compiled_and_a_plain_module_load_each_others_checkpoints(tmp_path):
+    model, opt = model_and_adamw()
+    compiled = torch.compile(model)  # shares the parameters; never run, so nothing compiles
+    assert any("_orig_mod" in k for k in compiled.state_dict())
+    step(model, opt, 2)
+    for i, (saved, loaded) in enumerate([(compiled, "plain"), (model, "compiled")]):
+        store = str(tmp_path / f"s{i}")
+        with Checkpointer(store, rng=False) as ck:
+            ck.save(1, {"model": saved, "optim": opt})
+        m2, o2 = model_and_adamw(seed=1)
+        target = m2 if loaded == "plain" else torch.compile(m2)
+        with Checkpointer(store, rng=False) as ck:
+            assert ck.load({"model": target, "optim": o2}) == 1
+        for (k, a), b in zip(model.state_dict().items(), m2.state_dict().values()):
+            assert torch.equal(a, b), k
+        for p, q in zip(model.parameters(), m2.parameters()):
+            for k in opt.state[p]:
+                assert torch.equal(opt.state[p][k], o2.state[q][k]), k
+
+
+def test_a_store_of_the_first_amber_torch_still_loads():
+    expected = load_file(os.path.join(GOLDEN, "expected.safetensors"))
+    meta = json.load(open(os.path.join(GOLDEN, "expected.json")))
+    for stp in (1, 2, 3):
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        state = {"model": model, "optim": opt, "sched": sched, "extra": {}}
+        with Checkpointer(os.path.join(GOLDEN, "store"), readonly=True, rng=False) as ck:
+            assert ck.load(state, step=stp) == stp
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[f"{stp}/model/{k}"]), k
+        for name, p in model.named_parameters():
+            for k, v in opt.state[p].items():
+                assert torch.equal(v.reshape(-1), expected[f"{stp}/optim/{name}/{k}"].reshape(-1)), k
+        m = meta[str(stp)]
+        assert opt.param_groups[0]["lr"] == m["lr"] and sched.last_epoch == m["sched"]
+        assert state["extra"] == {"data_pos": m["data_pos"]}
+
+
+def test_a_torch_older_than_supported_is_refused_at_import():
+    code = ("import torch; torch.__version__ = '2.10.1+cpu'\n"
+            "try:\n    import amber.torch\nexcept ImportError as e:\n    print('refused:', e)\n")
+    env = dict(os.environ)
+    pkg = os.path.dirname(os.path.dirname(amber.__file__))  # where this amber is imported from
+    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert "refused:" in p.stdout and "2.11" in p.stdout and "2.10.1" in p.stdout, p.stdout + p.stderr
