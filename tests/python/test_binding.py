@@ -159,3 +159,23 @@ def test_listing_flags_a_damaged_checkpoint(store):
         infos = st.list()
         assert [(c.step, c.damaged) for c in infos] == [(1, True), (2, False)]
         assert "damaged" in repr(infos[0]) and "damaged" not in repr(infos[1])
+
+
+def test_error_codes_and_constants_mirror_the_c_header():
+    """Every AMBER_E* of the header's X-macro table has a Python constant of the same
+    value and name, and so do the dtypes and flags the binding uses."""
+    import re
+    header = open(os.path.join(ROOT, "include", "amber.h")).read()
+    codes = dict(re.findall(r"XX\((E[A-Z]+), (-\d+),", header))
+    assert len(codes) >= 16
+    for name, value in codes.items():
+        assert getattr(amber, name, None) == int(value), f"amber.{name} != AMBER_{name} ({value})"
+        assert amber._err_name(int(value)).decode() == f"AMBER_{name}"
+    enum = dict(re.findall(r"\bAMBER_((?:F|BF|I|U)\d+(?:_E\dM\d)?|BOOL) = (\d+)", header))
+    assert enum
+    for name, value in enum.items():
+        assert getattr(amber, name) == int(value), f"amber.{name} != AMBER_{name}"
+    flags = dict(re.findall(r"#define AMBER_((?:OPEN|SAVE|READER|WRITER|CKPT)_[A-Z_]+) \(1u << (\d+)\)", header))
+    assert flags
+    for name, bit in flags.items():
+        assert getattr(amber, name) == 1 << int(bit), f"amber.{name} != AMBER_{name}"
