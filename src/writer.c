@@ -19,6 +19,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -109,7 +110,12 @@ struct amber_writer {
   int two_phase; /* full save: copy all of live first, so the fence comes early */
   uint64_t job_step;
   int cancel; /* amber_writer_cancel: stop the save before it commits */
+  int gate;   /* AMBER_SAVE_CONFIRM: GATE_* (read by workers atomically) */
+  char why[AMBER__ERRLEN]; /* the veto's reason */
 };
+
+/* The commit gate of a save begun with AMBER_SAVE_CONFIRM. */
+enum { GATE_NONE = 0, GATE_PENDING, GATE_OK, GATE_VETO };
 
 void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
   *out = w->stats;
@@ -590,6 +596,13 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
   s->encode_s += now_s() - t1;
 }
 
+/* A failure, a cancel or a veto: the rest of the save's work is wasted. */
+static int stopping(amber_writer *w) {
+  return __atomic_load_n(&w->rc, __ATOMIC_RELAXED) ||
+         __atomic_load_n(&w->cancel, __ATOMIC_RELAXED) ||
+         __atomic_load_n(&w->gate, __ATOMIC_RELAXED) == GATE_VETO;
+}
+
 /* Two-phase full save, phase 1: copy a chunk of live into the reference and
  * checksum it; phase 2 (append_job) writes the reference. */
 static void copy_job(void *ctx, int worker, size_t j) {
@@ -611,7 +624,7 @@ static void copy_job(void *ctx, int worker, size_t j) {
 static void append_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   (void)worker;
-  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED)) return;
+  if (stopping(w)) return;
   size_t ti = w->owner[j];
   const amber__tensor *t = &w->tensors[ti];
   uint64_t jj = j - t->first_chunk;
@@ -630,8 +643,7 @@ static void mark_scanned(amber_writer *w) {
 
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
-  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED) || __atomic_load_n(&w->cancel, __ATOMIC_RELAXED))
-    return; /* a failure or a cancel stops the save */
+  if (stopping(w)) return;
   size_t ti = w->owner[j];
   const amber__tensor *t = &w->tensors[ti];
   amber__chunk *c = &w->chunks[j];
@@ -639,6 +651,28 @@ static void chunk_job(void *ctx, int worker, size_t j) {
     delta_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
   else
     full_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
+}
+
+/* 0, or the failure of a save that was canceled or vetoed. */
+static int check_stop(amber_writer *w, uint64_t step) {
+  if (__atomic_load_n(&w->cancel, __ATOMIC_SEQ_CST))
+    return amber__fail(&w->err, AMBER_ECANCELED, "the save of step %" PRIu64 " was canceled",
+                       step);
+  if (__atomic_load_n(&w->gate, __ATOMIC_SEQ_CST) != GATE_VETO) return 0;
+  pthread_mutex_lock(&w->amu);
+  int rc = amber__fail(&w->err, AMBER_ECHANGED, "step %" PRIu64 " not committed: %s", step,
+                       w->why);
+  pthread_mutex_unlock(&w->amu);
+  return rc;
+}
+
+/* The commit gate: a save begun with AMBER_SAVE_CONFIRM commits only once the
+ * caller's verdict is in (amber_writer_confirm, or a refusal by wait/close). */
+static int await_verdict(amber_writer *w, uint64_t step) {
+  pthread_mutex_lock(&w->amu);
+  while (w->gate == GATE_PENDING && !w->cancel) pthread_cond_wait(&w->acv, &w->amu);
+  pthread_mutex_unlock(&w->amu);
+  return check_stop(w, step);
 }
 
 /* Writes header, chunks, index, footer to `tmp` and makes it durable. */
@@ -676,9 +710,7 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     }
     w->stats.workers = nw;
     rc = w->rc;
-    if (!rc && __atomic_load_n(&w->cancel, __ATOMIC_SEQ_CST))
-      rc = amber__fail(&w->err, AMBER_ECANCELED, "the save of step %" PRIu64 " was canceled",
-                       step);
+    if (!rc) rc = check_stop(w, step);
   }
   amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
                      .n_chunks = w->n_chunks, .meta = w->meta, .meta_size = w->meta_len};
@@ -791,7 +823,7 @@ static int want_full(amber_writer *w, uint32_t flags) {
 
 /* Checks a save request and decides its kind; nothing has started on failure. */
 static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
-  if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE))
+  if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE | AMBER_SAVE_CONFIRM))
     return amber__fail(&w->err, AMBER_EINVAL, "amber_writer_save: unknown flags 0x%x", flags);
   if (step == AMBER_NO_STEP)
     return amber__fail(&w->err, AMBER_EINVAL, "step %" PRIu64 " is reserved", step);
@@ -809,6 +841,7 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   resolve_policies(w);
   w->delta = !want_full(w, flags);
   __atomic_store_n(&w->cancel, 0, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&w->gate, GATE_NONE, __ATOMIC_SEQ_CST);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
   if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w)) != 0)
@@ -837,6 +870,7 @@ static int run_save(amber_writer *w, uint64_t step) {
   w->stats.prepare_s = now_s() - t_start;
   int rc = write_file(w, tmp, step, &state, &bytes);
   mark_scanned(w); /* also when write_file failed early */
+  if (!rc && (rc = await_verdict(w, step)) != 0) unlink(tmp); /* durable, never visible */
   double t_commit = now_s();
   if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
   if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
@@ -880,6 +914,11 @@ int amber_writer_prune_status(const amber_writer *w, size_t *removed, const char
 
 int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_save: NULL writer");
+  if (flags & AMBER_SAVE_CONFIRM)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "step %" PRIu64 ": AMBER_SAVE_CONFIRM needs amber_writer_begin "
+                       "(amber_writer_save cannot be confirmed)",
+                       step);
   int rc = amber_writer_wait(w); /* a pending failure is reported first */
   if (rc) return rc;
   if ((rc = start_save(w, step, flags)) != 0) return rc;
@@ -947,6 +986,8 @@ int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
   w->done = 0;
   w->result = 0;
   w->job = 1;
+  __atomic_store_n(&w->gate, (flags & AMBER_SAVE_CONFIRM) ? GATE_PENDING : GATE_NONE,
+                   __ATOMIC_SEQ_CST);
   pthread_cond_broadcast(&w->acv);
   pthread_mutex_unlock(&w->amu);
   return 0;
@@ -954,8 +995,41 @@ int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
 
 int amber_writer_cancel(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_cancel: NULL writer");
+  pthread_mutex_lock(&w->amu); /* wakes a save waiting at its commit gate */
   __atomic_store_n(&w->cancel, 1, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&w->acv);
+  pthread_mutex_unlock(&w->amu);
   return amber_writer_wait(w);
+}
+
+/* Records the verdict on a gated save; called with amu held. */
+static void give_verdict(amber_writer *w, int ok, const char *why) {
+  if (!ok) snprintf(w->why, sizeof w->why, "%s", why);
+  __atomic_store_n(&w->gate, ok ? GATE_OK : GATE_VETO, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&w->acv);
+}
+
+int amber_writer_confirm(amber_writer *w, int ok, const char *why) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_confirm: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  /* the verdict covers the whole scan: wait for it as a fence does */
+  while (w->job && !w->done && !w->scanned && w->gate == GATE_PENDING)
+    pthread_cond_wait(&w->acv, &w->amu);
+  int pending = w->job && w->gate == GATE_PENDING;
+  if (pending)
+    give_verdict(w, ok, why && *why ? why : "vetoed by amber_writer_confirm");
+  uint64_t step = w->job_step;
+  int job = w->job;
+  pthread_mutex_unlock(&w->amu);
+  if (!pending)
+    return job ? amber__fail(&w->err, AMBER_EINVAL,
+                             "amber_writer_confirm: the save of step %" PRIu64
+                             " awaits no verdict (begun without AMBER_SAVE_CONFIRM, or "
+                             "already confirmed)",
+                             step)
+               : amber__fail(&w->err, AMBER_EINVAL,
+                             "amber_writer_confirm: no save is in progress");
+  return 0;
 }
 
 int amber_writer_fence(amber_writer *w) {
@@ -969,6 +1043,9 @@ int amber_writer_fence(amber_writer *w) {
 int amber_writer_wait(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_wait: NULL writer");
   pthread_mutex_lock(&w->amu);
+  if (w->job && w->gate == GATE_PENDING) /* nobody will confirm it now: refuse, not hang */
+    give_verdict(w, 0, "not confirmed (amber_writer_wait or amber_writer_close came before "
+                       "amber_writer_confirm)");
   while (w->job && !w->done) pthread_cond_wait(&w->acv, &w->amu);
   int rc = w->job ? w->result : 0;
   w->job = 0;
