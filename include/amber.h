@@ -299,6 +299,26 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
  * becomes visible. Reads the tensors' memory during the call only. */
 AMBER_API int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags);
 
+/* States that the declared tensors' memory (the addresses given to
+ * amber_writer_add / amber_writer_set_data) holds exactly the restored state of
+ * committed step `step`, e.g. right after the caller restored that step into it,
+ * so that the writer need not read the store to build its reference state. The
+ * writer checks that `step` is the store's latest step (AMBER_EINVAL otherwise;
+ * AMBER_ENOENT for an empty store) and that its tensor table matches the
+ * declarations in order, names, dtypes, shapes and chunking (AMBER_EMISMATCH with
+ * the first difference otherwise); it adopts the step's chunking and the cadence
+ * counters (full_every, full_share) from the files' headers and indexes, reads no
+ * tensor data, then copies the tensors into its reference state now, with its
+ * worker threads: the reference's memory is allocated and faulted in here, not
+ * in the next save. The next save is then a delta against `step` (unless the
+ * cadence calls for a full one).
+ * amber cannot check the claim: if the memory does not hold that state, the
+ * later deltas restore wrong values. Reads the tensors' memory during the call
+ * only. AMBER_EBUSY while a save is in progress or not yet reported by
+ * amber_writer_wait. On failure the next save reloads the reference from the
+ * store as usual. */
+AMBER_API int amber_writer_seed_reference(amber_writer *w, uint64_t step);
+
 /* ---- Asynchronous save: begin, fence, wait ----
  *
  * amber_writer_save(w, step, flags) is amber_writer_begin + amber_writer_wait.

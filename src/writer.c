@@ -335,32 +335,46 @@ int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
   return 0;
 }
 
+static const char *index_name(const void *ctx, size_t pos, size_t *len) {
+  const amber__index *ix = ctx;
+  *len = ix->tensors[pos].name_len;
+  return ix->tensors[pos].name;
+}
+
 /* A delta needs the latest checkpoint's chunking: unless the caller chose one,
- * tensors that the latest checkpoint also holds take its chunk size. */
-static void adopt_chunking(amber_writer *w) {
+ * tensors that the latest checkpoint (index `ix`; NULL: read it) also holds take
+ * its chunk size. */
+static void adopt_chunking(amber_writer *w, const amber__index *ix) {
   amber_reader *r = NULL;
-  if (w->chunk_given || !w->have_latest ||
-      amber_reader_open(&r, w->st, w->latest_step, NULL) != 0)
-    return;
+  if (w->chunk_given || !w->have_latest) return;
+  if (!ix) {
+    if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return;
+    ix = amber__reader_index(r);
+  }
+  amber__names names = {0};
+  for (uint64_t k = 0; k < ix->n_tensors; k++)
+    if (amber__names_insert(&names, ix->tensors[k].name, ix->tensors[k].name_len, (size_t)k,
+                            index_name, ix) < 0)
+      break; /* out of memory: keep the default chunking, the next save is full */
   w->n_chunks = 0;
   for (size_t i = 0; i < w->n; i++) {
     amber__tensor *t = &w->tensors[i];
-    size_t k;
-    amber_tensor_info ti;
-    if (amber_reader_find(r, t->name, &k) == 0 && amber_reader_info(r, k, &ti) == 0 &&
-        ti.dtype == t->dtype && ti.nelems == t->nelems)
-      t->chunk_elems = ti.chunk_elems;
+    long k = amber__names_find(&names, t->name, t->name_len, index_name, ix);
+    if (k >= 0 && ix->tensors[k].dtype == t->dtype && ix->tensors[k].nelems == t->nelems)
+      t->chunk_elems = ix->tensors[k].chunk_elems;
     t->n_chunks = t->nelems / t->chunk_elems + (t->nelems % t->chunk_elems != 0);
     t->first_chunk = w->n_chunks;
     w->n_chunks += t->n_chunks;
   }
+  amber__names_free(&names);
   amber_reader_close(r);
 }
 
-/* Sizes the chunk table for the declared tensors (first save only). */
-static int prepare(amber_writer *w) {
+/* Sizes the chunk table for the declared tensors (first save only); `ix` as
+ * for adopt_chunking. */
+static int prepare(amber_writer *w, const amber__index *ix) {
   if (w->frozen) return 0;
-  adopt_chunking(w);
+  adopt_chunking(w, ix);
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
   w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
   w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
@@ -747,19 +761,42 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
   return rc;
 }
 
+/* 0 when index `ix` (of file `what`) describes exactly the declared tensors, in
+ * order and chunked alike; else AMBER_EMISMATCH, the first difference in `e`. */
+static int match_tensors(amber_writer *w, amber__err *e, const amber__index *ix,
+                         const char *what) {
+  if (ix->n_tensors != w->n)
+    return amber__fail(e, AMBER_EMISMATCH, "%s holds %" PRIu64 " tensors, the writer declares %zu",
+                       what, ix->n_tensors, w->n);
+  for (size_t i = 0; i < w->n; i++) {
+    const amber__tensor *t = &w->tensors[i], *u = &ix->tensors[i];
+    if (strcmp(u->name, t->name))
+      return amber__fail(e, AMBER_EMISMATCH,
+                         "tensor %zu is '%s' in the writer but '%s' in %s (same names in the "
+                         "same order are needed)",
+                         i, t->name, u->name, what);
+    if (u->dtype != t->dtype)
+      return amber__fail(e, AMBER_EMISMATCH, "tensor '%s' is %s in the writer but %s in %s",
+                         t->name, amber_dtype_name(t->dtype), amber_dtype_name(u->dtype), what);
+    int same_shape = u->ndim == t->ndim;
+    for (uint32_t d = 0; same_shape && d < t->ndim; d++) same_shape = u->shape[d] == t->shape[d];
+    if (!same_shape)
+      return amber__fail(e, AMBER_EMISMATCH,
+                         "tensor '%s' has another shape in %s (%u dimensions, %" PRIu64
+                         " elements) than in the writer (%u dimensions, %" PRIu64 " elements)",
+                         t->name, what, u->ndim, u->nelems, t->ndim, t->nelems);
+    if (u->chunk_elems != t->chunk_elems)
+      return amber__fail(e, AMBER_EMISMATCH,
+                         "tensor '%s' is cut into chunks of %" PRIu64 " elements in %s, of %" PRIu64
+                         " in the writer (a delta needs the same chunking)",
+                         t->name, u->chunk_elems, what, t->chunk_elems);
+  }
+  return 0;
+}
+
 /* 1 when the latest checkpoint describes exactly the declared tensors. */
 static int same_tensors(amber_writer *w, amber_reader *r) {
-  if (amber_reader_count(r) != w->n) return 0;
-  for (size_t i = 0; i < w->n; i++) {
-    amber_tensor_info ti;
-    const amber__tensor *t = &w->tensors[i];
-    if (amber_reader_info(r, i, &ti) || strcmp(ti.name, t->name) || ti.dtype != t->dtype ||
-        ti.ndim != t->ndim || ti.chunk_elems != t->chunk_elems)
-      return 0;
-    for (uint32_t d = 0; d < t->ndim; d++)
-      if ((uint64_t)ti.shape[d] != t->shape[d]) return 0;
-  }
-  return 1;
+  return match_tensors(w, NULL, amber__reader_index(r), "") == 0;
 }
 
 /* Learns the cadence counters from the chain of the latest checkpoint. */
@@ -809,6 +846,68 @@ static int load_reference(amber_writer *w) {
   return ok;
 }
 
+/* Seeding: copies a chunk of the caller's tensors into the reference. */
+static void seed_job(void *ctx, int worker, size_t j) {
+  amber_writer *w = ctx;
+  (void)worker;
+  size_t ti = w->owner[j];
+  const amber__tensor *t = &w->tensors[ti];
+  uint64_t jj = j - t->first_chunk;
+  size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
+  memcpy(w->ref[ti] + off, w->data[ti] + off, (size_t)amber__chunk_n(t, jj) * isz);
+}
+
+int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_seed_reference: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  int job = w->job;
+  pthread_mutex_unlock(&w->amu);
+  if (job)
+    return amber__fail(&w->err, AMBER_EBUSY,
+                       "amber_writer_seed_reference: the save of step %" PRIu64
+                       " is not reported yet (call amber_writer_wait first)",
+                       w->job_step);
+  for (size_t i = 0; i < w->n; i++)
+    if (w->tensors[i].nbytes && !w->data[i])
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
+  uint64_t latest, state;
+  int rc = amber__store_state(w->st, &w->err, &latest, &state);
+  if (rc == AMBER_ENOENT)
+    return amber__fail(&w->err, AMBER_ENOENT,
+                       "cannot seed the reference from step %" PRIu64
+                       ": store %s has no committed checkpoint",
+                       step, w->st->path);
+  if (rc) return rc;
+  if (step != latest)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "cannot seed the reference from step %" PRIu64 ": the latest step of "
+                       "store %s is %" PRIu64 " (the reference is the latest committed state)",
+                       step, w->st->path, latest);
+  /* From here the reference is being replaced: valid again only on success. */
+  w->ref_valid = 0;
+  w->have_latest = 1;
+  w->latest_step = latest;
+  w->latest_state = state;
+  amber__ckpt c;
+  if ((rc = amber__ckpt_open(&w->err, w->st, step, &c)) != 0) return rc;
+  if (c.ftr.state_id != state)
+    rc = amber__fail(&w->err, AMBER_ECORRUPT,
+                     "%s: state id %016" PRIx64 " is not LATEST's %016" PRIx64, c.path,
+                     c.ftr.state_id, state);
+  if (!rc) rc = prepare(w, &c.ix);
+  if (!rc) rc = match_tensors(w, &w->err, &c.ix, c.path);
+  amber__ckpt_close(&c);
+  if (!rc) rc = ensure_ref(w);
+  if (!rc) rc = ensure_scratch(w); /* the first delta needs it: allocate it here, not there */
+  if (rc) return rc;
+  load_cadence(w);
+  /* Every page of the reference is written here, by the pool's threads: the
+   * page faults of a fresh reference happen now, not in the next save. */
+  amber__pool_for(w->pool, (size_t)w->n_chunks, seed_job, w);
+  w->ref_valid = 1;
+  return 0;
+}
+
 static int want_full(amber_writer *w, uint32_t flags) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
   if (!w->cadence_known) load_cadence(w);
@@ -836,7 +935,7 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
   memset(&w->stats, 0, sizeof w->stats);
   w->stats.total_s = now_s(); /* start time until run_save ends */
-  int rc = prepare(w);
+  int rc = prepare(w, NULL);
   if (rc) return rc;
   resolve_policies(w);
   w->delta = !want_full(w, flags);
