@@ -33,7 +33,7 @@ __all__ = [
     "AmberError", "PruneWarning", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
     "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
     "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
-    "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC",
+    "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM", "ECHANGED",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -47,9 +47,13 @@ WRITER_COMPRESS_FULL = 1 << 0
 WRITER_NO_DIRECT_IO = 1 << 1
 SAVE_FULL = 1 << 0
 SAVE_NO_REFERENCE = 1 << 1
+SAVE_CONFIRM = 1 << 2
 READER_FALLBACK = 1 << 0
 KIND_FULL, KIND_DELTA = 0, 1
 NO_STEP = LATEST = (1 << 64) - 1
+# AMBER_ECHANGED: a save refused because its tensors changed while it read them
+# (AmberError.name "AMBER_ECHANGED"); see Writer.confirm.
+ECHANGED = -17
 
 # ---- C structs, mirrored field by field -----------------------------------------
 
@@ -157,6 +161,8 @@ _writer_close = _fn("amber_writer_close", None, _H)
 _writer_begin = _fn("amber_writer_begin", c_int, _H, c_uint64, c_uint32, optional=True)
 _writer_fence = _fn("amber_writer_fence", c_int, _H, optional=True)
 _writer_wait = _fn("amber_writer_wait", c_int, _H, optional=True)
+_writer_confirm = _fn("amber_writer_confirm", c_int, _H, c_int, c_char_p, optional=True)
+_writer_seed_reference = _fn("amber_writer_seed_reference", c_int, _H, c_uint64, optional=True)
 _writer_prune_status = _fn("amber_writer_prune_status", c_int, _H, POINTER(c_size_t),
                            POINTER(c_char_p), optional=True)
 HAS_ASYNC = _writer_begin is not None and _writer_fence is not None and _writer_wait is not None
@@ -475,10 +481,18 @@ class Writer(_Handle):
         with self._lock:
             _check(_writer_save(self._handle(), step, _save_flags(full, no_reference)), self._h)
 
-    def begin(self, step, full=False, no_reference=False):
+    def begin(self, step, full=False, no_reference=False, confirm=False):
         """Starts saving `step` and returns once the scan is under way (with a
-        library without the split save: saves synchronously)."""
+        library without the split save: saves synchronously). confirm=True
+        (AMBER_SAVE_CONFIRM): the save is written and made durable but commits
+        only after confirm(True); confirm(False, why), or wait()/close() without
+        a verdict, make it fail with AMBER_ECHANGED."""
         flags = _save_flags(full, no_reference)
+        if confirm:
+            if _writer_confirm is None or not HAS_ASYNC:
+                raise AmberError(-8, "this libamber has no commit gate (AMBER_SAVE_CONFIRM)",
+                                 name="AMBER_EFORMAT")
+            flags |= SAVE_CONFIRM
         with self._lock:
             if not HAS_ASYNC:
                 _check(_writer_save(self._handle(), step, flags), self._h)
@@ -496,6 +510,28 @@ class Writer(_Handle):
         if HAS_ASYNC:
             with self._lock:
                 _check(_writer_wait(self._handle()), self._h)
+
+    def confirm(self, ok, why=""):
+        """The verdict on the save begun with confirm=True: ok lets it commit;
+        not ok makes it fail (wait() raises AmberError AMBER_ECHANGED whose
+        message ends with `why`). Waits for the scan first, as fence() does.
+        Raises AMBER_EINVAL when no save awaits a verdict."""
+        if _writer_confirm is None:
+            raise AmberError(-8, "this libamber has no commit gate", name="AMBER_EFORMAT")
+        with self._lock:
+            _check(_writer_confirm(self._handle(), 1 if ok else 0,
+                                   why.encode("utf-8", "replace") if why else None), self._h)
+
+    def seed_reference(self, step):
+        """States that the declared tensors' memory holds exactly the restored
+        state of `step`, the store's latest committed step (as after a load of
+        it): the writer copies it as its reference now, so the next save is a
+        delta against `step` without reading the store. Raises AmberError
+        (AMBER_EINVAL, AMBER_EMISMATCH, AMBER_ENOENT) naming what differs."""
+        if _writer_seed_reference is None:
+            raise AmberError(-8, "this libamber cannot seed a reference", name="AMBER_EFORMAT")
+        with self._lock:
+            _check(_writer_seed_reference(self._handle(), step), self._h)
 
 
     def prune_status(self):
