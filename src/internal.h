@@ -189,6 +189,9 @@ void amber__io_inject_failure(int after, int err);
 /* Large reused buffers: 4 KiB-aligned, huge pages requested when large. */
 void *amber__big_alloc(size_t n);
 void amber__big_free(void *p, size_t n);
+/* Faults in the pages of a fresh big buffer now (before it is needed in a
+ * latency-sensitive path); its contents become zero. */
+void amber__big_prefault(void *p, size_t n);
 
 /* Reads exactly `len` bytes at `off` (retrying short reads and EINTR). */
 int amber__pread_full(int fd, void *buf, size_t len, uint64_t off);

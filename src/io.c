@@ -92,6 +92,17 @@ void *amber__big_alloc(size_t n) {
   return p;
 }
 
+void amber__big_prefault(void *p, size_t n) {
+  if (!p || !n) return;
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  /* an older kernel: one write per page (the memory is not in use yet) */
+  long pg = sysconf(_SC_PAGESIZE);
+  size_t step = pg > 0 ? (size_t)pg : 4096;
+  for (size_t o = 0; o < n; o += step) ((volatile uint8_t *)p)[o] = 0;
+}
+
 void amber__big_free(void *p, size_t n) {
   if (!p) return;
   if (n < BIG_MIN) free(p);

@@ -406,8 +406,9 @@ static int ensure_ref(amber_writer *w) {
   return 0;
 }
 
-/* Per worker: scan output and encode buffers for the largest chunk. */
-static int ensure_scratch(amber_writer *w) {
+/* Per worker: scan output and encode buffers for the largest chunk; `prefault`:
+ * their pages are faulted in now rather than by the first delta's scan. */
+static int ensure_scratch(amber_writer *w, int prefault) {
   if (w->have_scratch) return 0;
   size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
   size_t ib = w->max_chunk_elems * sizeof(uint32_t);
@@ -420,6 +421,7 @@ static int ensure_scratch(amber_writer *w) {
     if (!s->mem || !s->cctx)
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
     s->mem_size = total;
+    if (prefault) amber__big_prefault(s->mem, total);
     uint8_t *p = s->mem, *at[7];
     for (int k = 0; k < 7; k++) {
       at[k] = p;
@@ -898,7 +900,7 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
   if (!rc) rc = match_tensors(w, &w->err, &c.ix, c.path);
   amber__ckpt_close(&c);
   if (!rc) rc = ensure_ref(w);
-  if (!rc) rc = ensure_scratch(w); /* the first delta needs it: allocate it here, not there */
+  if (!rc) rc = ensure_scratch(w, 1); /* the first delta needs it: fault it in here */
   if (rc) return rc;
   load_cadence(w);
   /* Every page of the reference is written here, by the pool's threads: the
@@ -943,7 +945,7 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   __atomic_store_n(&w->gate, GATE_NONE, __ATOMIC_SEQ_CST);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
-  if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w)) != 0)
+  if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w, 0)) != 0)
     return rc;
   w->scanned = 0;
   return 0;
