@@ -691,9 +691,10 @@ static int await_verdict(amber_writer *w, uint64_t step) {
   return check_stop(w, step);
 }
 
-/* Writes header, chunks, index, footer to `tmp` and makes it durable. */
-static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t *state,
-                      uint64_t *file_bytes) {
+/* Writes header, chunks, index, footer to a new temporary file next to `dst`
+ * and makes it durable; its name goes to `tmp` (4200 bytes). */
+static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step,
+                      uint64_t *state, uint64_t *file_bytes) {
   amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
                      .format_minor = AMBER_FORMAT_MINOR,
                      .step = step,
@@ -702,8 +703,9 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
                      .parent_state = w->delta ? w->latest_state : 0};
   uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
   amber__header_encode(&h, hb);
-  int rc = amber__wfile_begin(w->wf, &w->err, tmp);
+  int rc = amber__wfile_begin(w->wf, &w->err, dst);
   if (rc) return rc;
+  snprintf(tmp, 4200, "%s", amber__wfile_path(w->wf));
   rc = amber__wfile_append(w->wf, hb, sizeof hb);
   if (!rc) {
     w->rc = 0;
@@ -962,14 +964,13 @@ static void prune(amber_writer *w) {
 /* Writes and commits the save that start_save set up. */
 static int run_save(amber_writer *w, uint64_t step) {
   double t_start = w->stats.total_s;
-  char tmp[4200], dst[4200];
-  amber__ckpt_path(w->st, step, ".tmp", tmp, sizeof tmp);
+  char tmp[4200] = "", dst[4200];
   amber__ckpt_path(w->st, step, NULL, dst, sizeof dst);
   uint64_t state = 0, bytes = 0;
   /* From here the reference is being moved: it is valid again only on success. */
   w->ref_valid = 0;
   w->stats.prepare_s = now_s() - t_start;
-  int rc = write_file(w, tmp, step, &state, &bytes);
+  int rc = write_file(w, dst, tmp, step, &state, &bytes);
   mark_scanned(w); /* also when write_file failed early */
   if (!rc && (rc = await_verdict(w, step)) != 0) unlink(tmp); /* durable, never visible */
   double t_commit = now_s();
