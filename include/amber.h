@@ -74,7 +74,8 @@ AMBER_API const char *amber_version_string(void);
   XX(EBUSY, -13, "operation in progress")                                        \
   XX(ECANCELED, -14, "operation canceled")                                       \
   XX(EPERM, -15, "permission denied")                                            \
-  XX(EREADONLY, -16, "store opened read-only")
+  XX(EREADONLY, -16, "store opened read-only")                                   \
+  XX(ECHANGED, -17, "the data changed while it was being saved")
 
 typedef enum amber_errno {
 #define AMBER__XX(name, value, msg) AMBER_##name = (value),
@@ -281,6 +282,10 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
  * never allocates the reference. A later delta of this writer loads the
  * reference from the store first. Ignored by a save that is a delta. */
 #define AMBER_SAVE_NO_REFERENCE (1u << 1)
+/* amber_writer_begin only: the save is written and made durable in the
+ * background but committed only when the caller says so with
+ * amber_writer_confirm (see "Confirming a save" below). */
+#define AMBER_SAVE_CONFIRM (1u << 2)
 
 /* Saves the declared tensors as checkpoint `step` and commits it: when this
  * returns 0 the checkpoint is durable and is the store's latest. The checkpoint
@@ -293,6 +298,26 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
  * store is unchanged: earlier checkpoints stay intact and nothing half-written
  * becomes visible. Reads the tensors' memory during the call only. */
 AMBER_API int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags);
+
+/* States that the declared tensors' memory (the addresses given to
+ * amber_writer_add / amber_writer_set_data) holds exactly the restored state of
+ * committed step `step`, e.g. right after the caller restored that step into it,
+ * so that the writer need not read the store to build its reference state. The
+ * writer checks that `step` is the store's latest step (AMBER_EINVAL otherwise;
+ * AMBER_ENOENT for an empty store) and that its tensor table matches the
+ * declarations in order, names, dtypes, shapes and chunking (AMBER_EMISMATCH with
+ * the first difference otherwise); it adopts the step's chunking and the cadence
+ * counters (full_every, full_share) from the files' headers and indexes, reads no
+ * tensor data, then copies the tensors into its reference state now, with its
+ * worker threads: the reference's memory is allocated and faulted in here, not
+ * in the next save. The next save is then a delta against `step` (unless the
+ * cadence calls for a full one).
+ * amber cannot check the claim: if the memory does not hold that state, the
+ * later deltas restore wrong values. Reads the tensors' memory during the call
+ * only. AMBER_EBUSY while a save is in progress or not yet reported by
+ * amber_writer_wait. On failure the next save reloads the reference from the
+ * store as usual. */
+AMBER_API int amber_writer_seed_reference(amber_writer *w, uint64_t step);
 
 /* ---- Asynchronous save: begin, fence, wait ----
  *
@@ -320,6 +345,36 @@ AMBER_API int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags);
  * restored from the latest committed checkpoint on the next save, so later
  * saves stay correct. */
 
+/* ---- Confirming a save: the commit gate ----
+ *
+ * The rule: from amber_writer_begin until amber_writer_fence returns, the
+ * declared tensors must not change. amber cannot see a write that breaks it; a
+ * caller that can (e.g. with version counters of its own, read at begin and
+ * compared after the fence) begins the save with AMBER_SAVE_CONFIRM and gives
+ * its verdict with amber_writer_confirm:
+ *
+ *   amber_writer_begin(w, N, AMBER_SAVE_CONFIRM);  // note the tensors' versions
+ *   forward(); backward();
+ *   amber_writer_fence(w);
+ *   amber_writer_confirm(w, versions_unchanged, "tensor 'x' changed before the fence");
+ *   optimizer_step();
+ *   ...
+ *   amber_writer_wait(w);
+ *
+ * The background work scans, encodes and writes the file and makes it durable,
+ * then waits (on a condition variable: nothing polls, the gate costs nothing
+ * when the verdict is already there) for the verdict before it renames the file
+ * into place and moves LATEST. A veto (ok == 0) makes the save fail with
+ * AMBER_ECHANGED and the caller's `why` in its message: the temporary file is
+ * removed, nothing becomes visible, and the reference state is restored as after
+ * any failed save, so the next save is correct.
+ *
+ * Without a verdict: amber_writer_wait and amber_writer_close refuse the commit
+ * (AMBER_ECHANGED, "not confirmed"; never a deadlock); amber_writer_begin
+ * returns AMBER_EBUSY as for any save in progress; amber_writer_cancel stops
+ * the save (AMBER_ECANCELED). AMBER_SAVE_CONFIRM is refused by
+ * amber_writer_save (nobody could confirm it). */
+
 /* Starts saving checkpoint `step` (same rules as amber_writer_save) and returns
  * once the scan has been handed to the worker threads. AMBER_EBUSY if a save is
  * still in progress (call amber_writer_wait first). */
@@ -330,6 +385,18 @@ AMBER_API int amber_writer_fence(amber_writer *w);
 /* Blocks until the save in progress is committed and durable, or has failed, and
  * returns its result (0 when no save was in progress and no error is pending). */
 AMBER_API int amber_writer_wait(amber_writer *w);
+
+/* Gives the verdict on the save in progress that was begun with
+ * AMBER_SAVE_CONFIRM: ok != 0 lets it commit; ok == 0 makes it fail with
+ * AMBER_ECHANGED, its message "step N not committed: WHY" (`why` may be NULL;
+ * copied). Waits for the scan first, as amber_writer_fence does, so a verdict
+ * always covers the whole time the tensors were read. Returns 0 when the verdict
+ * was taken (also when the save had already failed for another reason: wait
+ * reports that), AMBER_EINVAL when no save awaits a verdict (none in progress,
+ * begun without AMBER_SAVE_CONFIRM, or already confirmed). The result of the
+ * save itself comes from amber_writer_wait. Thread safety: as for every call on
+ * the writer, never concurrently with another call on it. */
+AMBER_API int amber_writer_confirm(amber_writer *w, int ok, const char *why);
 
 /* Stops the save in progress if it has not reached its commit yet, waits until it
  * has stopped, and returns its result: AMBER_ECANCELED when it was stopped (the

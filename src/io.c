@@ -16,7 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation per chunk */
@@ -92,6 +94,17 @@ void *amber__big_alloc(size_t n) {
   return p;
 }
 
+void amber__big_prefault(void *p, size_t n) {
+  if (!p || !n) return;
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  /* an older kernel: one write per page (the memory is not in use yet) */
+  long pg = sysconf(_SC_PAGESIZE);
+  size_t step = pg > 0 ? (size_t)pg : 4096;
+  for (size_t o = 0; o < n; o += step) ((volatile uint8_t *)p)[o] = 0;
+}
+
 void amber__big_free(void *p, size_t n) {
   if (!p) return;
   if (n < BIG_MIN) free(p);
@@ -134,6 +147,33 @@ int amber__pread_full(int fd, void *buf, size_t len, uint64_t off) {
     off += (uint64_t)n;
   }
   return 0;
+}
+
+/* 64 bits that another process cannot guess: a temporary name must not be
+ * predictable, or a link planted there in a shared directory could be waiting. */
+static uint64_t unguessable(void) {
+  uint64_t v;
+  if (getrandom(&v, sizeof v, GRND_NONBLOCK) == (ssize_t)sizeof v) return v;
+  /* no entropy yet (early boot): O_EXCL still makes the creation safe */
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  static uint64_t counter;
+  uint64_t c = __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED);
+  return amber__xxh3(&ts, sizeof ts) ^ ((uint64_t)getpid() << 32) ^ (c * 0x9E3779B97F4A7C15ull);
+}
+
+int amber__create_tmp(amber__err *e, const char *prefix, char *path, size_t len, int *fd) {
+  *fd = -1;
+  for (int tries = 0; tries < 100; tries++) {
+    int n = snprintf(path, len, "%s.%016llx.tmp", prefix, (unsigned long long)unguessable());
+    if (n < 0 || (size_t)n >= len)
+      return amber__fail(e, AMBER_EINVAL, "path %s is too long", prefix);
+    *fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (*fd >= 0) return 0;
+    if (errno != EEXIST) break;
+  }
+  return amber__fail(e, amber__errno_code(errno), "cannot create %s: %s", path,
+                     strerror(errno));
 }
 
 int amber__fsync_dir(const char *dir) {
@@ -229,20 +269,22 @@ uint64_t amber__wfile_pos(const amber__wfile *f) {
   return f->pos;
 }
 
-int amber__wfile_begin(amber__wfile *f, amber__err *e, const char *path) {
+const char *amber__wfile_path(const amber__wfile *f) {
+  return f->path;
+}
+
+int amber__wfile_begin(amber__wfile *f, amber__err *e, const char *prefix) {
   f->err = e;
-  snprintf(f->path, sizeof f->path, "%s", path);
-  int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
   f->direct = 0;
-  f->fd = -1;
+  int rc = amber__create_tmp(e, prefix, f->path, sizeof f->path, &f->fd);
+  if (rc) return rc;
+  /* O_DIRECT on the created file: where the file system refuses it, fcntl fails
+   * and the file stays buffered (an open with O_DIRECT could fail after creating
+   * the file) */
   if (f->allow_direct) {
-    f->fd = open(path, flags | O_DIRECT, 0644);
-    if (f->fd >= 0) f->direct = 1;
+    int fl = fcntl(f->fd, F_GETFL);
+    if (fl >= 0 && fcntl(f->fd, F_SETFL, fl | O_DIRECT) == 0) f->direct = 1;
   }
-  if (f->fd < 0) f->fd = open(path, flags, 0644);
-  if (f->fd < 0)
-    return amber__fail(e, amber__errno_code(errno), "cannot create %s: %s", path,
-                       strerror(errno));
   f->cur = 0;
   f->fill = 0;
   f->pos = 0;
@@ -255,7 +297,7 @@ int amber__wfile_begin(amber__wfile *f, amber__err *e, const char *path) {
   for (int i = 0; i < NIO; i++) {
     if (pthread_create(&f->thread[i], NULL, io_main, f) != 0) {
       amber__wfile_abort(f);
-      return amber__fail(e, AMBER_ENOMEM, "cannot start the I/O threads for %s", path);
+      return amber__fail(e, AMBER_ENOMEM, "cannot start the I/O threads for %s", f->path);
     }
     f->threads_on++;
   }

@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -17,9 +18,10 @@
 
 #define STAGE_BYTES (32u << 20)
 
-/* Writes the full file for the reader's step into `tmp`. */
+/* Writes the full file for the reader's step into a new temporary file next to
+ * `dst`, whose name goes to `tmp` (4200 bytes). */
 static int write_compacted(amber_store *st, amber_reader *r, const amber__index *src,
-                           uint64_t state_id, const char *tmp) {
+                           uint64_t state_id, const char *dst, char *tmp) {
   amber__wfile *wf = NULL;
   if (amber__wfile_create(&wf, STAGE_BYTES, 1))
     return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
@@ -36,8 +38,10 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
                      .parent_step = AMBER_NO_STEP};
   uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
   amber__header_encode(&h, hb);
-  if (!rc && (rc = amber__wfile_begin(wf, &st->err, tmp)) == 0)
+  if (!rc && (rc = amber__wfile_begin(wf, &st->err, dst)) == 0) {
+    snprintf(tmp, 4200, "%s", amber__wfile_path(wf));
     rc = amber__wfile_append(wf, hb, sizeof hb);
+  }
   for (uint64_t i = 0; i < src->n_tensors && !rc; i++) {
     const amber__tensor *t = &src->tensors[i];
     if ((rc = amber_reader_read(r, (size_t)i, buf, t->nbytes)) != 0) {
@@ -107,9 +111,9 @@ int amber_store_compact(amber_store *st, uint64_t step) {
     return 0; /* already full */
   }
   amber__index *ix = amber__reader_index(r);
-  char tmp[4200];
-  amber__ckpt_path(st, ci.step, ".tmp", tmp, sizeof tmp);
-  rc = write_compacted(st, r, ix, ci.hash, tmp);
+  char tmp[4200] = "", dst[4200];
+  amber__ckpt_path(st, ci.step, NULL, dst, sizeof dst);
+  rc = write_compacted(st, r, ix, ci.hash, dst, tmp);
   amber_reader_close(r);
   if (!rc) rc = amber__commit_file(st, &st->err, tmp, ci.step);
   return rc;

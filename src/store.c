@@ -84,13 +84,10 @@ int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t 
 
 int amber__write_latest(amber_store *st, amber__err *e, uint64_t step, uint64_t state) {
   char tmp[4200], dst[4200], line[64];
-  snprintf(tmp, sizeof tmp, "%s/LATEST.tmp", st->path);
   snprintf(dst, sizeof dst, "%s/LATEST", st->path);
   int n = snprintf(line, sizeof line, "%" PRIu64 " %016" PRIx64 "\n", step, state);
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
-    return amber__fail(e, amber__errno_code(errno), "cannot create %s: %s", tmp,
-                       strerror(errno));
+  int fd, rc = amber__create_tmp(e, dst, tmp, sizeof tmp, &fd);
+  if (rc) return rc;
   if (amber__write_full(fd, line, (size_t)n) != 0 || fsync(fd) != 0) {
     int err = errno;
     close(fd);
@@ -242,7 +239,7 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
                        strerror(err));
   }
   if (!ro) {
-    st->lockfd = openat(st->dirfd, ".lock", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    st->lockfd = openat(st->dirfd, ".lock", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (st->lockfd < 0) {
       int err = errno;
       amber_store_close(st);

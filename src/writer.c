@@ -19,6 +19,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -109,7 +110,12 @@ struct amber_writer {
   int two_phase; /* full save: copy all of live first, so the fence comes early */
   uint64_t job_step;
   int cancel; /* amber_writer_cancel: stop the save before it commits */
+  int gate;   /* AMBER_SAVE_CONFIRM: GATE_* (read by workers atomically) */
+  char why[AMBER__ERRLEN]; /* the veto's reason */
 };
+
+/* The commit gate of a save begun with AMBER_SAVE_CONFIRM. */
+enum { GATE_NONE = 0, GATE_PENDING, GATE_OK, GATE_VETO };
 
 void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
   *out = w->stats;
@@ -329,32 +335,46 @@ int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
   return 0;
 }
 
+static const char *index_name(const void *ctx, size_t pos, size_t *len) {
+  const amber__index *ix = ctx;
+  *len = ix->tensors[pos].name_len;
+  return ix->tensors[pos].name;
+}
+
 /* A delta needs the latest checkpoint's chunking: unless the caller chose one,
- * tensors that the latest checkpoint also holds take its chunk size. */
-static void adopt_chunking(amber_writer *w) {
+ * tensors that the latest checkpoint (index `ix`; NULL: read it) also holds take
+ * its chunk size. */
+static void adopt_chunking(amber_writer *w, const amber__index *ix) {
   amber_reader *r = NULL;
-  if (w->chunk_given || !w->have_latest ||
-      amber_reader_open(&r, w->st, w->latest_step, NULL) != 0)
-    return;
+  if (w->chunk_given || !w->have_latest) return;
+  if (!ix) {
+    if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return;
+    ix = amber__reader_index(r);
+  }
+  amber__names names = {0};
+  for (uint64_t k = 0; k < ix->n_tensors; k++)
+    if (amber__names_insert(&names, ix->tensors[k].name, ix->tensors[k].name_len, (size_t)k,
+                            index_name, ix) < 0)
+      break; /* out of memory: keep the default chunking, the next save is full */
   w->n_chunks = 0;
   for (size_t i = 0; i < w->n; i++) {
     amber__tensor *t = &w->tensors[i];
-    size_t k;
-    amber_tensor_info ti;
-    if (amber_reader_find(r, t->name, &k) == 0 && amber_reader_info(r, k, &ti) == 0 &&
-        ti.dtype == t->dtype && ti.nelems == t->nelems)
-      t->chunk_elems = ti.chunk_elems;
+    long k = amber__names_find(&names, t->name, t->name_len, index_name, ix);
+    if (k >= 0 && ix->tensors[k].dtype == t->dtype && ix->tensors[k].nelems == t->nelems)
+      t->chunk_elems = ix->tensors[k].chunk_elems;
     t->n_chunks = t->nelems / t->chunk_elems + (t->nelems % t->chunk_elems != 0);
     t->first_chunk = w->n_chunks;
     w->n_chunks += t->n_chunks;
   }
+  amber__names_free(&names);
   amber_reader_close(r);
 }
 
-/* Sizes the chunk table for the declared tensors (first save only). */
-static int prepare(amber_writer *w) {
+/* Sizes the chunk table for the declared tensors (first save only); `ix` as
+ * for adopt_chunking. */
+static int prepare(amber_writer *w, const amber__index *ix) {
   if (w->frozen) return 0;
-  adopt_chunking(w);
+  adopt_chunking(w, ix);
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
   w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
   w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
@@ -386,8 +406,9 @@ static int ensure_ref(amber_writer *w) {
   return 0;
 }
 
-/* Per worker: scan output and encode buffers for the largest chunk. */
-static int ensure_scratch(amber_writer *w) {
+/* Per worker: scan output and encode buffers for the largest chunk; `prefault`:
+ * their pages are faulted in now rather than by the first delta's scan. */
+static int ensure_scratch(amber_writer *w, int prefault) {
   if (w->have_scratch) return 0;
   size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
   size_t ib = w->max_chunk_elems * sizeof(uint32_t);
@@ -400,6 +421,7 @@ static int ensure_scratch(amber_writer *w) {
     if (!s->mem || !s->cctx)
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
     s->mem_size = total;
+    if (prefault) amber__big_prefault(s->mem, total);
     uint8_t *p = s->mem, *at[7];
     for (int k = 0; k < 7; k++) {
       at[k] = p;
@@ -590,6 +612,13 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
   s->encode_s += now_s() - t1;
 }
 
+/* A failure, a cancel or a veto: the rest of the save's work is wasted. */
+static int stopping(amber_writer *w) {
+  return __atomic_load_n(&w->rc, __ATOMIC_RELAXED) ||
+         __atomic_load_n(&w->cancel, __ATOMIC_RELAXED) ||
+         __atomic_load_n(&w->gate, __ATOMIC_RELAXED) == GATE_VETO;
+}
+
 /* Two-phase full save, phase 1: copy a chunk of live into the reference and
  * checksum it; phase 2 (append_job) writes the reference. */
 static void copy_job(void *ctx, int worker, size_t j) {
@@ -611,7 +640,7 @@ static void copy_job(void *ctx, int worker, size_t j) {
 static void append_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   (void)worker;
-  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED)) return;
+  if (stopping(w)) return;
   size_t ti = w->owner[j];
   const amber__tensor *t = &w->tensors[ti];
   uint64_t jj = j - t->first_chunk;
@@ -630,8 +659,7 @@ static void mark_scanned(amber_writer *w) {
 
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
-  if (__atomic_load_n(&w->rc, __ATOMIC_RELAXED) || __atomic_load_n(&w->cancel, __ATOMIC_RELAXED))
-    return; /* a failure or a cancel stops the save */
+  if (stopping(w)) return;
   size_t ti = w->owner[j];
   const amber__tensor *t = &w->tensors[ti];
   amber__chunk *c = &w->chunks[j];
@@ -641,9 +669,32 @@ static void chunk_job(void *ctx, int worker, size_t j) {
     full_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
 }
 
-/* Writes header, chunks, index, footer to `tmp` and makes it durable. */
-static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t *state,
-                      uint64_t *file_bytes) {
+/* 0, or the failure of a save that was canceled or vetoed. */
+static int check_stop(amber_writer *w, uint64_t step) {
+  if (__atomic_load_n(&w->cancel, __ATOMIC_SEQ_CST))
+    return amber__fail(&w->err, AMBER_ECANCELED, "the save of step %" PRIu64 " was canceled",
+                       step);
+  if (__atomic_load_n(&w->gate, __ATOMIC_SEQ_CST) != GATE_VETO) return 0;
+  pthread_mutex_lock(&w->amu);
+  int rc = amber__fail(&w->err, AMBER_ECHANGED, "step %" PRIu64 " not committed: %s", step,
+                       w->why);
+  pthread_mutex_unlock(&w->amu);
+  return rc;
+}
+
+/* The commit gate: a save begun with AMBER_SAVE_CONFIRM commits only once the
+ * caller's verdict is in (amber_writer_confirm, or a refusal by wait/close). */
+static int await_verdict(amber_writer *w, uint64_t step) {
+  pthread_mutex_lock(&w->amu);
+  while (w->gate == GATE_PENDING && !w->cancel) pthread_cond_wait(&w->acv, &w->amu);
+  pthread_mutex_unlock(&w->amu);
+  return check_stop(w, step);
+}
+
+/* Writes header, chunks, index, footer to a new temporary file next to `dst`
+ * and makes it durable; its name goes to `tmp` (4200 bytes). */
+static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step,
+                      uint64_t *state, uint64_t *file_bytes) {
   amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
                      .format_minor = AMBER_FORMAT_MINOR,
                      .step = step,
@@ -652,8 +703,9 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
                      .parent_state = w->delta ? w->latest_state : 0};
   uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
   amber__header_encode(&h, hb);
-  int rc = amber__wfile_begin(w->wf, &w->err, tmp);
+  int rc = amber__wfile_begin(w->wf, &w->err, dst);
   if (rc) return rc;
+  snprintf(tmp, 4200, "%s", amber__wfile_path(w->wf));
   rc = amber__wfile_append(w->wf, hb, sizeof hb);
   if (!rc) {
     w->rc = 0;
@@ -676,9 +728,7 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
     }
     w->stats.workers = nw;
     rc = w->rc;
-    if (!rc && __atomic_load_n(&w->cancel, __ATOMIC_SEQ_CST))
-      rc = amber__fail(&w->err, AMBER_ECANCELED, "the save of step %" PRIu64 " was canceled",
-                       step);
+    if (!rc) rc = check_stop(w, step);
   }
   amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
                      .n_chunks = w->n_chunks, .meta = w->meta, .meta_size = w->meta_len};
@@ -715,19 +765,42 @@ static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t 
   return rc;
 }
 
+/* 0 when index `ix` (of file `what`) describes exactly the declared tensors, in
+ * order and chunked alike; else AMBER_EMISMATCH, the first difference in `e`. */
+static int match_tensors(amber_writer *w, amber__err *e, const amber__index *ix,
+                         const char *what) {
+  if (ix->n_tensors != w->n)
+    return amber__fail(e, AMBER_EMISMATCH, "%s holds %" PRIu64 " tensors, the writer declares %zu",
+                       what, ix->n_tensors, w->n);
+  for (size_t i = 0; i < w->n; i++) {
+    const amber__tensor *t = &w->tensors[i], *u = &ix->tensors[i];
+    if (strcmp(u->name, t->name))
+      return amber__fail(e, AMBER_EMISMATCH,
+                         "tensor %zu is '%s' in the writer but '%s' in %s (same names in the "
+                         "same order are needed)",
+                         i, t->name, u->name, what);
+    if (u->dtype != t->dtype)
+      return amber__fail(e, AMBER_EMISMATCH, "tensor '%s' is %s in the writer but %s in %s",
+                         t->name, amber_dtype_name(t->dtype), amber_dtype_name(u->dtype), what);
+    int same_shape = u->ndim == t->ndim;
+    for (uint32_t d = 0; same_shape && d < t->ndim; d++) same_shape = u->shape[d] == t->shape[d];
+    if (!same_shape)
+      return amber__fail(e, AMBER_EMISMATCH,
+                         "tensor '%s' has another shape in %s (%u dimensions, %" PRIu64
+                         " elements) than in the writer (%u dimensions, %" PRIu64 " elements)",
+                         t->name, what, u->ndim, u->nelems, t->ndim, t->nelems);
+    if (u->chunk_elems != t->chunk_elems)
+      return amber__fail(e, AMBER_EMISMATCH,
+                         "tensor '%s' is cut into chunks of %" PRIu64 " elements in %s, of %" PRIu64
+                         " in the writer (a delta needs the same chunking)",
+                         t->name, u->chunk_elems, what, t->chunk_elems);
+  }
+  return 0;
+}
+
 /* 1 when the latest checkpoint describes exactly the declared tensors. */
 static int same_tensors(amber_writer *w, amber_reader *r) {
-  if (amber_reader_count(r) != w->n) return 0;
-  for (size_t i = 0; i < w->n; i++) {
-    amber_tensor_info ti;
-    const amber__tensor *t = &w->tensors[i];
-    if (amber_reader_info(r, i, &ti) || strcmp(ti.name, t->name) || ti.dtype != t->dtype ||
-        ti.ndim != t->ndim || ti.chunk_elems != t->chunk_elems)
-      return 0;
-    for (uint32_t d = 0; d < t->ndim; d++)
-      if ((uint64_t)ti.shape[d] != t->shape[d]) return 0;
-  }
-  return 1;
+  return match_tensors(w, NULL, amber__reader_index(r), "") == 0;
 }
 
 /* Learns the cadence counters from the chain of the latest checkpoint. */
@@ -777,6 +850,68 @@ static int load_reference(amber_writer *w) {
   return ok;
 }
 
+/* Seeding: copies a chunk of the caller's tensors into the reference. */
+static void seed_job(void *ctx, int worker, size_t j) {
+  amber_writer *w = ctx;
+  (void)worker;
+  size_t ti = w->owner[j];
+  const amber__tensor *t = &w->tensors[ti];
+  uint64_t jj = j - t->first_chunk;
+  size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
+  memcpy(w->ref[ti] + off, w->data[ti] + off, (size_t)amber__chunk_n(t, jj) * isz);
+}
+
+int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_seed_reference: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  int job = w->job;
+  pthread_mutex_unlock(&w->amu);
+  if (job)
+    return amber__fail(&w->err, AMBER_EBUSY,
+                       "amber_writer_seed_reference: the save of step %" PRIu64
+                       " is not reported yet (call amber_writer_wait first)",
+                       w->job_step);
+  for (size_t i = 0; i < w->n; i++)
+    if (w->tensors[i].nbytes && !w->data[i])
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
+  uint64_t latest, state;
+  int rc = amber__store_state(w->st, &w->err, &latest, &state);
+  if (rc == AMBER_ENOENT)
+    return amber__fail(&w->err, AMBER_ENOENT,
+                       "cannot seed the reference from step %" PRIu64
+                       ": store %s has no committed checkpoint",
+                       step, w->st->path);
+  if (rc) return rc;
+  if (step != latest)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "cannot seed the reference from step %" PRIu64 ": the latest step of "
+                       "store %s is %" PRIu64 " (the reference is the latest committed state)",
+                       step, w->st->path, latest);
+  /* From here the reference is being replaced: valid again only on success. */
+  w->ref_valid = 0;
+  w->have_latest = 1;
+  w->latest_step = latest;
+  w->latest_state = state;
+  amber__ckpt c;
+  if ((rc = amber__ckpt_open(&w->err, w->st, step, &c)) != 0) return rc;
+  if (c.ftr.state_id != state)
+    rc = amber__fail(&w->err, AMBER_ECORRUPT,
+                     "%s: state id %016" PRIx64 " is not LATEST's %016" PRIx64, c.path,
+                     c.ftr.state_id, state);
+  if (!rc) rc = prepare(w, &c.ix);
+  if (!rc) rc = match_tensors(w, &w->err, &c.ix, c.path);
+  amber__ckpt_close(&c);
+  if (!rc) rc = ensure_ref(w);
+  if (!rc) rc = ensure_scratch(w, 1); /* the first delta needs it: fault it in here */
+  if (rc) return rc;
+  load_cadence(w);
+  /* Every page of the reference is written here, by the pool's threads: the
+   * page faults of a fresh reference happen now, not in the next save. */
+  amber__pool_for(w->pool, (size_t)w->n_chunks, seed_job, w);
+  w->ref_valid = 1;
+  return 0;
+}
+
 static int want_full(amber_writer *w, uint32_t flags) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
   if (!w->cadence_known) load_cadence(w);
@@ -791,7 +926,7 @@ static int want_full(amber_writer *w, uint32_t flags) {
 
 /* Checks a save request and decides its kind; nothing has started on failure. */
 static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
-  if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE))
+  if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE | AMBER_SAVE_CONFIRM))
     return amber__fail(&w->err, AMBER_EINVAL, "amber_writer_save: unknown flags 0x%x", flags);
   if (step == AMBER_NO_STEP)
     return amber__fail(&w->err, AMBER_EINVAL, "step %" PRIu64 " is reserved", step);
@@ -804,14 +939,15 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
   memset(&w->stats, 0, sizeof w->stats);
   w->stats.total_s = now_s(); /* start time until run_save ends */
-  int rc = prepare(w);
+  int rc = prepare(w, NULL);
   if (rc) return rc;
   resolve_policies(w);
   w->delta = !want_full(w, flags);
   __atomic_store_n(&w->cancel, 0, __ATOMIC_SEQ_CST);
+  __atomic_store_n(&w->gate, GATE_NONE, __ATOMIC_SEQ_CST);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
-  if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w)) != 0)
+  if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w, 0)) != 0)
     return rc;
   w->scanned = 0;
   return 0;
@@ -828,15 +964,15 @@ static void prune(amber_writer *w) {
 /* Writes and commits the save that start_save set up. */
 static int run_save(amber_writer *w, uint64_t step) {
   double t_start = w->stats.total_s;
-  char tmp[4200], dst[4200];
-  amber__ckpt_path(w->st, step, ".tmp", tmp, sizeof tmp);
+  char tmp[4200] = "", dst[4200];
   amber__ckpt_path(w->st, step, NULL, dst, sizeof dst);
   uint64_t state = 0, bytes = 0;
   /* From here the reference is being moved: it is valid again only on success. */
   w->ref_valid = 0;
   w->stats.prepare_s = now_s() - t_start;
-  int rc = write_file(w, tmp, step, &state, &bytes);
+  int rc = write_file(w, dst, tmp, step, &state, &bytes);
   mark_scanned(w); /* also when write_file failed early */
+  if (!rc && (rc = await_verdict(w, step)) != 0) unlink(tmp); /* durable, never visible */
   double t_commit = now_s();
   if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
   if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
@@ -880,6 +1016,11 @@ int amber_writer_prune_status(const amber_writer *w, size_t *removed, const char
 
 int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_save: NULL writer");
+  if (flags & AMBER_SAVE_CONFIRM)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "step %" PRIu64 ": AMBER_SAVE_CONFIRM needs amber_writer_begin "
+                       "(amber_writer_save cannot be confirmed)",
+                       step);
   int rc = amber_writer_wait(w); /* a pending failure is reported first */
   if (rc) return rc;
   if ((rc = start_save(w, step, flags)) != 0) return rc;
@@ -947,6 +1088,8 @@ int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
   w->done = 0;
   w->result = 0;
   w->job = 1;
+  __atomic_store_n(&w->gate, (flags & AMBER_SAVE_CONFIRM) ? GATE_PENDING : GATE_NONE,
+                   __ATOMIC_SEQ_CST);
   pthread_cond_broadcast(&w->acv);
   pthread_mutex_unlock(&w->amu);
   return 0;
@@ -954,8 +1097,41 @@ int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
 
 int amber_writer_cancel(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_cancel: NULL writer");
+  pthread_mutex_lock(&w->amu); /* wakes a save waiting at its commit gate */
   __atomic_store_n(&w->cancel, 1, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&w->acv);
+  pthread_mutex_unlock(&w->amu);
   return amber_writer_wait(w);
+}
+
+/* Records the verdict on a gated save; called with amu held. */
+static void give_verdict(amber_writer *w, int ok, const char *why) {
+  if (!ok) snprintf(w->why, sizeof w->why, "%s", why);
+  __atomic_store_n(&w->gate, ok ? GATE_OK : GATE_VETO, __ATOMIC_SEQ_CST);
+  pthread_cond_broadcast(&w->acv);
+}
+
+int amber_writer_confirm(amber_writer *w, int ok, const char *why) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_confirm: NULL writer");
+  pthread_mutex_lock(&w->amu);
+  /* the verdict covers the whole scan: wait for it as a fence does */
+  while (w->job && !w->done && !w->scanned && w->gate == GATE_PENDING)
+    pthread_cond_wait(&w->acv, &w->amu);
+  int pending = w->job && w->gate == GATE_PENDING;
+  if (pending)
+    give_verdict(w, ok, why && *why ? why : "vetoed by amber_writer_confirm");
+  uint64_t step = w->job_step;
+  int job = w->job;
+  pthread_mutex_unlock(&w->amu);
+  if (!pending)
+    return job ? amber__fail(&w->err, AMBER_EINVAL,
+                             "amber_writer_confirm: the save of step %" PRIu64
+                             " awaits no verdict (begun without AMBER_SAVE_CONFIRM, or "
+                             "already confirmed)",
+                             step)
+               : amber__fail(&w->err, AMBER_EINVAL,
+                             "amber_writer_confirm: no save is in progress");
+  return 0;
 }
 
 int amber_writer_fence(amber_writer *w) {
@@ -969,6 +1145,9 @@ int amber_writer_fence(amber_writer *w) {
 int amber_writer_wait(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_wait: NULL writer");
   pthread_mutex_lock(&w->amu);
+  if (w->job && w->gate == GATE_PENDING) /* nobody will confirm it now: refuse, not hang */
+    give_verdict(w, 0, "not confirmed (amber_writer_wait or amber_writer_close came before "
+                       "amber_writer_confirm)");
   while (w->job && !w->done) pthread_cond_wait(&w->acv, &w->amu);
   int rc = w->job ? w->result : 0;
   w->job = 0;

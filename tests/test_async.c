@@ -7,6 +7,7 @@
  * a real ENOSPC on a tiny tmpfs) is reported by wait or by the next begin, leaves
  * every committed checkpoint intact, and the next save is correct again.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -129,6 +130,19 @@ static void test_close_waits_for_a_save_in_progress(void) {
   free(f.c);
 }
 
+/* Temporary files (their names end in .tmp) in the fixture's store. */
+static int tmp_files(fixture *f) {
+  DIR *d = opendir(amber_store_path(f->st));
+  int n = 0;
+  struct dirent *e;
+  while (d && (e = readdir(d))) {
+    size_t len = strlen(e->d_name);
+    n += len > 4 && !strcmp(e->d_name + len - 4, ".tmp");
+  }
+  if (d) closedir(d);
+  return n;
+}
+
 /* A failed save: reported, nothing committed, store intact, next save correct. */
 static void check_failure_recovery(fixture *f, int failing_step, int rc_seen) {
   CHECK(rc_seen < 0);
@@ -146,9 +160,7 @@ static void check_failure_recovery(fixture *f, int failing_step, int rc_seen) {
     amber_reader_close(r);
   }
   amber_free(info);
-  char tmp[4200];
-  snprintf(tmp, sizeof tmp, "%s/ckpt-%020d.amber.tmp", amber_store_path(f->st), failing_step);
-  CHECK(access(tmp, F_OK) != 0); /* no leftover */
+  CHECK(tmp_files(f) == 0); /* no leftover */
 }
 
 static void test_injected_write_failure_is_reported_and_recovered(void) {
@@ -281,9 +293,7 @@ static void test_cancel_stops_a_save_cleanly(void) {
     if (rc == AMBER_ECANCELED) {
       canceled = 1;
       CHECK(latest == (uint64_t)step - 1);
-      char tmp[4200];
-      snprintf(tmp, sizeof tmp, "%s/ckpt-%020d.amber.tmp", amber_store_path(f.st), step);
-      CHECK(access(tmp, F_OK) != 0);
+      CHECK(tmp_files(&f) == 0);
       float *snap = malloc(N * sizeof *snap);
       memcpy(snap, f.x, N * sizeof *snap);
       CHECK_OK(amber_writer_save(f.w, (uint64_t)step, 0)); /* the same step again */

@@ -26,6 +26,7 @@
 #include <jansson.h>
 
 #include "amber.h"
+#include "internal.h" /* amber__create_tmp: temporary files made as the library makes them */
 #include "safetensors.h"
 
 /* Defined in tools/bench.c; receives argv starting at "bench". */
@@ -480,18 +481,19 @@ static int export_data(const export_job *j, int fd) {
   return 0;
 }
 
-/* Writes OUT.tmp-<pid>, fsyncs it and renames it to OUT: a failed or interrupted
- * export never leaves a partial OUT. */
+/* Writes a new OUT.<random>.tmp, fsyncs it and renames it to OUT: a failed or
+ * interrupted export never leaves a partial OUT. The temporary file is created
+ * exclusively under a name nobody can predict: OUT's directory may be shared,
+ * and a link planted at a predictable name would redirect the export. */
 static int export_file(const export_job *j) {
-  snprintf(tmp_path, sizeof tmp_path, "%s.tmp-%ld", j->out, (long)getpid());
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGHUP, &sa, NULL);
-  int fd = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return sys_fail("cannot create %s", tmp_path);
+  int fd, rc = amber__create_tmp(NULL, j->out, tmp_path, sizeof tmp_path, &fd);
+  if (rc) return fail(rc, NULL, "cannot export to %s", j->out);
   have_tmp = 1;
   int ret = export_data(j, fd);
   if (!ret && fsync(fd) != 0) ret = sys_fail("fsync of %s", tmp_path);

@@ -33,9 +33,9 @@ __all__ = [
     "AmberError", "PruneWarning", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
     "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
     "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
-    "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC",
+    "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM",
     "EINVAL", "ENOMEM", "EIO", "ENOSPC", "ENOENT", "EEXIST", "ECORRUPT", "EFORMAT", "ELOCKED",
-    "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY",
+    "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY", "ECHANGED",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -49,13 +49,16 @@ WRITER_COMPRESS_FULL = 1 << 0
 WRITER_NO_DIRECT_IO = 1 << 1
 SAVE_FULL = 1 << 0
 SAVE_NO_REFERENCE = 1 << 1
+SAVE_CONFIRM = 1 << 2
 READER_FALLBACK = 1 << 0
 KIND_FULL, KIND_DELTA = 0, 1
 NO_STEP = LATEST = (1 << 64) - 1
 # Error codes, mirrored from AMBER_ERRNO_MAP in amber.h (tests/python/test_binding.py
-# checks that the two agree).
+# checks that the two agree). ECHANGED: a save refused because its tensors changed
+# while it read them (see Writer.confirm).
 EINVAL, ENOMEM, EIO, ENOSPC, ENOENT, EEXIST, ECORRUPT, EFORMAT = range(-1, -9, -1)
 ELOCKED, EMISMATCH, EPARENT, ERANGE, EBUSY, ECANCELED, EPERM, EREADONLY = range(-9, -17, -1)
+ECHANGED = -17
 
 # ---- C structs, mirrored field by field -----------------------------------------
 
@@ -120,13 +123,12 @@ _lib, _lib_path = _load()
 _H = c_void_p  # every handle is opaque
 
 
-def _fn(name, restype, *argtypes, optional=False):
+def _fn(name, restype, *argtypes):
     try:
         f = getattr(_lib, name)
     except AttributeError:
-        if optional:
-            return None
-        raise
+        raise ImportError(f"amber: {_lib_path} has no {name}: it is not the libamber of this "
+                          "package (set AMBER_LIBRARY to a library of the same version)") from None
     f.restype = restype
     f.argtypes = list(argtypes)
     return f
@@ -159,18 +161,19 @@ _writer_add_policy = _fn("amber_writer_add_policy", c_int, _H, c_char_p)
 _writer_set_meta = _fn("amber_writer_set_meta", c_int, _H, c_char_p, c_size_t)
 _writer_save = _fn("amber_writer_save", c_int, _H, c_uint64, c_uint32)
 _writer_close = _fn("amber_writer_close", None, _H)
-# The split save; older libraries lack it and Writer.begin falls back to save.
-_writer_begin = _fn("amber_writer_begin", c_int, _H, c_uint64, c_uint32, optional=True)
-_writer_fence = _fn("amber_writer_fence", c_int, _H, optional=True)
-_writer_wait = _fn("amber_writer_wait", c_int, _H, optional=True)
+_writer_begin = _fn("amber_writer_begin", c_int, _H, c_uint64, c_uint32)
+_writer_fence = _fn("amber_writer_fence", c_int, _H)
+_writer_wait = _fn("amber_writer_wait", c_int, _H)
+_writer_confirm = _fn("amber_writer_confirm", c_int, _H, c_int, c_char_p)
+_writer_seed_reference = _fn("amber_writer_seed_reference", c_int, _H, c_uint64)
 _writer_prune_status = _fn("amber_writer_prune_status", c_int, _H, POINTER(c_size_t),
-                           POINTER(c_char_p), optional=True)
-HAS_ASYNC = _writer_begin is not None and _writer_fence is not None and _writer_wait is not None
+                           POINTER(c_char_p))
+HAS_ASYNC = True  # the split save (begin/fence/wait); always there, kept for old callers
 
 _reader_opts_init = _fn("amber_reader_opts_init", None, POINTER(_ReaderOpts))
 _reader_open = _fn("amber_reader_open", c_int, POINTER(_H), _H, c_uint64, POINTER(_ReaderOpts))
 _reader_close = _fn("amber_reader_close", None, _H)
-_reader_skipped = _fn("amber_reader_skipped", c_size_t, _H, optional=True)
+_reader_skipped = _fn("amber_reader_skipped", c_size_t, _H)
 _reader_step = _fn("amber_reader_step", c_uint64, _H)
 _reader_ckpt_info = _fn("amber_reader_ckpt_info", c_int, _H, POINTER(_CkptInfo))
 _reader_count = _fn("amber_reader_count", c_size_t, _H)
@@ -178,7 +181,7 @@ _reader_info = _fn("amber_reader_info", c_int, _H, c_size_t, POINTER(_TensorInfo
 _reader_find = _fn("amber_reader_find", c_int, _H, c_char_p, POINTER(c_size_t))
 _reader_read = _fn("amber_reader_read", c_int, _H, c_size_t, c_void_p, c_uint64)
 _reader_read_many = _fn("amber_reader_read_many", c_int, _H, c_size_t, POINTER(c_size_t),
-                        POINTER(c_void_p), POINTER(c_uint64), optional=True)
+                        POINTER(c_void_p), POINTER(c_uint64))
 _reader_meta = _fn("amber_reader_meta", c_int, _H, POINTER(c_void_p), POINTER(c_size_t))
 _reader_verify = _fn("amber_reader_verify", c_int, _H)
 
@@ -417,8 +420,6 @@ class Writer(_Handle):
     def __init__(self, store, chunk_elems=0, compress_full=False, zstd_level=0,
                  full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0):
         super().__init__()
-        if keep_last and _writer_prune_status is None:
-            raise AmberError(EFORMAT, "this libamber has no keep_last", name="AMBER_EFORMAT")
         opts = _WriterOpts()
         _writer_opts_init(byref(opts))
         opts.chunk_elems = chunk_elems
@@ -481,35 +482,50 @@ class Writer(_Handle):
         with self._lock:
             _check(_writer_save(self._handle(), step, _save_flags(full, no_reference)), self._h)
 
-    def begin(self, step, full=False, no_reference=False):
-        """Starts saving `step` and returns once the scan is under way (with a
-        library without the split save: saves synchronously)."""
+    def begin(self, step, full=False, no_reference=False, confirm=False):
+        """Starts saving `step` and returns once the scan is under way.
+        confirm=True (AMBER_SAVE_CONFIRM): the save is written and made durable but commits
+        only after confirm(True); confirm(False, why), or wait()/close() without
+        a verdict, make it fail with AMBER_ECHANGED."""
         flags = _save_flags(full, no_reference)
+        if confirm:
+            flags |= SAVE_CONFIRM
         with self._lock:
-            if not HAS_ASYNC:
-                _check(_writer_save(self._handle(), step, flags), self._h)
-                return
             _check(_writer_begin(self._handle(), step, flags), self._h)
 
     def fence(self):
         """Blocks until the save in progress no longer reads the tensors."""
-        if HAS_ASYNC:
-            with self._lock:
-                _check(_writer_fence(self._handle()), self._h)
+        with self._lock:
+            _check(_writer_fence(self._handle()), self._h)
 
     def wait(self):
         """Blocks until the save in progress is durable; raises its failure."""
-        if HAS_ASYNC:
-            with self._lock:
-                _check(_writer_wait(self._handle()), self._h)
+        with self._lock:
+            _check(_writer_wait(self._handle()), self._h)
+
+    def confirm(self, ok, why=""):
+        """The verdict on the save begun with confirm=True: ok lets it commit;
+        not ok makes it fail (wait() raises AmberError AMBER_ECHANGED whose
+        message ends with `why`). Waits for the scan first, as fence() does.
+        Raises AMBER_EINVAL when no save awaits a verdict."""
+        with self._lock:
+            _check(_writer_confirm(self._handle(), 1 if ok else 0,
+                                   why.encode("utf-8", "replace") if why else None), self._h)
+
+    def seed_reference(self, step):
+        """States that the declared tensors' memory holds exactly the restored
+        state of `step`, the store's latest committed step (as after a load of
+        it): the writer copies it as its reference now, so the next save is a
+        delta against `step` without reading the store. Raises AmberError
+        (AMBER_EINVAL, AMBER_EMISMATCH, AMBER_ENOENT) naming what differs."""
+        with self._lock:
+            _check(_writer_seed_reference(self._handle(), step), self._h)
 
 
     def prune_status(self):
         """With keep_last: (code, removed, message) of the prune after the last
         committed save. A failed prune (code < 0, message says why) does not fail
         the save; the next save's prune tries again."""
-        if _writer_prune_status is None:
-            return (0, 0, None)
         with self._lock:
             n, msg = c_size_t(), c_char_p()
             rc = _writer_prune_status(self._handle(), byref(n), byref(msg))
@@ -533,8 +549,6 @@ class Reader(_Handle):
         opts = _ReaderOpts()
         _reader_opts_init(byref(opts))
         if fallback:
-            if _reader_skipped is None:
-                raise AmberError(EFORMAT, "this libamber has no reader fallback", name="AMBER_EFORMAT")
             opts.flags = READER_FALLBACK
         h = _H()
         with store._lock:
@@ -599,10 +613,6 @@ class Reader(_Handle):
         job for the library's threads, so many small tensors load in parallel."""
         items = list(items)
         if not items:
-            return
-        if _reader_read_many is None:  # an older library: one at a time
-            for index, address, size in items:
-                self.read_into(index, address, size)
             return
         n = len(items)
         idx = (c_size_t * n)(*[i for i, _, _ in items])

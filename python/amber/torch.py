@@ -938,10 +938,9 @@ class Checkpointer:
         for v in state.values():
             if isinstance(v, torch.optim.Optimizer):
                 self._hook(v)
-        self._gated = getattr(_amber, "HAS_CONFIRM", False) and bool(self._versions)
+        self._gated = bool(self._versions)
         try:
-            w.begin(int(step), full=full, confirm=self._gated) if self._gated \
-                else w.begin(int(step), full=full)
+            w.begin(int(step), full=full, confirm=self._gated)
         except BaseException:
             self._pinned = self._versions = None
             self._gated = False
@@ -1155,8 +1154,6 @@ class Checkpointer:
         """After a load of the latest step: declare the state's tensors and seed the
         writer's reference from them (they hold exactly that step's restored state),
         so the first save after a resume is a delta that reads nothing back."""
-        if not getattr(_amber, "HAS_SEED", False):
-            return
         try:
             flat, _ = _flatten(state, self.rng)
             self._prepare(flat, state)

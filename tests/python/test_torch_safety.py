@@ -21,8 +21,6 @@ import amber
 from amber.torch import Checkpointer
 
 TRIALS = int(os.environ.get("AMBER_TRIALS", "3"))
-needs_confirm = pytest.mark.skipif(not getattr(amber, "HAS_CONFIRM", False),
-                                   reason="this libamber has no commit gate")
 
 
 def snapshot(*objs):
@@ -60,7 +58,6 @@ def trained(seed=0, width=12):
 
 # ---- torn saves ----------------------------------------------------------------
 
-@needs_confirm
 def test_an_in_place_change_before_the_fence_fails_the_save_and_names_the_tensor(store):
     n = 16 << 20  # 16M elements, as in the report: the scan takes long enough to race
     for trial in range(TRIALS):
@@ -86,7 +83,6 @@ def test_an_in_place_change_before_the_fence_fails_the_save_and_names_the_tensor
             assert torch.equal(q, torch.full((n,), 2.0))
 
 
-@needs_confirm
 def test_a_change_after_the_fence_is_fine_and_a_change_by_the_optimizer_is_fenced(store):
     model, opt = trained()
     with Checkpointer(store, rng=False) as ck:
