@@ -645,7 +645,7 @@ static void chunk_job(void *ctx, int worker, size_t j) {
 static int write_file(amber_writer *w, const char *tmp, uint64_t step, uint64_t *state,
                       uint64_t *file_bytes) {
   amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
-                     .format_minor = AMBER_FORMAT_MINOR,
+                     .format_minor = amber__format_minor_for(w->tensors, w->n),
                      .step = step,
                      .kind = w->delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL,
                      .parent_step = w->delta ? w->latest_step : AMBER_NO_STEP,
