@@ -37,6 +37,9 @@ static const spec all_dtypes[] = {
     {"i8", AMBER_I8, 1, {255}},
     {"u8", AMBER_U8, 1, {256}},
     {"bool", AMBER_BOOL, 1, {17}},
+    {"u16", AMBER_U16, 1, {65}},
+    {"u32", AMBER_U32, 2, {3, 3}},
+    {"u64", AMBER_U64, 0, {0}},
     {"scalar.step", AMBER_I64, 0, {0}},
     {"empty", AMBER_F32, 2, {0, 5}},
     {"\xc3\xa9t\xc3\xa9.\xe6\x9d\x83\xe9\x87\x8d", AMBER_F32, 1, {5}}, /* été.权重 */
