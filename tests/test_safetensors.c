@@ -2,7 +2,8 @@
  * test_safetensors.c - the safetensors header parser and formatter
  * (src/safetensors.c): round trips of every dtype and of the odd shapes, the
  * formatter's layout and refusals, and one test per kind of malformed header,
- * each pinning the error code and that the message names the tensor.
+ * each pinning the error code and that the message names the tensor. Every file
+ * the formatter lays out is also read by safetensors (tu_st_reference_check).
  */
 #include <fcntl.h>
 #include <stdarg.h>
@@ -130,6 +131,10 @@ static void round_trip(amber__st_tensor *t, size_t n, const char *meta) {
       CHECK(h.metadata == NULL && h.metadata_len == 0);
     amber__st_header_free(&h);
   }
+  char path[4200];
+  snprintf(path, sizeof path, "%s/round-trip.safetensors", tu_tmpdir());
+  CHECK(write_all(path, out, outlen, (size_t)(pos - outlen)) == 0);
+  tu_st_reference_check(path);
   free(out);
 }
 
@@ -475,6 +480,7 @@ static void test_read_header_from_file(void) {
       amber__st_format_header(t, 2, "{\"a\":\"b\"}", 9, &out, &outlen, err, sizeof err));
   if (!out) return;
   CHECK(write_all(path, out, outlen, 30 + 12) == 0);
+  tu_st_reference_check(path);
   free(out);
   int fd = open(path, O_RDONLY);
   CHECK(fd >= 0);
