@@ -46,9 +46,11 @@ extern "C" {
 #define AMBER_VERSION_STRING "0.2.0"
 
 /* The newest file-format version this library writes and reads (docs/FORMAT.md).
- * Readers accept every minor version of their major; a newer major is refused. */
+ * Readers accept every minor version of their major; a newer major is refused. A
+ * file records the oldest version that describes it: 1.0 unless it holds a
+ * tensor of a dtype that 1.1 added (U16, U32, U64). */
 #define AMBER_FORMAT_MAJOR 1
-#define AMBER_FORMAT_MINOR 0
+#define AMBER_FORMAT_MINOR 1
 
 /* Returns (MAJOR << 16) | (MINOR << 8) | PATCH of the linked library. */
 AMBER_API uint32_t amber_version(void);
@@ -110,7 +112,10 @@ typedef enum amber_dtype {
   AMBER_I16 = 9,
   AMBER_I8 = 10,
   AMBER_U8 = 11,
-  AMBER_BOOL = 12
+  AMBER_BOOL = 12,
+  AMBER_U16 = 13, /* format 1.1 */
+  AMBER_U32 = 14, /* format 1.1 */
+  AMBER_U64 = 15  /* format 1.1 */
 } amber_dtype;
 
 #define AMBER_MAX_DIMS 8

@@ -112,6 +112,8 @@ static const struct {
     [AMBER_I64] = {"i64", 8},          [AMBER_I32] = {"i32", 4},
     [AMBER_I16] = {"i16", 2},          [AMBER_I8] = {"i8", 1},
     [AMBER_U8] = {"u8", 1},            [AMBER_BOOL] = {"bool", 1},
+    [AMBER_U16] = {"u16", 2},          [AMBER_U32] = {"u32", 4},
+    [AMBER_U64] = {"u64", 8},
 };
 #define NDTYPES ((int)(sizeof dtypes / sizeof dtypes[0]))
 

@@ -105,6 +105,13 @@ int amber__footer_decode(amber__err *e, const char *what, const uint8_t *in,
   return 0;
 }
 
+uint16_t amber__format_minor_for(const amber__tensor *t, uint64_t n) {
+  for (uint64_t i = 0; i < n; i++)
+    if (t[i].dtype == AMBER_U16 || t[i].dtype == AMBER_U32 || t[i].dtype == AMBER_U64)
+      return 1;
+  return 0;
+}
+
 static uint64_t tensor_entry_size(const amber__tensor *t) {
   return AMBER__TENSOR_FIXED + 8ull * t->ndim + t->name_len + 2 + strlen(t->policy);
 }
@@ -166,8 +173,11 @@ static int check_tensor(amber__err *e, const char *what, uint64_t i, amber__tens
                         uint64_t next_chunk, uint64_t n_chunks) {
   size_t isz = amber_dtype_size(t->dtype);
   if (!isz)
-    return amber__fail(e, AMBER_EFORMAT, "%s: tensor %llu has unknown dtype %d", what,
-                       (unsigned long long)i, t->dtype);
+    return amber__fail(e, AMBER_EFORMAT,
+                       "%s: tensor %llu has unknown dtype %d (written by a newer amber? "
+                       "this library reads file format %d.%d)",
+                       what, (unsigned long long)i, t->dtype, AMBER_FORMAT_MAJOR,
+                       AMBER_FORMAT_MINOR);
   uint64_t n = 1;
   for (uint32_t d = 0; d < t->ndim; d++)
     if (amber__mul_overflow(n, t->shape[d], &n) || n > AMBER__MAX_BYTES)

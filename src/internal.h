@@ -137,6 +137,9 @@ void amber__footer_encode(const amber__footer *f, uint8_t out[AMBER__FOOTER_SIZE
 int amber__footer_decode(amber__err *e, const char *what, const uint8_t *in,
                          uint64_t file_size, amber__footer *f);
 
+/* The format_minor a file holding these tensors records: the oldest minor that
+ * describes it (FORMAT.md, "Header"), so that files without 1.1's dtypes stay 1.0. */
+uint16_t amber__format_minor_for(const amber__tensor *t, uint64_t n);
 /* Size in bytes of the encoded index of `ix`. */
 uint64_t amber__index_size(const amber__index *ix);
 /* Encodes `ix` into `out` (amber__index_size bytes). */

@@ -33,7 +33,8 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
   uint8_t *buf = malloc(max ? max : 1), *ixbuf = NULL;
   int rc = 0;
   if (!ix.chunks || !buf) rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
-  amber__header h = {.format_major = AMBER_FORMAT_MAJOR, .format_minor = AMBER_FORMAT_MINOR,
+  uint16_t minor = amber__format_minor_for(src->tensors, src->n_tensors);
+  amber__header h = {.format_major = AMBER_FORMAT_MAJOR, .format_minor = minor,
                      .step = amber_reader_step(r), .kind = AMBER_KIND_FULL,
                      .parent_step = AMBER_NO_STEP};
   uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];

@@ -40,7 +40,7 @@ typedef struct amber__st_header {
  * `avail` bytes are at `buf` (avail >= 8 + N is needed; pass the whole file or at
  * least the header). Validates: N fits in the file and is <= AMBER__ST_MAX_HEADER;
  * the JSON is an object; every tensor entry has a known dtype (F64 F32 F16 BF16
- * F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL), a shape of at most AMBER_MAX_DIMS
+ * F8_E4M3 F8_E5M2 I64 I32 I16 I8 U64 U32 U16 U8 BOOL), a shape of at most AMBER_MAX_DIMS
  * non-negative integers, data_offsets [begin, end] with begin <= end <= data size,
  * product(shape) * itemsize == end - begin without overflow; tensors do not
  * overlap; "__metadata__", if present, is an object of strings. Unknown keys in a
@@ -48,7 +48,7 @@ typedef struct amber__st_header {
  * out: filled on success; release with amber__st_header_free(). On failure `out`
  * needs no release and `err` (size `errlen`) holds a message naming what is wrong.
  * Returns 0, AMBER_ECORRUPT (malformed), AMBER_EFORMAT (valid but unsupported,
- * e.g. dtype U16) or AMBER_ENOMEM. */
+ * e.g. dtype F8_E8M0 or F4, named with its tensor in `err`) or AMBER_ENOMEM. */
 int amber__st_parse(const uint8_t *buf, size_t avail, uint64_t file_size,
                     amber__st_header *out, char *err, size_t errlen);
 

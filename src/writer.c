@@ -696,7 +696,7 @@ static int await_verdict(amber_writer *w, uint64_t step) {
 static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step,
                       uint64_t *state, uint64_t *file_bytes) {
   amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
-                     .format_minor = AMBER_FORMAT_MINOR,
+                     .format_minor = amber__format_minor_for(w->tensors, w->n),
                      .step = step,
                      .kind = w->delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL,
                      .parent_step = w->delta ? w->latest_step : AMBER_NO_STEP,

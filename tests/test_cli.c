@@ -4,7 +4,8 @@
  * dtype, scalar, empty, multi-chunk and non-ASCII tensors and keeps __metadata__;
  * ls/info/verify --json parse and report what is on disk; verify catches a flipped
  * byte; exit status 2 for usage errors and 1 for failures, which leave the store and
- * the output file as they were.
+ * the output file as they were. Every exported file is also read by safetensors
+ * (tu_st_reference_check).
  */
 #include <dirent.h>
 #include <stdarg.h>
@@ -37,6 +38,9 @@ static const spec all_dtypes[] = {
     {"i8", AMBER_I8, 1, {255}},
     {"u8", AMBER_U8, 1, {256}},
     {"bool", AMBER_BOOL, 1, {17}},
+    {"u16", AMBER_U16, 1, {65}},
+    {"u32", AMBER_U32, 2, {3, 3}},
+    {"u64", AMBER_U64, 0, {0}},
     {"scalar.step", AMBER_I64, 0, {0}},
     {"empty", AMBER_F32, 2, {0, 5}},
     {"\xc3\xa9t\xc3\xa9.\xe6\x9d\x83\xe9\x87\x8d", AMBER_F32, 1, {5}}, /* été.权重 */
@@ -206,6 +210,7 @@ static void check_same_safetensors(const char *a_path, const char *b_path) {
   }
   CHECK(hb.data_start % 8 == 0);
   CHECK(ha.count == hb.count);
+  tu_st_reference_check(b_path); /* and what safetensors reads */
   uint64_t end = hb.data_start;
   for (size_t i = 0; i < ha.count && i < hb.count; i++) {
     const amber__st_tensor *x = &ha.tensors[i], *y = &hb.tensors[i];

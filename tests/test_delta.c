@@ -296,6 +296,9 @@ static void add_standard(world *W, uint64_t chunk, const pol *p) {
   add_tensor(W, "int.i8", AMBER_I8, 1, 3, 0, p);
   add_tensor(W, "int.u8", AMBER_U8, 1, 2 * C + 1, 0, p);
   add_tensor(W, "int.bool", AMBER_BOOL, 1, C - 1, 0, p);
+  add_tensor(W, "int.u16", AMBER_U16, 1, C + 3, 0, p);
+  add_tensor(W, "int.u32", AMBER_U32, 2, 2, C / 2 + 1, p);
+  add_tensor(W, "int.u64", AMBER_U64, 1, 9, 0, p);
   add_tensor(W, "int.step", AMBER_I64, 0, 0, 0, p);
 }
 

@@ -28,6 +28,9 @@ static const spec specs[] = {
     {"i8", AMBER_I8, 1, {255}},
     {"u8", AMBER_U8, 1, {256}},
     {"bool", AMBER_BOOL, 1, {17}},
+    {"u16", AMBER_U16, 1, {65}},
+    {"u32", AMBER_U32, 2, {3, 3}},
+    {"u64", AMBER_U64, 1, {40}},
     {"scalar.step", AMBER_I64, 0, {0}},
     {"empty", AMBER_F32, 2, {0, 5}},
     {"\xc3\xa9t\xc3\xa9.\xe6\x9d\x83\xe9\x87\x8d", AMBER_F32, 1, {5}}, /* été.权重 */
@@ -303,9 +306,11 @@ static void test_error_table_is_complete(void) {
   CHECK(amber_version() == ((AMBER_VERSION_MAJOR << 16) | (AMBER_VERSION_MINOR << 8) |
                             AMBER_VERSION_PATCH));
   CHECK(!strcmp(amber_version_string(), AMBER_VERSION_STRING));
-  for (int dt = AMBER_F32; dt <= AMBER_BOOL; dt++)
+  for (int dt = AMBER_F32; dt <= AMBER_U64; dt++)
     CHECK(amber_dtype_from_name(amber_dtype_name(dt)) == dt);
-  CHECK(amber_dtype_size(0) == 0 && amber_dtype_size(13) == 0);
+  CHECK(amber_dtype_size(AMBER_U16) == 2 && amber_dtype_size(AMBER_U32) == 4 &&
+        amber_dtype_size(AMBER_U64) == 8);
+  CHECK(amber_dtype_size(0) == 0 && amber_dtype_size(16) == 0 && !amber_dtype_name(16));
 }
 
 int main(void) {

@@ -9,6 +9,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <jansson.h>
+
+#include "safetensors.h"
+
 int tu_failures;
 int tu_tests_passed;
 int tu_tests_failed;
@@ -134,4 +138,121 @@ int tu_system(const char *fmt, ...) {
   int st = system(cmd);
   if (st == -1 || !WIFEXITED(st)) return -1;
   return WEXITSTATUS(st);
+}
+
+/* ---- the independent safetensors reader ---- */
+
+#ifndef AMBER_TEST_PYTHON
+#define AMBER_TEST_PYTHON ""
+#endif
+
+/* safetensors dtype names, written here apart from src/safetensors.c's table so
+ * that a wrong entry there cannot agree with itself. */
+static int st_dtype_of(const char *s) {
+  static const struct {
+    const char *name;
+    int dtype;
+  } map[] = {{"F64", AMBER_F64}, {"F32", AMBER_F32},         {"F16", AMBER_F16},
+             {"BF16", AMBER_BF16}, {"F8_E4M3", AMBER_F8_E4M3}, {"F8_E5M2", AMBER_F8_E5M2},
+             {"I64", AMBER_I64}, {"I32", AMBER_I32},         {"I16", AMBER_I16},
+             {"I8", AMBER_I8},   {"U64", AMBER_U64},         {"U32", AMBER_U32},
+             {"U16", AMBER_U16}, {"U8", AMBER_U8},           {"BOOL", AMBER_BOOL}};
+  for (size_t i = 0; s && i < sizeof map / sizeof map[0]; i++)
+    if (!strcmp(map[i].name, s)) return map[i].dtype;
+  return 0;
+}
+
+/* CRC-32 (IEEE, as zlib.crc32). */
+static uint32_t crc32_of(const uint8_t *p, uint64_t n) {
+  static uint32_t table[256];
+  if (!table[1])
+    for (uint32_t i = 0; i < 256; i++) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      table[i] = c;
+    }
+  uint32_t c = 0xFFFFFFFFu;
+  for (uint64_t i = 0; i < n; i++) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+#define ST_FAIL(...)                                                                   \
+  do {                                                                                 \
+    fprintf(stderr, "safetensors cross-check of %s: ", path);                          \
+    fprintf(stderr, __VA_ARGS__);                                                      \
+    fputc('\n', stderr);                                                               \
+    tu_failures++;                                                                     \
+  } while (0)
+
+/* Compares what the reference reader printed (`ref`) with amber's parse of the file. */
+static void st_compare(const char *path, json_t *ref, const uint8_t *b, size_t len) {
+  amber__st_header h;
+  char err[512] = "";
+  if (amber__st_parse(b, len, len, &h, err, sizeof err)) {
+    ST_FAIL("amber's parser refuses it: %s", err);
+    return;
+  }
+  json_t *ts = json_object_get(ref, "tensors"), *meta = json_object_get(ref, "metadata");
+  if (json_array_size(ts) != h.count)
+    ST_FAIL("safetensors sees %zu tensors, amber %zu", json_array_size(ts), h.count);
+  for (size_t i = 0; i < h.count; i++) {
+    const amber__st_tensor *t = &h.tensors[i];
+    json_t *r = NULL; /* by name: empty tensors share offsets, so orders may differ */
+    for (size_t j = 0; j < json_array_size(ts) && !r; j++) {
+      const char *nj = json_string_value(json_object_get(json_array_get(ts, j), "name"));
+      if (nj && !strcmp(t->name, nj)) r = json_array_get(ts, j);
+    }
+    json_t *shape = json_object_get(r, "shape");
+    const char *dt = json_string_value(json_object_get(r, "dtype"));
+    int same_shape = json_array_size(shape) == t->ndim;
+    for (uint32_t d = 0; same_shape && d < t->ndim; d++)
+      same_shape = json_integer_value(json_array_get(shape, d)) == t->shape[d];
+    if (!r)
+      ST_FAIL("tensor '%s' is missing for safetensors", t->name);
+    else if (st_dtype_of(dt) != t->dtype || !same_shape)
+      ST_FAIL("tensor '%s' is %s for amber, %s (or another shape) for safetensors",
+              t->name, amber_dtype_name(t->dtype), dt ? dt : "?");
+    else if ((uint64_t)json_integer_value(json_object_get(r, "crc32")) !=
+             crc32_of(b + t->offset, t->nbytes))
+      ST_FAIL("tensor '%s': safetensors reads other bytes than amber", t->name);
+  }
+  json_t *ours = h.metadata ? json_loads(h.metadata, 0, NULL) : NULL;
+  if (!(json_is_null(meta) && !ours) && !json_equal(meta, ours))
+    ST_FAIL("__metadata__ differs (amber: %s)", h.metadata ? h.metadata : "none");
+  json_decref(ours);
+  amber__st_header_free(&h);
+}
+
+int tu_st_reference_check(const char *path) {
+  static int warned;
+  const char *py = getenv("AMBER_PYTHON");
+  if (!py || !*py) py = AMBER_TEST_PYTHON;
+  if (!*py) {
+    if (!warned++)
+      fprintf(stderr, "\n*** WARNING: safetensors exports are NOT checked by the reference\n"
+                      "*** reader: no Python (set AMBER_PYTHON, or run scripts/setup and\n"
+                      "*** reconfigure).\n\n");
+    return 0;
+  }
+  static const char *dir;
+  if (!dir) dir = tu_tmpdir();
+  char out[4200];
+  snprintf(out, sizeof out, "%s/st-reference.json", dir);
+  int rc = tu_system("'%s' '%s/tests/safetensors_read.py' '%s' >'%s'", py,
+                     AMBER_SOURCE_DIR, path, out);
+  size_t n = 0, len = 0;
+  uint8_t *text = tu_read_file(out, &n), *b = tu_read_file(path, &len);
+  json_t *ref = rc == 0 && text ? json_loadb((const char *)text, n, 0, NULL) : NULL;
+  if (rc == 3)
+    ST_FAIL("%s cannot import safetensors", py);
+  else if (rc != 0)
+    ST_FAIL("safetensors refuses the file (exit %d, its message above)", rc);
+  else if (!ref || !b)
+    ST_FAIL("no readable output");
+  else
+    st_compare(path, ref, b, len);
+  json_decref(ref);
+  free(text);
+  free(b);
+  return 1;
 }

@@ -67,4 +67,15 @@ int tu_flip_byte(const char *path, long pos, uint8_t mask);
 /* Runs a shell command, returns its exit status (or -1). */
 int tu_system(const char *fmt, ...);
 
+/* The independent reader: every safetensors file that amber writes in the tests is
+ * also read by Hugging Face's safetensors (tests/safetensors_read.py), which must
+ * accept it and see exactly the tensors (names, dtypes, shapes, bytes by CRC-32) and
+ * the __metadata__ that amber's own parser sees; a difference is a CHECK failure.
+ * The Python is $AMBER_PYTHON, else the build's (CMake: the project's .venv when it
+ * existed at configure time). With neither, the check cannot run: it says so on
+ * stderr, loudly, once per test program, and the ctest test safetensors_reference
+ * reports itself Skipped; a Python that cannot import safetensors is a failure.
+ * Returns 1 when the file was checked, 0 when it could not be. */
+int tu_st_reference_check(const char *path);
+
 #endif

@@ -33,14 +33,14 @@ __all__ = [
     "AmberError", "PruneWarning", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
     "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
     "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
-    "U8", "BOOL", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM",
+    "U8", "BOOL", "U16", "U32", "U64", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM",
     "EINVAL", "ENOMEM", "EIO", "ENOSPC", "ENOENT", "EEXIST", "ECORRUPT", "EFORMAT", "ELOCKED",
     "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY", "ECHANGED",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
 
-F32, F16, BF16, F64, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U8, BOOL = range(1, 13)
+F32, F16, BF16, F64, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U8, BOOL, U16, U32, U64 = range(1, 16)
 MAX_DIMS = 8
 OPEN_READONLY = 1 << 0
 OPEN_NOCREATE = 1 << 1

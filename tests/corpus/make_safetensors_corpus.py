@@ -14,7 +14,8 @@ import struct
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "safetensors")
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-            "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+            "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+            "U16": 2, "U32": 4, "U64": 8}
 
 
 def layout(tensors, metadata=None):
@@ -61,6 +62,7 @@ def cases():
     yield "ok-bf16", st([("emb", "BF16", [4, 2])])
     yield "ok-f8-e4m3", st([("q", "F8_E4M3", [5]), ("r", "F8_E5M2", [3])])
     yield "ok-bool", st([("mask", "BOOL", [7])])
+    yield "ok-unsigned", st([("u16", "U16", [3]), ("u32", "U32", [2, 2]), ("u64", "U64", [])])
     yield "ok-scalar", st([("step", "I64", [])])
     yield "ok-empty-tensor", st([("nothing", "F32", [0]), ("also", "F16", [3, 0, 2]),
                                  ("x", "U8", [2])])
@@ -81,8 +83,10 @@ def cases():
     yield "bad-truncated-json", raw(good[:-3], 8)
     yield "bad-not-object", raw(b'[{"dtype":"F32"}]', 8)
     yield "bad-trailing-garbage", raw(good + b"}", 8)
-    yield "bad-dtype-u16", raw(dumps({"w": entry("U16", [4], 0, 8)}), 8)
     yield "bad-dtype-f8-e8m0", raw(dumps({"w": entry("F8_E8M0", [8], 0, 8)}), 8)
+    yield "bad-dtype-f4", raw(dumps({"w": entry("F4", [16], 0, 8)}), 8)
+    yield "bad-dtype-f6-e2m3", raw(dumps({"w": entry("F6_E2M3", [4], 0, 3)}), 8)
+    yield "bad-dtype-c64", raw(dumps({"w": entry("C64", [1], 0, 8)}), 8)
     yield "bad-dtype-not-string", raw(dumps({"w": entry(4, [2], 0, 8)}), 8)
     yield "bad-shape-too-long", raw(dumps({"w": entry("U8", [1] * 9, 0, 1)}), 8)
     yield "bad-shape-negative", raw(dumps({"w": entry("U8", [-2], 0, 0)}), 8)
