@@ -40,8 +40,7 @@ What a state holds. `save(step, state)` takes a dict of named values:
     global generator ("rng/python", "rng/numpy"). The key "rng" is then reserved.
 
 Supported dtypes: float32, float16, bfloat16, float64, float8_e4m3fn, float8_e5m2,
-int64, int32, int16, int8, uint8, bool, and uint16/uint32/uint64 where the library
-has them.
+int64, int32, int16, int8, uint8, uint16, uint32, uint64, bool.
 
 What the library reads, and when (the rule of the time between save() and the
 fence). save() returns once the scan of the tensors has started; encoding and the
@@ -193,11 +192,9 @@ _DTYPES = {
     torch.float64: _amber.F64, torch.float8_e4m3fn: _amber.F8_E4M3,
     torch.float8_e5m2: _amber.F8_E5M2, torch.int64: _amber.I64, torch.int32: _amber.I32,
     torch.int16: _amber.I16, torch.int8: _amber.I8, torch.uint8: _amber.U8,
-    torch.bool: _amber.BOOL,
+    torch.bool: _amber.BOOL, torch.uint16: _amber.U16, torch.uint32: _amber.U32,
+    torch.uint64: _amber.U64,
 }
-for _tn, _an in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _tn) and hasattr(_amber, _an):  # a library with the unsigned dtypes
-        _DTYPES[getattr(torch, _tn)] = getattr(_amber, _an)
 _TORCH = {v: k for k, v in _DTYPES.items()}
 # The dtypes that a "$dtype" value of the metadata may name: the torch dtypes, by the
 # name save() writes for them (str(dtype) without "torch."). Nothing else is looked up.
@@ -206,10 +203,6 @@ _DTYPE_NAMES = {str(v).replace("torch.", ""): v for v in vars(torch).values()
 _NP_KINDS = set("biuf")  # numpy arrays in metadata: booleans, integers, floats
 _FORMAT = "amber.torch/1"
 _SKIP = object()  # an encoded value that is left out (code in a state_dict)
-
-
-def _code(name):
-    return getattr(_amber, name, None)
 
 
 class StateMismatchError(AmberError):
