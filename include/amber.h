@@ -134,9 +134,15 @@ AMBER_API void amber_free(void *p);
 
 typedef struct amber_store amber_store;
 
-/* Open read-only: no lock, no clean-up, no writes. */
+/* Open read-only. Read-only means read-only: the open and everything done with
+ * the handle (listing, readers, verify) never create, modify or remove anything,
+ * not even the store directory, its lock file or temporary files; so there is no
+ * lock and no clean-up of what a crashed writer left. A missing path (or one that
+ * is not a directory) fails with AMBER_ENOENT and the message "no store at PATH:
+ * ...", whatever the permissions of its parent. Implies AMBER_OPEN_NOCREATE. */
 #define AMBER_OPEN_READONLY (1u << 0)
-/* Fail with AMBER_ENOENT instead of creating a missing store directory. */
+/* Fail with AMBER_ENOENT ("no store at PATH: ...") instead of creating a missing
+ * store directory; nothing is created, not even for a moment. */
 #define AMBER_OPEN_NOCREATE (1u << 1)
 
 typedef struct amber_store_opts {
@@ -150,7 +156,8 @@ typedef struct amber_store_opts {
 /* Fills `opts` with defaults. */
 AMBER_API void amber_store_opts_init(amber_store_opts *opts);
 
-/* Opens the store at directory `path`, creating it (not its parents) if missing.
+/* Opens the store at directory `path`, creating it (not its parents) if missing,
+ * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE.
  * A writable open takes an exclusive lock on the store (AMBER_ELOCKED if another
  * process or handle holds it) and removes temporary files and uncommitted
  * checkpoint files that a crashed writer left behind.

@@ -245,12 +245,23 @@ static int print_json(json_t *j) {
   return 1;
 }
 
-static int open_store_ro(const char *path, amber_store **st) {
+/* Opens an existing store with `flags`; a missing one is reported as the library
+ * says it ("amber: no store at PATH: no such directory"), nothing else added. */
+static int open_existing(const char *path, uint32_t flags, amber_store **st) {
   amber_store_opts so;
   amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  so.flags = flags | AMBER_OPEN_NOCREATE;
   int rc = amber_store_open(st, path, &so);
+  if (rc == AMBER_ENOENT) {
+    fprintf(stderr, "amber: %s\n", amber_last_error(NULL));
+    return 1;
+  }
   return rc ? fail(rc, NULL, "cannot open store %s", path) : 0;
+}
+
+/* For ls, info, verify and export: never creates or writes anything in the store. */
+static int open_store_ro(const char *path, amber_store **st) {
+  return open_existing(path, AMBER_OPEN_READONLY, st);
 }
 
 /* "step 12" or "the latest step", for messages. */
@@ -816,11 +827,7 @@ static int cmd_verify(const args *a) {
 
 /* Opens an existing store for writing (takes the writer lock). */
 static int open_store_rw(const char *path, amber_store **st) {
-  amber_store_opts o;
-  amber_store_opts_init(&o);
-  o.flags = AMBER_OPEN_NOCREATE;
-  int rc = amber_store_open(st, path, &o);
-  return rc ? fail(rc, NULL, "cannot open store %s", path) : 0;
+  return open_existing(path, 0, st);
 }
 
 static int cmd_compact(const args *a) {
