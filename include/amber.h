@@ -425,6 +425,29 @@ AMBER_API int amber_writer_cancel(amber_writer *w);
 AMBER_API int amber_writer_prune_status(const amber_writer *w, size_t *removed,
                                         const char **message);
 
+/* Where the time of the writer's last save went: for profiling a training
+ * loop's checkpoints, and what `amber bench` prints. Times are wall-clock
+ * seconds unless named cpu. */
+typedef struct amber_save_stats {
+  uint32_t kind;        /* AMBER_KIND_FULL or AMBER_KIND_DELTA */
+  uint32_t workers;     /* threads of the chunk pass, the save thread included */
+  uint64_t bytes;       /* size of the checkpoint's file */
+  double prepare_s;     /* deciding full or delta, loading the reference if needed */
+  double chunks_s;      /* the parallel scan, encode and append over every chunk */
+  double scan_cpu_s;    /* scan time summed over the workers */
+  double encode_cpu_s;  /* encode time summed over the workers */
+  double finish_s;      /* the last writes and the fsync of the file */
+  double commit_s;      /* rename, directory fsync, LATEST */
+  double total_s;       /* the whole save, begin to commit */
+  uint64_t reserved[4]; /* zero */
+} amber_save_stats;
+
+/* Fills `out` with the figures of the writer's last save. Call it when no save is
+ * in progress (after amber_writer_save or amber_writer_wait returned 0): during a
+ * save, and after a failed one, the figures are unspecified. All zero before the
+ * first save. Returns 0, or AMBER_EINVAL when an argument is NULL. */
+AMBER_API int amber_writer_save_stats(const amber_writer *w, amber_save_stats *out);
+
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
