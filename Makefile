@@ -8,7 +8,7 @@ PREFIX ?= /usr/local
 PYTHON ?= /usr/bin/python3
 CMAKE_FLAGS ?=
 # The tests that drive the threads (save thread, workers, I/O threads) run under TSan.
-TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_delta
+TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_delta_(policy|cadence|corrupt|kernels)
 
 .PHONY: all build setup test test-c test-asan test-tsan test-python demo bench install clean format fuzz vecreport
 

@@ -14,7 +14,7 @@
  * element; a compaction loop, one copy per element width, then gathers the
  * flagged indices and values while the block is still in L1 and updates the
  * reference. Either way live and reference memory are read once, and every
- * path selects exactly the same elements (test_delta checks it).
+ * path selects exactly the same elements (test_delta_kernels checks it).
  *
  * Policies (docs/DESIGN.md, "Concepts"): exact selects changed bits; threshold selects
  * |x - r| > ABS + REL*|r|; budget selects the FRAC*n largest changes plus all
@@ -241,7 +241,7 @@ static void compact(pass *p, size_t base, const uint8_t *sel, const uint32_t *ke
  * The common case, an f32 tensor under threshold or budget, in one loop: 32
  * elements per iteration, their flags as a bit mask (movemask), and only the set
  * bits visited, with no flag array in between. It selects exactly what
- * flags_f32 + compact select (test_delta runs both). */
+ * flags_f32 + compact select (test_delta_kernels runs both). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_F32_AVX2 1
