@@ -52,7 +52,7 @@ fuzz:
 	@$(MAKE) --no-print-directory build BUILD=build-fuzz CMAKE_FLAGS="-DCMAKE_C_COMPILER=clang -DAMBER_FUZZ=ON"
 
 format:
-	@clang-format -i include/*.h src/*.c src/*.h tools/*.c tests/*.c tests/*.h fuzz/*.c bench/*.c examples/*.c 2>/dev/null || true
+	@clang-format -i include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h fuzz/*.c bench/*.c examples/*.c 2>/dev/null || true
 
 # Shows which loops of the scan kernels the compiler vectorized (and for AVX2).
 vecreport:

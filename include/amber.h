@@ -134,9 +134,15 @@ AMBER_API void amber_free(void *p);
 
 typedef struct amber_store amber_store;
 
-/* Open read-only: no lock, no clean-up, no writes. */
+/* Open read-only. Read-only means read-only: the open and everything done with
+ * the handle (listing, readers, verify) never create, modify or remove anything,
+ * not even the store directory, its lock file or temporary files; so there is no
+ * lock and no clean-up of what a crashed writer left. A missing path (or one that
+ * is not a directory) fails with AMBER_ENOENT and the message "no store at PATH:
+ * ...", whatever the permissions of its parent. Implies AMBER_OPEN_NOCREATE. */
 #define AMBER_OPEN_READONLY (1u << 0)
-/* Fail with AMBER_ENOENT instead of creating a missing store directory. */
+/* Fail with AMBER_ENOENT ("no store at PATH: ...") instead of creating a missing
+ * store directory; nothing is created, not even for a moment. */
 #define AMBER_OPEN_NOCREATE (1u << 1)
 
 typedef struct amber_store_opts {
@@ -150,7 +156,8 @@ typedef struct amber_store_opts {
 /* Fills `opts` with defaults. */
 AMBER_API void amber_store_opts_init(amber_store_opts *opts);
 
-/* Opens the store at directory `path`, creating it (not its parents) if missing.
+/* Opens the store at directory `path`, creating it (not its parents) if missing,
+ * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE.
  * A writable open takes an exclusive lock on the store (AMBER_ELOCKED if another
  * process or handle holds it) and removes temporary files and uncommitted
  * checkpoint files that a crashed writer left behind.
@@ -417,6 +424,29 @@ AMBER_API int amber_writer_cancel(amber_writer *w);
  * NULL) its error message, owned by the writer and valid until the next save. */
 AMBER_API int amber_writer_prune_status(const amber_writer *w, size_t *removed,
                                         const char **message);
+
+/* Where the time of the writer's last save went: for profiling a training
+ * loop's checkpoints, and what `amber bench` prints. Times are wall-clock
+ * seconds unless named cpu. */
+typedef struct amber_save_stats {
+  uint32_t kind;        /* AMBER_KIND_FULL or AMBER_KIND_DELTA */
+  uint32_t workers;     /* threads of the chunk pass, the save thread included */
+  uint64_t bytes;       /* size of the checkpoint's file */
+  double prepare_s;     /* deciding full or delta, loading the reference if needed */
+  double chunks_s;      /* the parallel scan, encode and append over every chunk */
+  double scan_cpu_s;    /* scan time summed over the workers */
+  double encode_cpu_s;  /* encode time summed over the workers */
+  double finish_s;      /* the last writes and the fsync of the file */
+  double commit_s;      /* rename, directory fsync, LATEST */
+  double total_s;       /* the whole save, begin to commit */
+  uint64_t reserved[4]; /* zero */
+} amber_save_stats;
+
+/* Fills `out` with the figures of the writer's last save. Call it when no save is
+ * in progress (after amber_writer_save or amber_writer_wait returned 0): during a
+ * save, and after a failed one, the figures are unspecified. All zero before the
+ * first save. Returns 0, or AMBER_EINVAL when an argument is NULL. */
+AMBER_API int amber_writer_save_stats(const amber_writer *w, amber_save_stats *out);
 
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */

@@ -1,5 +1,5 @@
 /*
- * error.c - versions, error codes and messages, dtype tables: the small leaf
+ * error.c - versions, error codes and messages, and amber_free: the small leaf
  * functions every other part uses. Messages are kept per handle (amber__err at the
  * start of each handle struct) and per thread, so a failed _open can still be
  * explained with amber_last_error(NULL).
@@ -8,8 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <xxhash.h>
 
 #include "internal.h"
 
@@ -94,40 +92,6 @@ int amber__errno_code(int err) {
   }
 }
 
-uint64_t amber__xxh3(const void *data, size_t len) {
-  return XXH3_64bits(data, len);
-}
-
 void amber_free(void *p) {
   free(p);
-}
-
-static const struct {
-  const char *name;
-  size_t size;
-} dtypes[] = {
-    [AMBER_F32] = {"f32", 4},          [AMBER_F16] = {"f16", 2},
-    [AMBER_BF16] = {"bf16", 2},        [AMBER_F64] = {"f64", 8},
-    [AMBER_F8_E4M3] = {"f8_e4m3", 1}, [AMBER_F8_E5M2] = {"f8_e5m2", 1},
-    [AMBER_I64] = {"i64", 8},          [AMBER_I32] = {"i32", 4},
-    [AMBER_I16] = {"i16", 2},          [AMBER_I8] = {"i8", 1},
-    [AMBER_U8] = {"u8", 1},            [AMBER_BOOL] = {"bool", 1},
-    [AMBER_U16] = {"u16", 2},          [AMBER_U32] = {"u32", 4},
-    [AMBER_U64] = {"u64", 8},
-};
-#define NDTYPES ((int)(sizeof dtypes / sizeof dtypes[0]))
-
-size_t amber_dtype_size(int dt) {
-  return (dt > 0 && dt < NDTYPES) ? dtypes[dt].size : 0;
-}
-
-const char *amber_dtype_name(int dt) {
-  return (dt > 0 && dt < NDTYPES) ? dtypes[dt].name : NULL;
-}
-
-int amber_dtype_from_name(const char *name) {
-  if (!name) return 0;
-  for (int i = 1; i < NDTYPES; i++)
-    if (!strcmp(dtypes[i].name, name)) return i;
-  return 0;
 }

@@ -212,15 +212,13 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
     if (opts->reserved[i])
       return amber__fail(NULL, AMBER_EINVAL, "amber_store_open: reserved option set");
   int ro = (opts->flags & AMBER_OPEN_READONLY) != 0;
-  if (mkdir(path, 0755) == 0) {
-    if (ro || (opts->flags & AMBER_OPEN_NOCREATE)) {
-      rmdir(path);
-      return amber__fail(NULL, AMBER_ENOENT, "store %s does not exist", path);
-    }
-  } else if (errno != EEXIST) {
+  /* Only an open that may create tries mkdir: a read-only or NOCREATE open must not
+   * touch the file system, not even with a mkdir it undoes (which also changes the
+   * parent and fails under a read-only parent with a misleading error). */
+  int create = !ro && !(opts->flags & AMBER_OPEN_NOCREATE);
+  if (create && mkdir(path, 0755) != 0 && errno != EEXIST)
     return amber__fail(NULL, amber__errno_code(errno), "cannot create store %s: %s", path,
                        strerror(errno));
-  }
   amber_store *st = calloc(1, sizeof *st);
   if (!st || !(st->path = strdup(path))) {
     free(st);
@@ -235,6 +233,9 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
   if (st->dirfd < 0) {
     int err = errno;
     amber_store_close(st);
+    if (err == ENOENT || err == ENOTDIR)
+      return amber__fail(NULL, AMBER_ENOENT, "no store at %s: %s", path,
+                         err == ENOENT ? "no such directory" : "not a directory");
     return amber__fail(NULL, amber__errno_code(err), "cannot open store %s: %s", path,
                        strerror(err));
   }

@@ -12,6 +12,15 @@ for f in include/amber.h lib/libamber.a lib/libamber.so lib/pkgconfig/amber.pc b
   [ -e "$tmp/prefix/$f" ] || { echo "missing after install: $f"; exit 1; }
 done
 readlink "$tmp/prefix/lib/libamber.so" | grep -q '^libamber.so.0' || { echo "no versioned soname"; exit 1; }
+# The library's boundary: it needs no JSON library (the CLI's safetensors code and
+# --json output use jansson, on the CLI's side), and installs one header.
+if readelf -d "$tmp/prefix/lib/libamber.so" | grep -qi jansson; then
+  echo "libamber.so needs jansson"; exit 1
+fi
+if grep -qi jansson "$tmp/prefix/lib/pkgconfig/amber.pc" "$tmp/prefix/lib/cmake/amber/"*.cmake; then
+  echo "amber.pc or the CMake package asks for jansson"; exit 1
+fi
+[ "$(ls "$tmp/prefix/include")" = amber.h ] || { echo "headers other than amber.h installed"; exit 1; }
 cat > "$tmp/use.c" <<'C'
 #include <amber.h>
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /*
  * test_safetensors.c - the safetensors header parser and formatter
- * (src/safetensors.c): round trips of every dtype and of the odd shapes, the
+ * (tools/safetensors.c): round trips of every dtype and of the odd shapes, the
  * formatter's layout and refusals, and one test per kind of malformed header,
  * each pinning the error code and that the message names the tensor. Every file
  * the formatter lays out is also read by safetensors (tu_st_reference_check).

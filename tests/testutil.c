@@ -146,7 +146,7 @@ int tu_system(const char *fmt, ...) {
 #define AMBER_TEST_PYTHON ""
 #endif
 
-/* safetensors dtype names, written here apart from src/safetensors.c's table so
+/* safetensors dtype names, written here apart from tools/safetensors.c's table so
  * that a wrong entry there cannot agree with itself. */
 static int st_dtype_of(const char *s) {
   static const struct {

@@ -18,8 +18,6 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "internal.h"
-
 
 /* Stands for forward + backward: busy for `ms` on this thread. */
 static void compute(int ms) {
@@ -82,8 +80,8 @@ int amber__bench_async(const bench_opts *o) {
     amber__bench_adam(&s, gtab, 5 + k); /* the optimizer step changes the tensors */
     double c = amber__bench_now();
     if (!rc) rc = amber_writer_wait(w);
-    amber__save_stats ss;
-    amber__writer_stats(w, &ss);
+    amber_save_stats ss;
+    amber_writer_save_stats(w, &ss);
     double d = amber__bench_now();
     if (!rc && k < K) rc = amber_writer_begin(w, step++, 0);
     double e = amber__bench_now();

@@ -20,8 +20,6 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "internal.h"
-
 
 #define GTAB (1u << 20)
 
@@ -166,9 +164,9 @@ int amber__bench_delta(const bench_opts *o) {
     rc = amber_writer_add(w, s.t[i].name, AMBER_F32, 1, &s.t[i].n, s.t[i].x, NULL);
   if (!rc) rc = amber_writer_add_policy(w, policy);
   double t_full0 = 0, t_full = 0;
-  amber__save_stats fs;
+  amber_save_stats fs = {0};
   if (!rc) rc = amber__bench_save(st, &w, &s, &wo, 1, AMBER_SAVE_FULL, &t_full0);
-  amber__writer_stats(w, &fs);
+  amber_writer_save_stats(w, &fs);
   uint64_t full_bytes = fs.bytes;
   enum { MAXD = 200 };
   if (D > MAXD) D = MAXD;
@@ -180,15 +178,15 @@ int amber__bench_delta(const bench_opts *o) {
   for (int k = 0; !rc && k < D; k++) {
     amber__bench_adam(&s, gtab, 4 + k);
     double t;
-    amber__save_stats ss;
+    amber_save_stats ss;
     rc = amber__bench_save(st, &w, &s, &wo, (uint64_t)(2 + k), 0, &t);
     if (rc) break;
     /* Right after the optimizer step a first read of the state runs up to 3x
      * slower on these machines, and the scan pays that; the floor is read
      * after the save, at rest, which favours the floor. */
     t_read2s[k] = read_two(&s, &d);
-    amber__writer_stats(w, &ss);
-    if (!ss.delta) {
+    amber_writer_save_stats(w, &ss);
+    if (ss.kind != AMBER_KIND_DELTA) {
       fprintf(stderr, "amber bench: save %d was not a delta\n", 2 + k);
       rc = 1;
       break;

@@ -1,14 +1,15 @@
 /*
- * amber.c - the `amber` command-line tool.
+ * cli.c - the `amber` command-line tool.
  *
- * A thin layer over the public API (include/amber.h) plus the internal safetensors
- * header code (src/safetensors.h): `import` turns a safetensors file into a step of
- * a store, `export` writes a step back as a standard safetensors file, `ls`, `info`
- * and `verify` inspect a store, and `bench` forwards to tools/bench.c. The command
- * line is a contract (docs/DESIGN.md, "Interfaces other programs depend on"): exit 0 on
- * success, 1 on failure, 2 on a usage error; `--json` prints machine output, built
- * with jansson, on stdout. Errors go to stderr as "amber: <what failed>: <why>",
- * naming the file and the step. Nothing here knows the store's file format.
+ * A thin layer over the public API (include/amber.h) plus the CLI's own
+ * safetensors header code (tools/safetensors.h): `import` turns a safetensors file
+ * into a step of a store, `export` writes a step back as a standard safetensors
+ * file, `ls`, `info` and `verify` inspect a store, and `bench` forwards to
+ * tools/bench.c. The command line is a contract (docs/DESIGN.md, "Interfaces other
+ * programs depend on"): exit 0 on success, 1 on failure, 2 on a usage error;
+ * `--json` prints machine output, built with jansson, on stdout. Errors go to
+ * stderr as "amber: <what failed>: <why>", naming the file and the step. Nothing
+ * here knows the store's file format.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -26,7 +28,6 @@
 #include <jansson.h>
 
 #include "amber.h"
-#include "internal.h" /* amber__create_tmp: temporary files made as the library makes them */
 #include "safetensors.h"
 
 /* Defined in tools/bench.c; receives argv starting at "bench". */
@@ -245,12 +246,23 @@ static int print_json(json_t *j) {
   return 1;
 }
 
-static int open_store_ro(const char *path, amber_store **st) {
+/* Opens an existing store with `flags`; a missing one is reported as the library
+ * says it ("amber: no store at PATH: no such directory"), nothing else added. */
+static int open_existing(const char *path, uint32_t flags, amber_store **st) {
   amber_store_opts so;
   amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  so.flags = flags | AMBER_OPEN_NOCREATE;
   int rc = amber_store_open(st, path, &so);
+  if (rc == AMBER_ENOENT) {
+    fprintf(stderr, "amber: %s\n", amber_last_error(NULL));
+    return 1;
+  }
   return rc ? fail(rc, NULL, "cannot open store %s", path) : 0;
+}
+
+/* For ls, info, verify and export: never creates or writes anything in the store. */
+static int open_store_ro(const char *path, amber_store **st) {
+  return open_existing(path, AMBER_OPEN_READONLY, st);
 }
 
 /* "step 12" or "the latest step", for messages. */
@@ -481,10 +493,29 @@ static int export_data(const export_job *j, int fd) {
   return 0;
 }
 
-/* Writes a new OUT.<random>.tmp, fsyncs it and renames it to OUT: a failed or
- * interrupted export never leaves a partial OUT. The temporary file is created
- * exclusively under a name nobody can predict: OUT's directory may be shared,
- * and a link planted at a predictable name would redirect the export. */
+/* Creates "OUT.<16 random hex digits>.tmp" for writing, as the library names its
+ * temporary files: exclusively and without following a link (O_EXCL, O_NOFOLLOW),
+ * under a name nobody can predict (OUT's directory may be shared, and a link
+ * planted at a predictable name would redirect the export), mode 0644 less the
+ * umask. Returns the descriptor, or -1 with errno set. */
+static int create_tmp(const char *out, char *path, size_t len) {
+  for (int tries = 0; tries < 100; tries++) {
+    uint64_t r; /* without entropy yet (early boot) a guessable name: O_EXCL keeps it safe */
+    if (getrandom(&r, sizeof r, GRND_NONBLOCK) != (ssize_t)sizeof r)
+      r = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32) ^ (uint64_t)tries;
+    int n = snprintf(path, len, "%s.%016" PRIx64 ".tmp", out, r);
+    if (n < 0 || (size_t)n >= len) {
+      errno = ENAMETOOLONG;
+      return -1;
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  return -1;
+}
+
+/* Writes a new temporary file beside OUT, fsyncs it and renames it to OUT: a
+ * failed or interrupted export never leaves a partial OUT. */
 static int export_file(const export_job *j) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
@@ -492,8 +523,8 @@ static int export_file(const export_job *j) {
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGHUP, &sa, NULL);
-  int fd, rc = amber__create_tmp(NULL, j->out, tmp_path, sizeof tmp_path, &fd);
-  if (rc) return fail(rc, NULL, "cannot export to %s", j->out);
+  int fd = create_tmp(j->out, tmp_path, sizeof tmp_path);
+  if (fd < 0) return sys_fail("cannot export to %s: cannot create %s", j->out, tmp_path);
   have_tmp = 1;
   int ret = export_data(j, fd);
   if (!ret && fsync(fd) != 0) ret = sys_fail("fsync of %s", tmp_path);
@@ -816,11 +847,7 @@ static int cmd_verify(const args *a) {
 
 /* Opens an existing store for writing (takes the writer lock). */
 static int open_store_rw(const char *path, amber_store **st) {
-  amber_store_opts o;
-  amber_store_opts_init(&o);
-  o.flags = AMBER_OPEN_NOCREATE;
-  int rc = amber_store_open(st, path, &o);
-  return rc ? fail(rc, NULL, "cannot open store %s", path) : 0;
+  return open_existing(path, 0, st);
 }
 
 static int cmd_compact(const args *a) {

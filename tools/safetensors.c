@@ -12,16 +12,20 @@
  *
  * We accept gaps between tensors (the reference implementation does not): they
  * cost nothing to skip and some writers align tensors.
+ *
+ * This is the CLI's side of the library's boundary (docs/DESIGN.md): it uses only
+ * the public header, and it alone links jansson; libamber knows no JSON library.
  */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
-#include "internal.h"
+#include "amber.h"
 #include "safetensors.h"
 
 #define META_KEY "__metadata__"
@@ -59,6 +63,33 @@ __attribute__((format(printf, 4, 5))) static int fail(char *err, size_t errlen, 
   return code;
 }
 
+/* The header length field: 8 bytes, little-endian. */
+static uint64_t get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+  return v;
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* Reads exactly `len` bytes at offset 0; -1 with errno set (EIO when the file is
+ * shorter than that). */
+static int pread_all(int fd, uint8_t *buf, size_t len) {
+  size_t done = 0;
+  while (done < len) {
+    ssize_t n = pread(fd, buf + done, len - done, (off_t)done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return -1;
+    }
+    done += (size_t)n;
+  }
+  return 0;
+}
+
 /* Writes "[d0, d1, ...]" into buf; big enough for AMBER_MAX_DIMS 20-digit dims. */
 #define SHAPE_STRLEN (2 + AMBER_MAX_DIMS * 22)
 static const char *fmt_shape(char buf[SHAPE_STRLEN], const int64_t *shape,
@@ -77,8 +108,8 @@ static const char *fmt_shape(char buf[SHAPE_STRLEN], const int64_t *shape,
 static int shape_bytes(const int64_t *shape, uint32_t ndim, int dtype, uint64_t *nbytes) {
   uint64_t n = 1;
   for (uint32_t i = 0; i < ndim; i++)
-    if (shape[i] < 0 || amber__mul_overflow(n, (uint64_t)shape[i], &n)) return 1;
-  return amber__mul_overflow(n, amber_dtype_size(dtype), nbytes);
+    if (shape[i] < 0 || __builtin_mul_overflow(n, (uint64_t)shape[i], &n)) return 1;
+  return __builtin_mul_overflow(n, amber_dtype_size(dtype), nbytes);
 }
 
 /* 1 when `s` is valid UTF-8 as jansson demands it of object keys: no overlong
@@ -122,7 +153,7 @@ typedef struct parser {
  * before anyone allocates N bytes. */
 static int check_length(const uint8_t len8[8], uint64_t file_size, uint64_t *n, char *err,
                         size_t errlen) {
-  *n = amber__get64(len8);
+  *n = get_le64(len8);
   if (*n > AMBER__ST_MAX_HEADER)
     return fail(err, errlen, AMBER_ECORRUPT,
                 "safetensors header length %llu exceeds the limit of %u bytes",
@@ -359,8 +390,8 @@ int amber__st_read_header(int fd, uint64_t file_size, amber__st_header *out, cha
     return fail(err, errlen, AMBER_EINVAL, "amber__st_read_header: NULL argument");
   memset(out, 0, sizeof *out);
   if (file_size < 8) return too_short(file_size, err, errlen);
-  if (amber__pread_full(fd, len8, sizeof len8, 0) < 0)
-    return fail(err, errlen, amber__errno_code(errno),
+  if (pread_all(fd, len8, sizeof len8) < 0)
+    return fail(err, errlen, errno == ENOMEM ? AMBER_ENOMEM : AMBER_EIO,
                 "reading the safetensors header length: %s", strerror(errno));
   int rc = check_length(len8, file_size, &n, err, errlen);
   if (rc) return rc;
@@ -368,8 +399,8 @@ int amber__st_read_header(int fd, uint64_t file_size, amber__st_header *out, cha
   if (!buf)
     return fail(err, errlen, AMBER_ENOMEM, "out of memory for a %llu-byte header",
                 (unsigned long long)n);
-  if (amber__pread_full(fd, buf, (size_t)(8 + n), 0) < 0)
-    rc = fail(err, errlen, amber__errno_code(errno), "reading the safetensors header: %s",
+  if (pread_all(fd, buf, (size_t)(8 + n)) < 0)
+    rc = fail(err, errlen, errno == ENOMEM ? AMBER_ENOMEM : AMBER_EIO, "reading the safetensors header: %s",
               strerror(errno));
   else
     rc = amber__st_parse(buf, (size_t)(8 + n), file_size, out, err, errlen);
@@ -436,7 +467,7 @@ static int add_tensor(json_t *root, const amber__st_tensor *t, size_t i, uint64_
                 "tensor '%s': %llu bytes do not match shape %s of %s", t->name,
                 (unsigned long long)t->nbytes, fmt_shape(sh, t->shape, t->ndim),
                 st_name(t->dtype));
-  if (amber__add_overflow(*pos, nbytes, &end) || end > INT64_MAX)
+  if (__builtin_add_overflow(*pos, nbytes, &end) || end > INT64_MAX)
     return fail(err, errlen, AMBER_EINVAL, "tensor '%s': data area exceeds 2^63 bytes",
                 t->name);
 
@@ -488,7 +519,7 @@ int amber__st_format_header(amber__st_tensor *t, size_t n, const char *metadata,
     free(js);
     return fail(err, errlen, AMBER_ENOMEM, "out of memory formatting the header");
   }
-  amber__put64(b, hlen);
+  put_le64(b, hlen);
   memcpy(b + 8, js, len);
   memset(b + 8 + len, ' ', hlen - len);
   free(js);

@@ -1,5 +1,7 @@
 /*
- * safetensors.h - internal: parse and write the header of a safetensors file.
+ * safetensors.h - the CLI's safetensors header code (tools/safetensors.c): parse and
+ * write the header of a safetensors file. Not part of libamber: the `amber` tool,
+ * the tests and the fuzz target link it from the internal amber_safetensors target.
  *
  * safetensors (https://github.com/huggingface/safetensors) is the interchange format
  * of `amber import` and `amber export`: an 8-byte little-endian header length N, N
