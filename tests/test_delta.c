@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "codec.h"
+#include "ckpt.h"
 #include "internal.h"
 #include "scan.h"
 #include "testutil.h"
