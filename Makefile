@@ -1,16 +1,15 @@
 # Top-level wrapper around CMake. `make` builds into build/; `make test` runs the
 # whole suite (release build with -Werror, then an ASan+UBSan build, then the
-# Python tests when present); `make demo` runs the main job. Both run scripts/setup
-# first, which installs missing Debian packages and is a no-op otherwise.
+# Python tests in .venv); `make demo` runs the main job. Both run scripts/setup --python
+# first, which installs what is missing (Debian packages, .venv) and is a no-op otherwise.
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PREFIX ?= /usr/local
-PYTHON ?= /usr/bin/python3
 CMAKE_FLAGS ?=
 # The tests that drive the threads (save thread, workers, I/O threads) run under TSan.
 TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_delta_(policy|cadence|corrupt|kernels)
 
-.PHONY: all build setup test test-c test-asan test-tsan test-python demo bench install clean format fuzz vecreport
+.PHONY: all build setup test test-long test-c test-asan test-tsan test-python demo bench install clean format fuzz vecreport
 
 all: build
 
@@ -23,6 +22,10 @@ setup:
 
 test: setup
 	@scripts/run-tests
+
+# The same suite with the large trial counts of the randomized kill and race tests.
+test-long: setup
+	@AMBER_TRIALS=$${AMBER_TRIALS:-50} AMBER_KILL_ITERS=$${AMBER_KILL_ITERS:-200} scripts/run-tests
 
 test-c:
 	@$(MAKE) --no-print-directory build BUILD=build CMAKE_FLAGS="-DAMBER_WERROR=ON"

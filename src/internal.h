@@ -246,32 +246,6 @@ int amber__commit_file(amber_store *st, amber__err *e, const char *tmp, uint64_t
 int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, size_t *count);
 int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_t *removed);
 
-/* An opened, checked checkpoint file: header, footer and index in memory. */
-typedef struct amber__ckpt {
-  char *path;
-  int fd;
-  int dfd; /* O_DIRECT descriptor, or -1 */
-  uint64_t size;
-  amber__header hdr;
-  amber__footer ftr;
-  amber__index ix;
-} amber__ckpt;
-
-/* Opens checkpoint `step` of the store and checks its header, footer and index. */
-int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c);
-void amber__ckpt_close(amber__ckpt *c);
-
-/* Reads the payload of chunk `ch` of file `c` into `buf` (>= ch->size bytes) and
- * checks its checksum. `stage` is a reusable aligned scratch buffer for O_DIRECT
- * reads, grown as needed. */
-typedef struct amber__stage {
-  uint8_t *buf;
-  size_t cap;
-} amber__stage;
-int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
-                      amber__stage *stage, const uint8_t **payload);
-void amber__stage_free(amber__stage *s);
-
 /* Where the time of the writer's last save went (for `amber bench`). */
 typedef struct amber__save_stats {
   int delta, workers;

@@ -14,35 +14,28 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt.h"
 #include "internal.h"
 
-#define STAGE_BYTES (32u << 20)
-
-/* Writes the full file for the reader's step into a new temporary file next to
- * `dst`, whose name goes to `tmp` (4200 bytes). */
+/* Writes the full file for the reader's step, with state id `state_id`, into a
+ * new temporary file next to `dst`, whose name goes to `tmp` (4200 bytes). */
 static int write_compacted(amber_store *st, amber_reader *r, const amber__index *src,
                            uint64_t state_id, const char *dst, char *tmp) {
-  amber__wfile *wf = NULL;
-  if (amber__wfile_create(&wf, STAGE_BYTES, 1))
+  amber__ckpt_out *o = NULL;
+  if (amber__ckpt_out_create(&o, AMBER__STAGE_BYTES, 1))
     return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
   amber__index ix = *src;
   ix.chunks = calloc(src->n_chunks ? src->n_chunks : 1, sizeof *ix.chunks);
   uint64_t max = 0;
   for (uint64_t i = 0; i < src->n_tensors; i++)
     if (src->tensors[i].nbytes > max) max = src->tensors[i].nbytes;
-  uint8_t *buf = malloc(max ? max : 1), *ixbuf = NULL;
+  uint8_t *buf = malloc(max ? max : 1);
   int rc = 0;
   if (!ix.chunks || !buf) rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
-  uint16_t minor = amber__format_minor_for(src->tensors, src->n_tensors);
-  amber__header h = {.format_major = AMBER_FORMAT_MAJOR, .format_minor = minor,
-                     .step = amber_reader_step(r), .kind = AMBER_KIND_FULL,
-                     .parent_step = AMBER_NO_STEP};
-  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
-  amber__header_encode(&h, hb);
-  if (!rc && (rc = amber__wfile_begin(wf, &st->err, dst)) == 0) {
-    snprintf(tmp, 4200, "%s", amber__wfile_path(wf));
-    rc = amber__wfile_append(wf, hb, sizeof hb);
-  }
+  if (!rc && (rc = amber__ckpt_create(o, &st->err, dst, amber_reader_step(r), src->tensors,
+                                      src->n_tensors, AMBER_NO_STEP, 0)) == 0)
+    snprintf(tmp, 4200, "%s", amber__ckpt_tmp(o));
+  int created = !rc;
   for (uint64_t i = 0; i < src->n_tensors && !rc; i++) {
     const amber__tensor *t = &src->tensors[i];
     if ((rc = amber_reader_read(r, (size_t)i, buf, t->nbytes)) != 0) {
@@ -53,39 +46,18 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
     for (uint64_t j = 0; j < t->n_chunks && !rc; j++) {
       amber__chunk *c = &ix.chunks[t->first_chunk + j];
       uint64_t n = amber__chunk_n(t, j);
-      c->offset = amber__wfile_pos(wf);
-      c->size = n * isz;
       c->stored = n;
       c->encoding = AMBER__ENC_RAW;
-      rc = amber__wfile_append_hashed(wf, buf + j * t->chunk_elems * isz, (size_t)c->size,
-                                      &c->checksum);
+      amber__ckpt_append_hashed(o, c, buf + j * t->chunk_elems * isz, (size_t)(n * isz));
+      rc = amber__ckpt_failed(o);
     }
   }
-  uint64_t isize = amber__index_size(&ix);
-  if (!rc && !(ixbuf = malloc(isize))) rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
-  if (!rc) {
-    amber__index_encode(&ix, ixbuf);
-    amber__footer f = {.index_offset = amber__wfile_pos(wf), .index_size = isize,
-                       .index_checksum = amber__xxh3(ixbuf, isize), .state_id = state_id};
-    uint8_t *both = malloc(sizeof hb + isize);
-    if (!both) {
-      rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
-    } else {
-      memcpy(both, hb, sizeof hb);
-      memcpy(both + sizeof hb, ixbuf, isize);
-      f.content_hash = amber__xxh3(both, sizeof hb + isize);
-      free(both);
-      amber__footer_encode(&f, fb);
-      rc = amber__wfile_append(wf, ixbuf, isize);
-      if (!rc) rc = amber__wfile_append(wf, fb, sizeof fb);
-    }
-  }
-  if (rc) amber__wfile_abort(wf);
-  else rc = amber__wfile_finish(wf);
-  amber__wfile_destroy(wf);
+  uint64_t sealed_id, bytes;
+  if (created && rc) amber__ckpt_abort(o);
+  else if (created) rc = amber__ckpt_seal(o, &ix, &state_id, &sealed_id, &bytes);
+  amber__ckpt_out_destroy(o);
   free(ix.chunks);
   free(buf);
-  free(ixbuf);
   return rc;
 }
 

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt.h"
 #include "codec.h"
 #include "internal.h"
 #include "names.h"

@@ -1,8 +1,8 @@
 /*
  * store.c - the store directory: opening and locking it, cleaning what a crashed
  * writer left, the LATEST commit point, committing a finished file, listing
- * checkpoints, and opening one checkpoint file with its header, footer and index
- * checked (docs/FORMAT.md, "Store layout" and "Commit protocol").
+ * checkpoints (docs/FORMAT.md, "Store layout" and "Commit protocol"). What is
+ * inside one checkpoint file is ckpt.c's.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -375,128 +375,4 @@ int amber_store_list(amber_store *st, amber_ckpt_info **out, size_t *count) {
   if (!st || !out || !count)
     return amber__fail(NULL, AMBER_EINVAL, "amber_store_list: NULL argument");
   return amber__store_list(st, &st->err, out, count);
-}
-
-/* ---- one checkpoint file ---- */
-
-int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c) {
-  char path[4200];
-  memset(c, 0, sizeof *c);
-  c->fd = c->dfd = -1;
-  amber__ckpt_path(st, step, NULL, path, sizeof path);
-  if (!(c->path = strdup(path))) return amber__fail(e, AMBER_ENOMEM, "out of memory");
-  c->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (c->fd < 0) {
-    int err = errno;
-    amber__ckpt_close(c);
-    if (err == ENOENT)
-      return amber__fail(e, AMBER_ENOENT, "%s: checkpoint file of step %" PRIu64 " is missing",
-                         path, step);
-    return amber__fail(e, amber__errno_code(err), "cannot open %s: %s", path, strerror(err));
-  }
-  struct stat sb;
-  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
-  int rc = 0;
-  if (fstat(c->fd, &sb) != 0) {
-    rc = amber__fail(e, AMBER_EIO, "cannot stat %s: %s", path, strerror(errno));
-  } else if (sb.st_size < AMBER__HEADER_SIZE + AMBER__INDEX_FIXED + AMBER__FOOTER_SIZE) {
-    rc = amber__fail(e, AMBER_ECORRUPT, "%s: file of %lld bytes is too short (truncated?)",
-                     path, (long long)sb.st_size);
-  } else {
-    c->size = (uint64_t)sb.st_size;
-    if (amber__pread_full(c->fd, hb, sizeof hb, 0) != 0 ||
-        amber__pread_full(c->fd, fb, sizeof fb, c->size - AMBER__FOOTER_SIZE) != 0)
-      rc = amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
-  }
-  if (!rc) rc = amber__header_decode(e, path, hb, &c->hdr);
-  if (!rc && c->hdr.step != step)
-    rc = amber__fail(e, AMBER_ECORRUPT, "%s: file holds step %" PRIu64 ", not %" PRIu64, path,
-                     c->hdr.step, step);
-  if (!rc) rc = amber__footer_decode(e, path, fb, c->size, &c->ftr);
-  uint8_t *ib = NULL;
-  if (!rc && !(ib = malloc(c->ftr.index_size)))
-    rc = amber__fail(e, AMBER_ENOMEM, "%s: out of memory for the index", path);
-  if (!rc && amber__pread_full(c->fd, ib, c->ftr.index_size, c->ftr.index_offset) != 0)
-    rc = amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
-  if (!rc && amber__xxh3(ib, c->ftr.index_size) != c->ftr.index_checksum)
-    rc = amber__fail(e, AMBER_ECORRUPT, "%s: index checksum mismatch", path);
-  if (!rc)
-    rc = amber__index_decode(e, path, ib, c->ftr.index_size, c->ftr.index_offset, &c->ix);
-  free(ib);
-  if (rc) {
-    amber__ckpt_close(c);
-    return rc;
-  }
-  c->dfd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT); /* -1 where unsupported */
-  return 0;
-}
-
-void amber__ckpt_close(amber__ckpt *c) {
-  if (!c) return;
-  if (c->fd >= 0) close(c->fd);
-  if (c->dfd >= 0) close(c->dfd);
-  amber__index_free(&c->ix);
-  free(c->path);
-  memset(c, 0, sizeof *c);
-  c->fd = c->dfd = -1;
-}
-
-void amber__stage_free(amber__stage *s) {
-  free(s->buf);
-  s->buf = NULL;
-  s->cap = 0;
-}
-
-int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
-                      amber__stage *stage, const uint8_t **payload) {
-  if (ch->size == 0) {
-    static const uint8_t none[1];
-    *payload = none;
-    if (ch->checksum != 0 && ch->checksum != amber__xxh3(none, 0))
-      return amber__fail(e, AMBER_ECORRUPT, "%s (step %" PRIu64 "): empty chunk with a checksum",
-                         c->path, c->hdr.step);
-    return 0;
-  }
-  /* O_DIRECT needs aligned offsets and lengths: read the covering blocks. */
-  uint64_t lo = ch->offset & ~(uint64_t)(AMBER__ALIGN - 1);
-  uint64_t hi = (ch->offset + ch->size + AMBER__ALIGN - 1) & ~(uint64_t)(AMBER__ALIGN - 1);
-  size_t need = (size_t)(hi - lo);
-  if (stage->cap < need) {
-    free(stage->buf);
-    stage->cap = 0;
-    if (posix_memalign((void **)&stage->buf, AMBER__ALIGN, need) != 0) {
-      stage->buf = NULL;
-      return amber__fail(e, AMBER_ENOMEM, "out of memory");
-    }
-    stage->cap = need;
-  }
-  int rc = -1;
-  /* O_DIRECT pays for large payloads; small ones (deltas) would each cost a disk
-   * round trip, while buffered reads get the kernel's read-ahead. */
-  if (c->dfd >= 0 && ch->size >= AMBER__DIRECT_MIN) {
-    /* The final block may be short (file end): read what is there. */
-    size_t want = hi > c->size ? (size_t)(c->size - lo) : need;
-    ssize_t got = 0;
-    while ((size_t)got < want) {
-      ssize_t n = pread(c->dfd, stage->buf + got, need - (size_t)got, (off_t)(lo + (uint64_t)got));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      got += n;
-    }
-    if ((size_t)got >= want) {
-      rc = 0;
-      *payload = stage->buf + (ch->offset - lo);
-    }
-  }
-  if (rc != 0) { /* no O_DIRECT, or it failed: plain read */
-    if (amber__pread_full(c->fd, stage->buf, ch->size, ch->offset) != 0)
-      return amber__fail(e, AMBER_EIO, "cannot read %s at offset %" PRIu64 ": %s", c->path,
-                         ch->offset, strerror(errno));
-    *payload = stage->buf;
-  }
-  if (amber__xxh3(*payload, ch->size) != ch->checksum)
-    return amber__fail(e, AMBER_ECORRUPT,
-                       "%s (step %" PRIu64 "): chunk checksum mismatch at offset %" PRIu64,
-                       c->path, c->hdr.step, ch->offset);
-  return 0;
 }

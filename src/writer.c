@@ -10,9 +10,9 @@
  *
  * A save is a parallel loop over all chunks (pool.c): each worker scans and
  * encodes a chunk into its own scratch, then appends the payload to the one
- * amber__wfile under a lock (payload order in the file does not matter: the index
- * records offsets). Header, payloads, index and footer are then committed: fsync,
- * rename, fsync of the directory, LATEST. Buffers are sized at the first save and
+ * checkpoint file being written (ckpt.c; payload order in the file does not
+ * matter: the index records offsets). The file is then sealed (index, footer,
+ * fsync) and committed: rename, fsync of the directory, LATEST. Buffers are sized at the first save and
  * reused; nothing is allocated per save after that.
  */
 #include <errno.h>
@@ -28,6 +28,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
 #include <xxhash.h>
 
+#include "ckpt.h"
 #include "codec.h"
 #include "internal.h"
 #include "names.h"
@@ -38,8 +39,6 @@
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
 #define DEFAULT_FULL_SHARE 0.5
-#define STAGE_BYTES (32u << 20)
-#define MIN_STAGE_BYTES (4u << 20)
 #define SLICE (256u << 10)
 
 typedef struct scratch {
@@ -73,8 +72,6 @@ struct amber_writer {
   uint64_t n_chunks;
   amber__chunk *chunks; /* chunk table, reused by every save */
   uint32_t *owner;      /* tensor of each chunk */
-  uint8_t *ixbuf;       /* encoded index, reused */
-  uint64_t ixcap;
   uint8_t **ref;        /* reference state per tensor */
   int ref_valid;        /* ref equals the restore of the latest checkpoint */
   amber__pool *pool;
@@ -82,9 +79,7 @@ struct amber_writer {
   size_t max_chunk_bytes, max_chunk_elems;
   int have_ref, have_scratch; /* allocated (lazily: a full-only writer needs neither) */
   int keep_ref;               /* this save updates the reference state */
-  amber__wfile *wf;
-  pthread_mutex_t mu;   /* guards wf and rc during a save */
-  int rc;               /* first failure of a worker in this save */
+  amber__ckpt_out *out; /* the file being written */
   int delta;            /* kind of the save in progress */
   /* the store as this writer knows it */
   int have_latest;
@@ -141,9 +136,9 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   for (int i = 0; i < 4; i++)
     if (opts->reserved[i] || opts->reserved0)
       return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: reserved option set");
-  if (opts->stage_bytes && opts->stage_bytes < MIN_STAGE_BYTES)
+  if (opts->stage_bytes && opts->stage_bytes < AMBER__MIN_STAGE_BYTES)
     return amber__fail(NULL, AMBER_EINVAL, "stage_bytes %" PRIu64 " is below the minimum %u",
-                       opts->stage_bytes, MIN_STAGE_BYTES);
+                       opts->stage_bytes, AMBER__MIN_STAGE_BYTES);
   if (st->lockfd < 0)
     return amber__fail(NULL, AMBER_EREADONLY, "store %s is open read-only", st->path);
   if (st->writers)
@@ -164,7 +159,6 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
   if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
-  pthread_mutex_init(&w->mu, NULL);
   pthread_mutex_init(&w->amu, NULL);
   pthread_cond_init(&w->acv, NULL);
   st->writers++;
@@ -178,8 +172,8 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
     return rc;
   }
   int threads = st->threads ? (int)st->threads : online_cpus();
-  uint64_t stage = opts->stage_bytes ? opts->stage_bytes : STAGE_BYTES;
-  if (amber__wfile_create(&w->wf, (size_t)stage, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO)) ||
+  uint64_t stage = opts->stage_bytes ? opts->stage_bytes : AMBER__STAGE_BYTES;
+  if (amber__ckpt_out_create(&w->out, (size_t)stage, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO)) ||
       amber__pool_create(&w->pool, threads)) {
     amber_writer_close(w);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory for the writer's buffers");
@@ -215,10 +209,8 @@ void amber_writer_close(amber_writer *w) {
   free(w->meta);
   free(w->chunks);
   free(w->owner);
-  free(w->ixbuf);
   amber__pool_destroy(w->pool);
-  amber__wfile_destroy(w->wf);
-  pthread_mutex_destroy(&w->mu);
+  amber__ckpt_out_destroy(w->out);
   pthread_mutex_destroy(&w->amu);
   pthread_cond_destroy(&w->acv);
   w->st->writers--;
@@ -448,23 +440,14 @@ static void resolve_policies(amber_writer *w) {
   }
 }
 
-/* Appends a payload and fills the chunk entry; the checksum is computed by the
- * caller outside the lock. */
 static void emit(amber_writer *w, amber__chunk *c, const uint8_t *p, size_t len) {
-  pthread_mutex_lock(&w->mu);
-  if (!w->rc) {
-    c->offset = len ? amber__wfile_pos(w->wf) : AMBER__HEADER_SIZE;
-    c->size = len;
-    int rc = len ? amber__wfile_append(w->wf, p, len) : 0;
-    if (rc) __atomic_store_n(&w->rc, rc, __ATOMIC_RELAXED);
-  }
-  pthread_mutex_unlock(&w->mu);
+  amber__ckpt_append(w->out, c, p, len);
 }
 
 static void fail_save(amber_writer *w, int rc, const char *tensor) {
-  pthread_mutex_lock(&w->mu);
-  if (!w->rc) w->rc = amber__fail(&w->err, rc, "cannot compress a chunk of tensor '%s'", tensor);
-  pthread_mutex_unlock(&w->mu);
+  char why[AMBER__ERRLEN];
+  snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", tensor);
+  amber__ckpt_fail(w->out, rc, why);
 }
 
 /* Copies live into the reference and returns the copy's checksum, hashing each
@@ -491,14 +474,7 @@ static void full_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size
   c->stored = n;
   if (!w->keep_ref) { /* a one-off full save: straight from the caller's memory */
     c->encoding = AMBER__ENC_RAW;
-    pthread_mutex_lock(&w->mu);
-    if (!w->rc) {
-      c->offset = amber__wfile_pos(w->wf);
-      c->size = bytes;
-      int rc = amber__wfile_append_hashed(w->wf, src, bytes, &c->checksum);
-      if (rc) __atomic_store_n(&w->rc, rc, __ATOMIC_RELAXED);
-    }
-    pthread_mutex_unlock(&w->mu);
+    amber__ckpt_append_hashed(w->out, c, src, bytes);
     return;
   }
   uint8_t *ref = w->ref[ti] + off;
@@ -614,7 +590,7 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
 
 /* A failure, a cancel or a veto: the rest of the save's work is wasted. */
 static int stopping(amber_writer *w) {
-  return __atomic_load_n(&w->rc, __ATOMIC_RELAXED) ||
+  return amber__ckpt_failed(w->out) ||
          __atomic_load_n(&w->cancel, __ATOMIC_RELAXED) ||
          __atomic_load_n(&w->gate, __ATOMIC_RELAXED) == GATE_VETO;
 }
@@ -695,72 +671,37 @@ static int await_verdict(amber_writer *w, uint64_t step) {
  * and makes it durable; its name goes to `tmp` (4200 bytes). */
 static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step,
                       uint64_t *state, uint64_t *file_bytes) {
-  amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
-                     .format_minor = amber__format_minor_for(w->tensors, w->n),
-                     .step = step,
-                     .kind = w->delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL,
-                     .parent_step = w->delta ? w->latest_step : AMBER_NO_STEP,
-                     .parent_state = w->delta ? w->latest_state : 0};
-  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
-  amber__header_encode(&h, hb);
-  int rc = amber__wfile_begin(w->wf, &w->err, dst);
+  int rc = amber__ckpt_create(w->out, &w->err, dst, step, w->tensors, w->n,
+                              w->delta ? w->latest_step : AMBER_NO_STEP, w->latest_state);
   if (rc) return rc;
-  snprintf(tmp, 4200, "%s", amber__wfile_path(w->wf));
-  rc = amber__wfile_append(w->wf, hb, sizeof hb);
-  if (!rc) {
-    w->rc = 0;
-    int nw = amber__pool_size(w->pool);
-    for (int i = 0; i < nw; i++) w->ws[i].scan_s = w->ws[i].encode_s = 0;
-    double t0 = now_s();
-    if (!w->delta && w->two_phase && w->keep_ref &&
-        !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
-      amber__pool_for(w->pool, (size_t)w->n_chunks, copy_job, w);
-      mark_scanned(w);
-      amber__pool_for(w->pool, (size_t)w->n_chunks, append_job, w);
-    } else {
-      amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
-    }
+  snprintf(tmp, 4200, "%s", amber__ckpt_tmp(w->out));
+  int nw = amber__pool_size(w->pool);
+  for (int i = 0; i < nw; i++) w->ws[i].scan_s = w->ws[i].encode_s = 0;
+  double t0 = now_s();
+  if (!w->delta && w->two_phase && w->keep_ref && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
+    amber__pool_for(w->pool, (size_t)w->n_chunks, copy_job, w);
     mark_scanned(w);
-    w->stats.chunks_s = now_s() - t0;
-    for (int i = 0; i < nw; i++) {
-      w->stats.scan_cpu_s += w->ws[i].scan_s;
-      w->stats.encode_cpu_s += w->ws[i].encode_s;
-    }
-    w->stats.workers = nw;
-    rc = w->rc;
-    if (!rc) rc = check_stop(w, step);
+    amber__pool_for(w->pool, (size_t)w->n_chunks, append_job, w);
+  } else {
+    amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
+  }
+  mark_scanned(w);
+  w->stats.chunks_s = now_s() - t0;
+  for (int i = 0; i < nw; i++) {
+    w->stats.scan_cpu_s += w->ws[i].scan_s;
+    w->stats.encode_cpu_s += w->ws[i].encode_s;
+  }
+  w->stats.workers = nw;
+  rc = amber__ckpt_failed(w->out);
+  if (!rc) rc = check_stop(w, step);
+  if (rc) {
+    amber__ckpt_abort(w->out);
+    return rc;
   }
   amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
                      .n_chunks = w->n_chunks, .meta = w->meta, .meta_size = w->meta_len};
-  uint64_t isize = amber__index_size(&ix);
-  if (!rc && isize > w->ixcap) {
-    free(w->ixbuf);
-    w->ixcap = 0;
-    if (!(w->ixbuf = malloc(isize))) rc = amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
-    else w->ixcap = isize;
-  }
-  if (!rc) {
-    amber__index_encode(&ix, w->ixbuf);
-    amber__footer f = {.index_offset = amber__wfile_pos(w->wf), .index_size = isize,
-                       .index_checksum = amber__xxh3(w->ixbuf, isize)};
-    XXH3_state_t hs;
-    XXH3_INITSTATE(&hs);
-    XXH3_64bits_reset(&hs);
-    XXH3_64bits_update(&hs, hb, sizeof hb);
-    XXH3_64bits_update(&hs, w->ixbuf, isize);
-    f.content_hash = f.state_id = XXH3_64bits_digest(&hs);
-    amber__footer_encode(&f, fb);
-    *state = f.state_id;
-    *file_bytes = f.index_offset + isize + AMBER__FOOTER_SIZE;
-    rc = amber__wfile_append(w->wf, w->ixbuf, isize);
-    if (!rc) rc = amber__wfile_append(w->wf, fb, sizeof fb);
-  }
-  if (rc) {
-    amber__wfile_abort(w->wf);
-    return rc;
-  }
-  double t0 = now_s();
-  rc = amber__wfile_finish(w->wf);
+  t0 = now_s();
+  rc = amber__ckpt_seal(w->out, &ix, NULL, state, file_bytes);
   w->stats.finish_s = now_s() - t0;
   return rc;
 }

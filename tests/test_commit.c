@@ -229,7 +229,9 @@ static long env_long(const char *name, long def) {
 /* Kills `iters` children that save with `flags`; checks the store after each. */
 static void kill_loop(long iters, uint32_t flags) {
   const char *dir = tu_tmpdir();
-  uint64_t seed0 = (uint64_t)env_long("AMBER_KILL_SEED", 20250611), seed = seed0, prev = 0;
+  uint64_t seed0 = (uint64_t)env_long("AMBER_KILL_SEED", env_long("AMBER_SEED", 20250611));
+  uint64_t seed = seed0, prev = 0;
+  printf("     %ld kills, AMBER_KILL_SEED=%" PRIu64 "\n", iters, seed0);
   int leftovers = 0, deltas = 0;
   for (long it = 0; it < iters; it++) {
     useconds_t delay = (useconds_t)(tu_rand(&seed) % 300001);
@@ -264,7 +266,7 @@ static void kill_loop(long iters, uint32_t flags) {
 }
 
 static void test_sigkill_during_full_saves_leaves_last_commit_restorable(void) {
-  kill_loop(env_long("AMBER_KILL_ITERS", 40), AMBER_SAVE_FULL);
+  kill_loop(env_long("AMBER_KILL_ITERS", 40), AMBER_SAVE_FULL);  /* make test-long: 200 */
 }
 
 static void test_sigkill_during_delta_saves_leaves_last_commit_restorable(void) {

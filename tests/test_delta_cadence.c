@@ -8,6 +8,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 
+#include "ckpt.h"
 #include "internal.h"
 #include "trajectory.h"
 

@@ -28,6 +28,7 @@
 
 #include <zstd.h>
 
+#include "ckpt.h"
 #include "internal.h"
 #include "scan.h"
 #include "testutil.h"

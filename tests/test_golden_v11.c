@@ -23,6 +23,7 @@
 
 #include <xxhash.h>
 
+#include "ckpt.h"
 #include "internal.h"
 #include "testutil.h"
 

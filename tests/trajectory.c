@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "ckpt.h"
 #include "internal.h"
 #include "scan.h"
 

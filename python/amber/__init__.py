@@ -11,7 +11,8 @@ name (e.g. "AMBER_ENOENT") and the library's message for the failure (which file
 which step, what was expected).
 
 The shared library is found, in this order, through the AMBER_LIBRARY
-environment variable (a path), next to this package (amber/libamber.so), in the
+environment variable (a path), inside this package (amber/libamber.so, found with
+importlib.resources: what `pip install .` and `pip install -e .` put there), in the
 build/ directory of the source tree that holds this package
 (python/amber/../../build/libamber.so), and finally by the system's loader
 (libamber.so.0, e.g. after `make install`).
@@ -92,13 +93,33 @@ class _TensorInfo(Structure):
 
 # ---- loading the library --------------------------------------------------------
 
+def _packaged_library():
+    """libamber.so shipped inside this package (wheel or editable install)."""
+    try:
+        from importlib.resources import files, as_file
+    except ImportError:  # Python < 3.9
+        return None
+    try:
+        res = files(__name__).joinpath("libamber.so")
+        if not res.is_file():
+            return None
+        # A wheel installs a real file; as_file only copies out of a zip, which pip never
+        # makes, so the path stays valid for the life of the process.
+        with as_file(res) as path:
+            return str(path)
+    except (OSError, TypeError, ModuleNotFoundError):
+        return None
+
+
 def _candidates():
     env = os.environ.get("AMBER_LIBRARY")
     if env:
         yield env
         return  # an explicit choice is not second-guessed
+    packaged = _packaged_library()
+    if packaged:
+        yield packaged
     here = os.path.dirname(os.path.abspath(__file__))
-    yield os.path.join(here, "libamber.so")
     yield os.path.normpath(os.path.join(here, "..", "..", "build", "libamber.so"))
     found = ctypes.util.find_library("amber")
     if found:
@@ -116,7 +137,8 @@ def _load():
         except OSError as e:
             tried.append(f"{path} ({e})")
     raise ImportError("amber: cannot load libamber; tried: " + "; ".join(tried or ["nothing"]) +
-                      ". Build it with `make` or set AMBER_LIBRARY to its path.")
+                      ". Install the package (`pip install .`), build it with `make`, or set "
+                      "AMBER_LIBRARY to its path.")
 
 
 _lib, _lib_path = _load()

@@ -5,7 +5,7 @@ Each file is a small safetensors file, valid ("ok-*") or malformed ("bad-*", nam
 after what is wrong with it). The output is deterministic; rerun this after adding
 a case and commit the new files:
 
-    /usr/bin/python3 tests/corpus/make_safetensors_corpus.py
+    .venv/bin/python tests/corpus/make_safetensors_corpus.py
 """
 import json
 import os

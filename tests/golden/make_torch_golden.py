@@ -6,7 +6,7 @@ import json, os, shutil, sys
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+# Run with the project's .venv (scripts/setup --python), which has amber installed.
 from amber.torch import Checkpointer
 
 out = os.path.join(os.path.dirname(__file__), "torch-v1")

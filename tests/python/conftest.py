@@ -1,32 +1,49 @@
-"""Shared set-up of the Python tests: the package from python/ of this tree, the
-library from AMBER_LIBRARY (scripts/run-tests points it at build/libamber.so),
-two torch threads, and a helper that runs a script in a fresh interpreter."""
+"""Shared set-up of the Python tests.
+
+The tests import the *installed* package `amber` (scripts/setup --python installs it
+into .venv in editable mode, with libamber built by its CMake), so they check what a
+user gets from `pip install`: no sys.path edits, no AMBER_LIBRARY. amber is imported
+before torch so that a broken install fails here with amber's own message.
+
+Randomized race and kill tests run `trials` times: AMBER_TRIALS (default 3 in
+`make test`, more in `make test-long`), seeded from AMBER_SEED (default: from the
+clock); the seeds are printed, so a failure can be replayed with AMBER_SEED.
+"""
 import os
 import subprocess
 import sys
+import time
 
+import amber  # noqa: F401  (first: a broken install must fail with amber's message)
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PYDIR = os.path.join(ROOT, "python")
-if PYDIR not in sys.path:
-    sys.path.insert(0, PYDIR)
-
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(2)
-PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+PYTHON = sys.executable
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+TRIALS = int(os.environ.get("AMBER_TRIALS", "3"))
+SEED = int(os.environ.get("AMBER_SEED", str(int(time.time()) % 100000)))
 
 
-def run_python(*args, check=True, timeout=120):
-    """Runs `python3 ARGS...` in a fresh process with this tree's package."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = PYDIR + os.pathsep + env.get("PYTHONPATH", "")
+def run_python(*args, check=True, timeout=120, env=None):
+    """Runs this interpreter on ARGS in a fresh process (same installed amber)."""
     p = subprocess.run([PYTHON, *args], env=env, capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def trial_seeds(name):
+    """The seeds of a randomized test's trials, printed so that a failure can be replayed."""
+    seeds = [SEED + i for i in range(TRIALS)]
+    print(f"{name}: {TRIALS} trials, AMBER_SEED={SEED} (seeds {seeds[0]}..{seeds[-1]})")
+    return seeds
+
+
+@pytest.fixture
+def trials(request):
+    return trial_seeds(request.node.name)
 
 
 @pytest.fixture

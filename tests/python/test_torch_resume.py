@@ -4,6 +4,7 @@ uninterrupted run's, with dropout and data noise so every RNG matters), and a
 fresh process loading an earlier step gets exactly that step's state."""
 import json
 import os
+import random
 
 from conftest import HERE, run_python
 
@@ -15,17 +16,23 @@ def worker(*args, check=True):
     return p, (json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else None)
 
 
-def test_resume_after_sigkill_is_bit_exact_with_exact_policy(tmp_path):
+def test_resume_after_sigkill_is_bit_exact_with_exact_policy(tmp_path, trials):
+    """SIGKILL right after the save of a random step (AMBER_TRIALS trials, seeded)."""
     _, ref = worker(str(tmp_path / "ref"), "--steps", "10")
-    killed, part = worker(str(tmp_path / "run"), "--steps", "10", "--kill-at", "6", check=False)
-    assert killed.returncode == -9, killed.stderr
-    _, rest = worker(str(tmp_path / "run"), "--steps", "10", "--resume")
-    start = rest["start"]
-    assert 5 <= start <= 6  # the save of step 6 may or may not have committed
-    assert rest["losses"] and list(rest["losses"]) == [str(s) for s in range(start + 1, 11)]
-    for s, loss in rest["losses"].items():
-        assert loss == ref["losses"][s], f"step {s}: resumed loss {loss!r} != {ref['losses'][s]!r}"
-    assert rest["digests"]["10"] == ref["digests"]["10"]
+    for seed in trials:
+        kill_at = random.Random(seed).randint(2, 9)
+        run = str(tmp_path / f"run-{seed}")
+        killed, _ = worker(run, "--steps", "10", "--kill-at", str(kill_at), check=False)
+        assert killed.returncode == -9, killed.stderr
+        _, rest = worker(run, "--steps", "10", "--resume")
+        start = rest["start"]
+        # the save of the killed step may or may not have committed
+        assert kill_at - 1 <= start <= kill_at, (seed, kill_at, start)
+        assert rest["losses"] and list(rest["losses"]) == [str(s) for s in range(start + 1, 11)]
+        for s, loss in rest["losses"].items():
+            assert loss == ref["losses"][s], \
+                f"seed {seed}, killed at {kill_at}: step {s}: resumed loss {loss!r} != {ref['losses'][s]!r}"
+        assert rest["digests"]["10"] == ref["digests"]["10"], (seed, kill_at)
 
 
 def test_fresh_process_loads_exactly_an_earlier_step(tmp_path):

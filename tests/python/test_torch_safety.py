@@ -8,7 +8,7 @@
   is refused before anything changes; damaged tensor data says the state is
   partially loaded, and fallback=True restores the newest intact step;
 - store metadata cannot plant objects ({"$dtype": "load"} is an error).
-The race tests run AMBER_TRIALS times (default 3)."""
+The race tests run AMBER_TRIALS times (default 3; conftest.trials)."""
 import ctypes
 import glob
 import json
@@ -19,8 +19,6 @@ import torch
 
 import amber
 from amber.torch import Checkpointer
-
-TRIALS = int(os.environ.get("AMBER_TRIALS", "3"))
 
 
 def snapshot(*objs):
@@ -58,9 +56,9 @@ def trained(seed=0, width=12):
 
 # ---- torn saves ----------------------------------------------------------------
 
-def test_an_in_place_change_before_the_fence_fails_the_save_and_names_the_tensor(store):
+def test_an_in_place_change_before_the_fence_fails_the_save_and_names_the_tensor(store, trials):
     n = 16 << 20  # 16M elements, as in the report: the scan takes long enough to race
-    for trial in range(TRIALS):
+    for trial in trials:
         p = torch.nn.Parameter(torch.zeros(n))
         opt = torch.optim.SGD([p], lr=0.1)
         path = f"{store}-{trial}"

@@ -1,0 +1,281 @@
+/*
+ * ckpt.c - one checkpoint file, written and read (docs/FORMAT.md, "File
+ * layout"): the only code that lays out a file's header, payloads, index and
+ * footer, and the only code that opens one and loads its chunks.
+ *
+ * Writing goes through amber__wfile (io.c): payloads are staged in a reused ring
+ * and written by background threads, in whatever order the writer's workers
+ * append them (the index records each offset). Sealing appends the index and
+ * the footer, whose content hash (header and index) is the state id that LATEST
+ * and a child delta name.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
+#include <xxhash.h>
+
+#include "ckpt.h"
+#include "internal.h"
+
+/* ---- writing ---- */
+
+struct amber__ckpt_out {
+  amber__wfile *wf;
+  amber__err *err;                   /* the handle the file's failures are reported to */
+  pthread_mutex_t mu;                /* guards the appends and rc */
+  int rc;                            /* the file's first failure */
+  uint8_t hb[AMBER__HEADER_SIZE];    /* the encoded header, for the content hash */
+  uint8_t *ixbuf;                    /* the encoded index, reused */
+  uint64_t ixcap;
+};
+
+int amber__ckpt_out_create(amber__ckpt_out **out, size_t stage_bytes, int allow_direct) {
+  amber__ckpt_out *o = calloc(1, sizeof *o);
+  if (!o) return AMBER_ENOMEM;
+  if (amber__wfile_create(&o->wf, stage_bytes, allow_direct)) {
+    free(o);
+    return AMBER_ENOMEM;
+  }
+  pthread_mutex_init(&o->mu, NULL);
+  *out = o;
+  return 0;
+}
+
+void amber__ckpt_out_destroy(amber__ckpt_out *o) {
+  if (!o) return;
+  amber__wfile_destroy(o->wf);
+  pthread_mutex_destroy(&o->mu);
+  free(o->ixbuf);
+  free(o);
+}
+
+int amber__ckpt_create(amber__ckpt_out *o, amber__err *e, const char *dst, uint64_t step,
+                       const amber__tensor *t, uint64_t n, uint64_t parent_step,
+                       uint64_t parent_state) {
+  int delta = parent_step != AMBER_NO_STEP;
+  amber__header h = {.format_major = AMBER_FORMAT_MAJOR,
+                     .format_minor = amber__format_minor_for(t, n),
+                     .step = step,
+                     .kind = delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL,
+                     .parent_step = parent_step,
+                     .parent_state = delta ? parent_state : 0};
+  amber__header_encode(&h, o->hb);
+  o->err = e;
+  o->rc = 0;
+  int rc = amber__wfile_begin(o->wf, e, dst);
+  if (!rc && (rc = amber__wfile_append(o->wf, o->hb, sizeof o->hb)) != 0)
+    amber__wfile_abort(o->wf);
+  o->rc = rc;
+  return rc;
+}
+
+const char *amber__ckpt_tmp(const amber__ckpt_out *o) {
+  return amber__wfile_path(o->wf);
+}
+
+static void append(amber__ckpt_out *o, amber__chunk *c, const void *p, size_t len, int hashed) {
+  pthread_mutex_lock(&o->mu);
+  if (!o->rc) {
+    /* an empty payload points at the header: a valid offset that holds no bytes */
+    c->offset = len ? amber__wfile_pos(o->wf) : AMBER__HEADER_SIZE;
+    c->size = len;
+    int rc = !len ? 0
+             : hashed ? amber__wfile_append_hashed(o->wf, p, len, &c->checksum)
+                      : amber__wfile_append(o->wf, p, len);
+    if (rc) __atomic_store_n(&o->rc, rc, __ATOMIC_RELAXED);
+  }
+  pthread_mutex_unlock(&o->mu);
+}
+
+void amber__ckpt_append(amber__ckpt_out *o, amber__chunk *c, const void *p, size_t len) {
+  append(o, c, p, len, 0);
+}
+
+void amber__ckpt_append_hashed(amber__ckpt_out *o, amber__chunk *c, const void *p, size_t len) {
+  append(o, c, p, len, 1);
+}
+
+void amber__ckpt_fail(amber__ckpt_out *o, int code, const char *why) {
+  pthread_mutex_lock(&o->mu);
+  if (!o->rc) __atomic_store_n(&o->rc, amber__fail(o->err, code, "%s", why), __ATOMIC_RELAXED);
+  pthread_mutex_unlock(&o->mu);
+}
+
+int amber__ckpt_failed(const amber__ckpt_out *o) {
+  return __atomic_load_n(&o->rc, __ATOMIC_RELAXED);
+}
+
+void amber__ckpt_abort(amber__ckpt_out *o) {
+  amber__wfile_abort(o->wf);
+}
+
+int amber__ckpt_seal(amber__ckpt_out *o, const amber__index *ix, const uint64_t *keep_id,
+                     uint64_t *state_id, uint64_t *bytes) {
+  int rc = o->rc;
+  uint64_t isize = amber__index_size(ix);
+  if (!rc && isize > o->ixcap) {
+    free(o->ixbuf);
+    o->ixcap = 0;
+    if (!(o->ixbuf = malloc(isize))) rc = amber__fail(o->err, AMBER_ENOMEM, "out of memory");
+    else o->ixcap = isize;
+  }
+  if (rc) {
+    amber__wfile_abort(o->wf);
+    return rc;
+  }
+  amber__index_encode(ix, o->ixbuf);
+  amber__footer f = {.index_offset = amber__wfile_pos(o->wf), .index_size = isize,
+                     .index_checksum = amber__xxh3(o->ixbuf, isize)};
+  XXH3_state_t hs;
+  XXH3_INITSTATE(&hs);
+  XXH3_64bits_reset(&hs);
+  XXH3_64bits_update(&hs, o->hb, sizeof o->hb);
+  XXH3_64bits_update(&hs, o->ixbuf, isize);
+  f.content_hash = XXH3_64bits_digest(&hs);
+  f.state_id = keep_id ? *keep_id : f.content_hash;
+  uint8_t fb[AMBER__FOOTER_SIZE];
+  amber__footer_encode(&f, fb);
+  rc = amber__wfile_append(o->wf, o->ixbuf, isize);
+  if (!rc) rc = amber__wfile_append(o->wf, fb, sizeof fb);
+  if (rc) {
+    amber__wfile_abort(o->wf);
+    return rc;
+  }
+  if ((rc = amber__wfile_finish(o->wf)) != 0) return rc; /* it removed the file */
+  *state_id = f.state_id;
+  *bytes = f.index_offset + isize + AMBER__FOOTER_SIZE;
+  return 0;
+}
+
+/* ---- reading ---- */
+
+
+int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c) {
+  char path[4200];
+  memset(c, 0, sizeof *c);
+  c->fd = c->dfd = -1;
+  amber__ckpt_path(st, step, NULL, path, sizeof path);
+  if (!(c->path = strdup(path))) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+  c->fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (c->fd < 0) {
+    int err = errno;
+    amber__ckpt_close(c);
+    if (err == ENOENT)
+      return amber__fail(e, AMBER_ENOENT, "%s: checkpoint file of step %" PRIu64 " is missing",
+                         path, step);
+    return amber__fail(e, amber__errno_code(err), "cannot open %s: %s", path, strerror(err));
+  }
+  struct stat sb;
+  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
+  int rc = 0;
+  if (fstat(c->fd, &sb) != 0) {
+    rc = amber__fail(e, AMBER_EIO, "cannot stat %s: %s", path, strerror(errno));
+  } else if (sb.st_size < AMBER__HEADER_SIZE + AMBER__INDEX_FIXED + AMBER__FOOTER_SIZE) {
+    rc = amber__fail(e, AMBER_ECORRUPT, "%s: file of %lld bytes is too short (truncated?)",
+                     path, (long long)sb.st_size);
+  } else {
+    c->size = (uint64_t)sb.st_size;
+    if (amber__pread_full(c->fd, hb, sizeof hb, 0) != 0 ||
+        amber__pread_full(c->fd, fb, sizeof fb, c->size - AMBER__FOOTER_SIZE) != 0)
+      rc = amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
+  }
+  if (!rc) rc = amber__header_decode(e, path, hb, &c->hdr);
+  if (!rc && c->hdr.step != step)
+    rc = amber__fail(e, AMBER_ECORRUPT, "%s: file holds step %" PRIu64 ", not %" PRIu64, path,
+                     c->hdr.step, step);
+  if (!rc) rc = amber__footer_decode(e, path, fb, c->size, &c->ftr);
+  uint8_t *ib = NULL;
+  if (!rc && !(ib = malloc(c->ftr.index_size)))
+    rc = amber__fail(e, AMBER_ENOMEM, "%s: out of memory for the index", path);
+  if (!rc && amber__pread_full(c->fd, ib, c->ftr.index_size, c->ftr.index_offset) != 0)
+    rc = amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
+  if (!rc && amber__xxh3(ib, c->ftr.index_size) != c->ftr.index_checksum)
+    rc = amber__fail(e, AMBER_ECORRUPT, "%s: index checksum mismatch", path);
+  if (!rc)
+    rc = amber__index_decode(e, path, ib, c->ftr.index_size, c->ftr.index_offset, &c->ix);
+  free(ib);
+  if (rc) {
+    amber__ckpt_close(c);
+    return rc;
+  }
+  c->dfd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT); /* -1 where unsupported */
+  return 0;
+}
+
+void amber__ckpt_close(amber__ckpt *c) {
+  if (!c) return;
+  if (c->fd >= 0) close(c->fd);
+  if (c->dfd >= 0) close(c->dfd);
+  amber__index_free(&c->ix);
+  free(c->path);
+  memset(c, 0, sizeof *c);
+  c->fd = c->dfd = -1;
+}
+
+void amber__stage_free(amber__stage *s) {
+  free(s->buf);
+  s->buf = NULL;
+  s->cap = 0;
+}
+
+int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
+                      amber__stage *stage, const uint8_t **payload) {
+  if (ch->size == 0) {
+    static const uint8_t none[1];
+    *payload = none;
+    if (ch->checksum != 0 && ch->checksum != amber__xxh3(none, 0))
+      return amber__fail(e, AMBER_ECORRUPT, "%s (step %" PRIu64 "): empty chunk with a checksum",
+                         c->path, c->hdr.step);
+    return 0;
+  }
+  /* O_DIRECT needs aligned offsets and lengths: read the covering blocks. */
+  uint64_t lo = ch->offset & ~(uint64_t)(AMBER__ALIGN - 1);
+  uint64_t hi = (ch->offset + ch->size + AMBER__ALIGN - 1) & ~(uint64_t)(AMBER__ALIGN - 1);
+  size_t need = (size_t)(hi - lo);
+  if (stage->cap < need) {
+    free(stage->buf);
+    stage->cap = 0;
+    if (posix_memalign((void **)&stage->buf, AMBER__ALIGN, need) != 0) {
+      stage->buf = NULL;
+      return amber__fail(e, AMBER_ENOMEM, "out of memory");
+    }
+    stage->cap = need;
+  }
+  int rc = -1;
+  /* O_DIRECT pays for large payloads; small ones (deltas) would each cost a disk
+   * round trip, while buffered reads get the kernel's read-ahead. */
+  if (c->dfd >= 0 && ch->size >= AMBER__DIRECT_MIN) {
+    /* The final block may be short (file end): read what is there. */
+    size_t want = hi > c->size ? (size_t)(c->size - lo) : need;
+    ssize_t got = 0;
+    while ((size_t)got < want) {
+      ssize_t n = pread(c->dfd, stage->buf + got, need - (size_t)got, (off_t)(lo + (uint64_t)got));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      got += n;
+    }
+    if ((size_t)got >= want) {
+      rc = 0;
+      *payload = stage->buf + (ch->offset - lo);
+    }
+  }
+  if (rc != 0) { /* no O_DIRECT, or it failed: plain read */
+    if (amber__pread_full(c->fd, stage->buf, ch->size, ch->offset) != 0)
+      return amber__fail(e, AMBER_EIO, "cannot read %s at offset %" PRIu64 ": %s", c->path,
+                         ch->offset, strerror(errno));
+    *payload = stage->buf;
+  }
+  if (amber__xxh3(*payload, ch->size) != ch->checksum)
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s (step %" PRIu64 "): chunk checksum mismatch at offset %" PRIu64,
+                       c->path, c->hdr.step, ch->offset);
+  return 0;
+}

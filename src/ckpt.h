@@ -1,0 +1,96 @@
+/*
+ * ckpt.h - internal: one checkpoint file (docs/FORMAT.md, "File layout"), both
+ * ways. Writing: create the temporary file with its header, append chunk payloads
+ * (from many threads), then seal it (index, footer, content hash, fsync) or abort
+ * it. Reading: open a committed file with header, footer and index checked, and
+ * load a chunk's payload with its checksum checked. The store (store.c) names,
+ * commits and lists the files; the writer and compaction assemble their contents.
+ */
+#ifndef AMBER_CKPT_H
+#define AMBER_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "internal.h"
+
+/* The staging ring of a checkpoint file being written, unless the writer's
+ * options set another size (amber_writer_opts.stage_bytes, at least the minimum). */
+#define AMBER__STAGE_BYTES (32u << 20)
+#define AMBER__MIN_STAGE_BYTES (4u << 20)
+
+/* ---- writing ---- */
+
+/* The assembly of checkpoint files, one at a time. Its buffers (the staging ring
+ * of amber__wfile, the encoded index) are allocated once and reused by every file. */
+typedef struct amber__ckpt_out amber__ckpt_out;
+
+/* stage_bytes: the staging ring's size; allow_direct: O_DIRECT where possible. */
+int amber__ckpt_out_create(amber__ckpt_out **out, size_t stage_bytes, int allow_direct);
+void amber__ckpt_out_destroy(amber__ckpt_out *o);
+
+/* Starts a new file next to `dst` (a temporary "<dst>.<random>.tmp", named by
+ * amber__ckpt_tmp until the next create) and writes its header: checkpoint
+ * `step` of the tensors `t[0..n)`, a delta of (parent_step, parent_state), or a
+ * full checkpoint when parent_step is AMBER_NO_STEP. Failures of this file, now
+ * and later, are reported into `e`. */
+int amber__ckpt_create(amber__ckpt_out *o, amber__err *e, const char *dst, uint64_t step,
+                       const amber__tensor *t, uint64_t n, uint64_t parent_step,
+                       uint64_t parent_state);
+const char *amber__ckpt_tmp(const amber__ckpt_out *o);
+
+/* Appends a chunk's payload (`len` bytes, none for an empty payload) and records
+ * its offset and size in `c`; the caller fills the rest of `c` (its checksum,
+ * computed outside the file's lock). Thread-safe. After a failure of the file,
+ * nothing more is appended. */
+void amber__ckpt_append(amber__ckpt_out *o, amber__chunk *c, const void *p, size_t len);
+/* As amber__ckpt_append, and also sets c->checksum: the payload is hashed while
+ * it is staged, so `p` is read once. */
+void amber__ckpt_append_hashed(amber__ckpt_out *o, amber__chunk *c, const void *p, size_t len);
+/* Records a failure that is not the file's own (a chunk that could not be
+ * encoded): `code` with message `why`, unless the file failed already. */
+void amber__ckpt_fail(amber__ckpt_out *o, int code, const char *why);
+/* The file's first failure so far, or 0 (cheap: workers poll it). */
+int amber__ckpt_failed(const amber__ckpt_out *o);
+
+/* Finishes the file: encodes index `ix` (whose chunk entries the appends
+ * filled), appends it and the footer, and makes the file durable (flush, exact
+ * length, fsync, close). The footer's content hash covers header and index; the
+ * state id is that hash, or *keep_id when not NULL (compaction keeps the state
+ * id of the file it replaces). On success *state_id and *bytes (the file's
+ * size) are set and the temporary file is ready to commit; on failure, or when
+ * the file failed earlier, it is removed. */
+int amber__ckpt_seal(amber__ckpt_out *o, const amber__index *ix, const uint64_t *keep_id,
+                     uint64_t *state_id, uint64_t *bytes);
+/* Stops writing and removes the temporary file. */
+void amber__ckpt_abort(amber__ckpt_out *o);
+
+/* ---- reading ---- */
+
+/* An opened, checked checkpoint file: header, footer and index in memory. */
+typedef struct amber__ckpt {
+  char *path;
+  int fd;
+  int dfd; /* O_DIRECT descriptor, or -1 */
+  uint64_t size;
+  amber__header hdr;
+  amber__footer ftr;
+  amber__index ix;
+} amber__ckpt;
+
+/* Opens checkpoint `step` of the store and checks its header, footer and index. */
+int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c);
+void amber__ckpt_close(amber__ckpt *c);
+
+/* Reads the payload of chunk `ch` of file `c` into `buf` (>= ch->size bytes) and
+ * checks its checksum. `stage` is a reusable aligned scratch buffer for O_DIRECT
+ * reads, grown as needed. */
+typedef struct amber__stage {
+  uint8_t *buf;
+  size_t cap;
+} amber__stage;
+int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
+                      amber__stage *stage, const uint8_t **payload);
+void amber__stage_free(amber__stage *s);
+
+#endif /* AMBER_CKPT_H */
