@@ -50,7 +50,7 @@ extern "C" {
  * file records the oldest version that describes it: 1.0 unless it holds a
  * tensor of a dtype that 1.1 added (U16, U32, U64). */
 #define AMBER_FORMAT_MAJOR 1
-#define AMBER_FORMAT_MINOR 1
+#define AMBER_FORMAT_MINOR 2
 
 /* Returns (MAJOR << 16) | (MINOR << 8) | PATCH of the linked library. */
 AMBER_API uint32_t amber_version(void);
@@ -528,6 +528,139 @@ AMBER_API int amber_reader_meta(const amber_reader *r, const char **json, size_t
  * checksum of every file in its chain, the parent links, and that every chunk
  * decodes. 0 when intact; the message names the first damaged file. */
 AMBER_API int amber_reader_verify(amber_reader *r);
+
+/* ---- Many ranks ----------------------------------------------------------------
+ *
+ * A job of N processes (ranks) writes one global checkpoint per step. Each rank
+ * declares its tensors as regions of global tensors and writes its own files (its
+ * own store under STORE/rank-RRRRR/, with its own reference, deltas and checksums);
+ * a step becomes visible only when every rank's part is durable, through a
+ * manifest that rank 0 writes (docs/FORMAT.md, "Many ranks"). amber never opens
+ * sockets: the ranks agree through the job's own communicator, given as an
+ * amber_comm (libamber_mpi's amber_mpi.h makes one from an MPI_Comm). */
+
+/* The collectives amber needs. Each returns 0 or a negative AMBER_E* code, and is
+ * called by every rank in the same order (collectively). amber calls them from the
+ * thread that calls the amber_global_* function (for split saves, the thread of
+ * amber_global_writer_wait), never from two threads at once. */
+typedef struct amber_comm {
+  int rank;  /* this process's rank, 0 .. size-1 */
+  int size;  /* number of ranks */
+  /* Every rank contributes `len` bytes (the same len on every rank); `recv`
+   * (size * len bytes) receives rank r's bytes at offset r * len. */
+  int (*allgather)(void *ctx, const void *send, size_t len, void *recv);
+  /* Copies `len` bytes of `buf` at rank `root` into `buf` on every rank. */
+  int (*broadcast)(void *ctx, void *buf, size_t len, int root);
+  /* Returns once every rank has called it. */
+  int (*barrier)(void *ctx);
+  void *ctx;              /* passed to the functions above */
+  uint64_t reserved[4];   /* must be zero */
+} amber_comm;
+
+/* The communicator of a job of one rank (rank 0, size 1). Static; never freed. */
+AMBER_API const amber_comm *amber_comm_self(void);
+
+typedef struct amber_global_writer amber_global_writer;
+
+/* amber_global_writer_add flags: the tensor is replicated (every rank holds the
+ * whole of it); only rank 0 writes it. offsets and local_shape are ignored. */
+#define AMBER_SHARD_REPLICATED (1u << 0)
+
+/* Opens the global writer of store directory `path` (created if missing) for this
+ * rank. Collective. opts: each rank's writer options (NULL: defaults); its
+ * full_every is applied to the whole step (full or delta is decided for the step,
+ * not per rank). What a rank that died in an earlier save left (files of steps
+ * after the last global commit) is removed here. `comm` is copied; it must stay
+ * usable until amber_global_writer_close. */
+AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
+                                       const amber_comm *comm,
+                                       const amber_writer_opts *opts);
+/* Declares this rank's part of global tensor `name` (same name, dtype and global
+ * shape on every rank that declares it): the box at `offsets` of shape
+ * `local_shape` (each ndim long; any dimension may be split), whose row-major bytes
+ * are at `data` (not copied; read during saves as with amber_writer_add). A rank
+ * need not declare every tensor. With AMBER_SHARD_REPLICATED the whole tensor. */
+AMBER_API int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
+                                      uint32_t ndim, const int64_t *global_shape,
+                                      const int64_t *offsets, const int64_t *local_shape,
+                                      const void *data, uint32_t flags);
+/* As amber_writer_add_policy, for this rank's files. */
+AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule);
+/* Saves global step `step` and commits it. Collective. When it returns 0 on one
+ * rank it returns 0 on all, and the step is durable and the store's latest. If any
+ * rank fails, every rank returns an error (the failing rank's code, or
+ * AMBER_EIO for another rank's failure) whose message names the failing rank and
+ * its reason; nothing of the step is visible, every rank's own files of the step
+ * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL. */
+AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t flags);
+/* The split save. begin and fence act on this rank's files only and call no
+ * collective except one allgather at begin (to decide full or delta for the step);
+ * the commit's collectives (status exchange, manifest, LATEST) run inside
+ * amber_global_writer_wait, on the caller's thread: a communicator need not be
+ * usable from a second thread. The cost: the global commit is not complete until
+ * every rank has called wait. Ownership of the tensors' memory as for
+ * amber_writer_begin/fence. */
+AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
+                                        uint32_t flags);
+AMBER_API int amber_global_writer_fence(amber_global_writer *gw);
+AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
+/* Closes the writer (waiting for a save in progress, whose result is lost: call
+ * wait first). Not collective. Accepts NULL. */
+AMBER_API void amber_global_writer_close(amber_global_writer *gw);
+
+/* One committed global step, as amber_global_list gives it. */
+typedef struct amber_global_step_info {
+  uint64_t step;
+  uint32_t kind;        /* AMBER_KIND_FULL when every rank's file is full */
+  uint32_t world_size;
+  uint64_t parent;      /* previous global step, AMBER_NO_STEP for the first/full */
+  uint64_t bytes;       /* the step's files of every rank, and its manifest */
+  uint64_t reserved[4];
+} amber_global_step_info;
+
+/* 1 when `path` is a multi-rank store (it holds a global LATEST or manifest), else 0. */
+AMBER_API int amber_global_is_store(const char *path);
+/* Lists the committed global steps of store `path`, oldest first, up to and
+ * including the latest. *out (release with amber_free) gets *count entries. */
+AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
+                                size_t *count);
+
+typedef struct amber_global_reader amber_global_reader;
+
+/* One global tensor of a step. */
+typedef struct amber_global_tensor {
+  const char *name;    /* owned by the reader */
+  int dtype;
+  uint32_t ndim;
+  int64_t shape[AMBER_MAX_DIMS];  /* the global shape */
+  uint32_t nshards;    /* shards that hold it (1 for a replicated tensor) */
+  uint32_t flags;      /* AMBER_SHARD_REPLICATED */
+  uint64_t reserved[2];
+} amber_global_tensor;
+
+/* Opens global step `step` (AMBER_LATEST: the latest) of store `path` for reading,
+ * at any world size: not collective, any process may call it. Reads and checks
+ * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged). */
+AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,
+                                       uint64_t step);
+AMBER_API void amber_global_reader_close(amber_global_reader *g);
+AMBER_API uint64_t amber_global_reader_step(const amber_global_reader *g);
+AMBER_API uint32_t amber_global_reader_world_size(const amber_global_reader *g);
+AMBER_API size_t amber_global_reader_count(const amber_global_reader *g);
+AMBER_API int amber_global_reader_tensor(const amber_global_reader *g, size_t index,
+                                         amber_global_tensor *out);
+AMBER_API int amber_global_reader_find(const amber_global_reader *g, const char *name,
+                                       size_t *index);
+/* Reads the box at global `offsets` of shape `shape` (ndim long each) of tensor
+ * `index` into `buf` (row-major, `size` bytes exactly): from every shard that
+ * overlaps it, each through its rank's chain with every checksum checked.
+ * AMBER_ECORRUPT naming the tensor when the shards leave part of the box
+ * uncovered; errors of a rank's files name the rank and the file. */
+AMBER_API int amber_global_reader_read(amber_global_reader *g, size_t index,
+                                       const int64_t *offsets, const int64_t *shape,
+                                       void *buf, uint64_t size);
+/* Checks the manifest and every rank's files that the step needs. */
+AMBER_API int amber_global_reader_verify(amber_global_reader *g);
 
 #ifdef __cplusplus
 }

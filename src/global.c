@@ -1,0 +1,538 @@
+/*
+ * global.c - the global writer: one rank's part of a many-rank checkpoint and the
+ * global commit (docs/DESIGN.md, "Many ranks"). Each rank writes its own store,
+ * STORE/rank-RRRRR/, with an ordinary amber_writer (chunks, checksums, policies,
+ * deltas: everything a single-rank save has); the global commit then exchanges
+ * every rank's status and state id with one allgather, rank 0 writes the step's
+ * manifest durably and moves STORE/GLOBAL, and a broadcast tells every rank the
+ * outcome. A step that fails anywhere is rolled back everywhere: each rank moves
+ * its store's LATEST back and removes its file of the step, and the next step is
+ * full on every rank.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "global.h"
+
+typedef struct gtensor {
+  char *name;
+  int dtype;
+  uint32_t ndim, flags;
+  int64_t gshape[AMBER_MAX_DIMS], off[AMBER_MAX_DIMS], lshape[AMBER_MAX_DIMS];
+  const void *data;
+  int local; /* written by this rank */
+} gtensor;
+
+struct amber_global_writer {
+  amber__err err; /* first: amber_last_error reads it */
+  amber_comm comm;
+  char *path;
+  char rankdir[4096];
+  amber_writer_opts opts; /* the rank writers' */
+  uint32_t full_every;    /* the step's cadence */
+  amber_store *st;
+  amber_writer *w; /* NULL until the first save, and after a rollback */
+  gtensor *t;
+  size_t nt;
+  char **pol;
+  size_t npol;
+  int saved;                 /* a save was begun: declarations are fixed */
+  uint64_t latest;           /* the last global commit, AMBER_NO_STEP for none */
+  uint32_t deltas;           /* delta steps since the last full step */
+  int force_full;            /* after a failed step */
+  /* the save in progress */
+  int busy, begin_rc, present, full;
+  uint64_t step;
+  uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
+  char begin_msg[256];
+};
+
+/* ---- small helpers ---- */
+
+static int mkdir_p(const char *path) {
+  char buf[4096];
+  snprintf(buf, sizeof buf, "%s", path);
+  for (char *p = buf + 1; *p; p++)
+    if (*p == '/') {
+      *p = 0;
+      if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -1;
+      *p = '/';
+    }
+  return mkdir(buf, 0755) < 0 && errno != EEXIST ? -1 : 0;
+}
+
+/* Moves the rank store's LATEST back to `step` (state `state`; AMBER_NO_STEP:
+ * empty) and removes its files of later steps. The writer must be closed. */
+static int rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  int rc = amber__store_list(gw->st, &gw->err, &info, &n);
+  if (rc < 0) return rc;
+  char path[4200];
+  if (step == AMBER_NO_STEP) {
+    snprintf(path, sizeof path, "%s/LATEST", gw->rankdir);
+    if (unlink(path) < 0 && errno != ENOENT) rc = amber__errno_code(errno);
+  } else {
+    rc = amber__write_latest(gw->st, &gw->err, step, state);
+  }
+  for (size_t i = 0; rc == 0 && i < n; i++)
+    if (step == AMBER_NO_STEP || info[i].step > step) {
+      amber__ckpt_path(gw->st, info[i].step, NULL, path, sizeof path);
+      if (unlink(path) < 0 && errno != ENOENT) rc = amber__errno_code(errno);
+    }
+  free(info);
+  if (rc == 0 && amber__fsync_dir(gw->rankdir) < 0) rc = AMBER_EIO;
+  if (rc < 0)
+    return amber__fail(&gw->err, rc, "%s: cannot roll back to step %llu", gw->rankdir,
+                       (unsigned long long)step);
+  return 0;
+}
+
+/* At open: removes what this rank wrote after the last global commit (a rank or
+ * the job died between a rank's own commit and the manifest). */
+static int remove_leftovers(amber_global_writer *gw) {
+  uint64_t l;
+  int rc = amber_store_latest(gw->st, &l);
+  if (rc == AMBER_ENOENT || (rc == 0 && gw->latest != AMBER_NO_STEP && l <= gw->latest))
+    return 0;
+  if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(gw->st));
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  rc = amber__store_list(gw->st, &gw->err, &info, &n);
+  if (rc < 0) return rc;
+  uint64_t keep = AMBER_NO_STEP, state = 0;
+  for (size_t i = 0; i < n; i++)
+    if (gw->latest != AMBER_NO_STEP && info[i].step <= gw->latest) {
+      keep = info[i].step;
+      state = info[i].hash;
+    }
+  free(info);
+  return rank_rollback(gw, keep, state);
+}
+
+/* Delta steps since the last full one, from the manifests. */
+static uint32_t count_deltas(amber_global_writer *gw) {
+  uint32_t n = 0;
+  uint64_t s = gw->latest;
+  while (s != AMBER_NO_STEP && n < UINT32_MAX) {
+    amber__manifest m;
+    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) break;
+    uint32_t kind = m.kind;
+    s = m.parent;
+    amber__manifest_free(&m);
+    if (kind == AMBER_KIND_FULL) break;
+    n++;
+  }
+  return n;
+}
+
+int amber_global_writer_open(amber_global_writer **out, const char *path,
+                             const amber_comm *comm, const amber_writer_opts *opts) {
+  *out = NULL;
+  int rc = amber__comm_check(comm, NULL);
+  if (rc < 0) return rc;
+  amber_global_writer *gw = calloc(1, sizeof *gw);
+  if (!gw || !(gw->path = strdup(path))) {
+    free(gw);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
+  gw->comm = *comm;
+  if (opts) gw->opts = *opts;
+  else amber_writer_opts_init(&gw->opts);
+  gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
+  gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
+  gw->opts.full_share = -1;
+  gw->opts.keep_last = 0;
+  amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
+  if (mkdir_p(gw->rankdir) < 0) {
+    rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
+                     strerror(errno));
+    goto fail;
+  }
+  rc = amber__global_read_latest(path, &gw->err, &gw->latest);
+  if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
+  if (rc < 0) goto fail;
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  rc = amber_store_open(&gw->st, gw->rankdir, &so);
+  if (rc < 0) {
+    rc = amber__fail(&gw->err, rc, "rank %d: %s", comm->rank, amber_last_error(NULL));
+    goto fail;
+  }
+  rc = remove_leftovers(gw);
+  if (rc < 0) goto fail;
+  gw->deltas = count_deltas(gw);
+  rc = comm->barrier(comm->ctx);
+  if (rc < 0) goto fail;
+  *out = gw;
+  return 0;
+fail:
+  amber__err_adopt(&gw->err);
+  amber_global_writer_close(gw);
+  return rc;
+}
+
+void amber_global_writer_close(amber_global_writer *gw) {
+  if (!gw) return;
+  amber_writer_close(gw->w);
+  amber_store_close(gw->st);
+  for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name);
+  for (size_t i = 0; i < gw->npol; i++) free(gw->pol[i]);
+  free(gw->t);
+  free(gw->pol);
+  free(gw->path);
+  free(gw);
+}
+
+int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
+                            uint32_t ndim, const int64_t *global_shape,
+                            const int64_t *offsets, const int64_t *local_shape,
+                            const void *data, uint32_t flags) {
+  if (gw->saved)
+    return amber__fail(&gw->err, AMBER_EINVAL, "declarations are fixed after the first save");
+  if (!name || !*name || strlen(name) > 65535 || ndim > AMBER_MAX_DIMS ||
+      !amber_dtype_size(dtype) || (flags & ~(uint32_t)AMBER_SHARD_REPLICATED) ||
+      (ndim && !global_shape))
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': invalid declaration",
+                       name ? name : "(null)");
+  int repl = (flags & AMBER_SHARD_REPLICATED) != 0;
+  if (!repl && ndim && (!offsets || !local_shape))
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': offsets and local shape needed",
+                       name);
+  for (size_t i = 0; i < gw->nt; i++)
+    if (!strcmp(gw->t[i].name, name))
+      return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s' declared twice", name);
+  gtensor g;
+  memset(&g, 0, sizeof g);
+  g.dtype = dtype, g.ndim = ndim, g.flags = flags, g.data = data;
+  for (uint32_t d = 0; d < ndim; d++) {
+    g.gshape[d] = global_shape[d];
+    g.off[d] = repl ? 0 : offsets[d];
+    g.lshape[d] = repl ? global_shape[d] : local_shape[d];
+    if (g.gshape[d] < 0 || g.off[d] < 0 || g.lshape[d] < 0 || g.off[d] > g.gshape[d] ||
+        g.lshape[d] > g.gshape[d] - g.off[d])
+      return amber__fail(&gw->err, AMBER_ERANGE,
+                         "tensor '%s': region outside the global shape in dim %u", name, d);
+  }
+  g.local = !repl || gw->comm.rank == 0;
+  gtensor *nt = realloc(gw->t, (gw->nt + 1) * sizeof *nt);
+  if (!nt || !(g.name = strdup(name))) {
+    if (nt) gw->t = nt;
+    return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  }
+  gw->t = nt;
+  gw->t[gw->nt++] = g;
+  return 0;
+}
+
+int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
+  char **np = realloc(gw->pol, (gw->npol + 1) * sizeof *np);
+  if (!np) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  gw->pol = np;
+  if (!(gw->pol[gw->npol] = strdup(rule)))
+    return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  gw->npol++;
+  if (gw->w) {
+    int rc = amber_writer_add_policy(gw->w, rule);
+    if (rc < 0) {
+      free(gw->pol[--gw->npol]);
+      return amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+    }
+  }
+  return 0;
+}
+
+/* (Re)creates the rank's writer from the declarations. */
+static int ensure_writer(amber_global_writer *gw) {
+  if (gw->w) return 0;
+  int rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
+  if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
+  for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
+  for (size_t i = 0; rc == 0 && i < gw->nt; i++)
+    if (gw->t[i].local)
+      rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
+                            gw->t[i].lshape, gw->t[i].data, NULL);
+  if (rc < 0) {
+    rc = amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+    amber_writer_close(gw->w);
+    gw->w = NULL;
+  }
+  return rc;
+}
+
+static int any_local(const amber_global_writer *gw) {
+  for (size_t i = 0; i < gw->nt; i++)
+    if (gw->t[i].local) return 1;
+  return 0;
+}
+
+int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
+  if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
+  if (flags & ~(uint32_t)AMBER_SAVE_FULL)
+    return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
+  if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
+    return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
+                       (unsigned long long)step, (unsigned long long)gw->latest);
+  /* Full or delta for the whole step: one byte per rank. */
+  uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
+                 gw->deltas >= gw->full_every;
+  uint8_t *all = malloc((size_t)gw->comm.size);
+  if (!all) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  int rc = gw->comm.allgather(gw->comm.ctx, &want, 1, all);
+  gw->full = 0;
+  for (int r = 0; rc == 0 && r < gw->comm.size; r++) gw->full |= all[r];
+  free(all);
+  if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
+  gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
+  gw->present = any_local(gw);
+  if (!gw->present) return 0;
+  rc = amber__store_state(gw->st, &gw->err, &gw->prev_step, &gw->prev_state);
+  if (rc == AMBER_ENOENT) gw->prev_step = AMBER_NO_STEP, rc = 0;
+  if (rc == 0) rc = ensure_writer(gw);
+  if (rc == 0) {
+    rc = amber_writer_begin(gw->w, step, gw->full ? AMBER_SAVE_FULL : 0);
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  }
+  if (rc < 0) {
+    gw->begin_rc = rc;
+    snprintf(gw->begin_msg, sizeof gw->begin_msg, "%s", gw->err.msg);
+  }
+  return 0; /* a failure here is this rank's vote, reported by wait on every rank */
+}
+
+int amber_global_writer_fence(amber_global_writer *gw) {
+  if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
+  return amber_writer_fence(gw->w);
+}
+
+/* One rank's vote: i32 rc, u32 kind, u64 hash, u64 bytes, u32 present, u16 msg len,
+ * msg, then its declarations: per tensor u16 name len, u8 dtype, u8 ndim, u32
+ * flags, name, then global shape, offsets, local shape (i64 each). */
+static uint8_t *encode_vote(amber_global_writer *gw, int rc, uint32_t kind, uint64_t hash,
+                            uint64_t bytes, const char *msg, size_t *len) {
+  size_t ml = strlen(msg), n = 30 + ml;
+  for (size_t i = 0; i < gw->nt; i++)
+    if (gw->t[i].local) n += 8 + strlen(gw->t[i].name) + 24 * (size_t)gw->t[i].ndim;
+  uint8_t *b = calloc(1, n), *p = b;
+  if (!b) return NULL;
+  amber__put32(p, (uint32_t)rc), amber__put32(p + 4, kind), amber__put64(p + 8, hash);
+  amber__put64(p + 16, bytes), amber__put32(p + 24, (uint32_t)gw->present);
+  amber__put16(p + 28, (uint16_t)ml);
+  memcpy(p + 30, msg, ml);
+  p += 30 + ml;
+  for (size_t i = 0; i < gw->nt; i++) {
+    const gtensor *t = &gw->t[i];
+    if (!t->local) continue;
+    size_t nl = strlen(t->name);
+    amber__put16(p, (uint16_t)nl), p[2] = (uint8_t)t->dtype, p[3] = (uint8_t)t->ndim;
+    amber__put32(p + 4, t->flags);
+    memcpy(p + 8, t->name, nl);
+    p += 8 + nl;
+    for (uint32_t d = 0; d < t->ndim; d++, p += 8) amber__put64(p, (uint64_t)t->gshape[d]);
+    for (uint32_t d = 0; d < t->ndim; d++, p += 8) amber__put64(p, (uint64_t)t->off[d]);
+    for (uint32_t d = 0; d < t->ndim; d++, p += 8) amber__put64(p, (uint64_t)t->lshape[d]);
+  }
+  *len = n;
+  return b;
+}
+
+/* Builds the step's manifest from every rank's vote (all of which succeeded).
+ * The votes come from ranks of this job, so they are trusted to be well formed;
+ * what is checked is that the ranks agree on each tensor and tile it. */
+static int build_manifest(amber_global_writer *gw, const uint8_t *all, const uint64_t *lens,
+                          const uint64_t *offs, amber__manifest *m, char *why, size_t wl) {
+  uint32_t world = (uint32_t)gw->comm.size;
+  memset(m, 0, sizeof *m);
+  m->step = gw->step, m->parent = gw->latest, m->world = world;
+  m->ranks = calloc(world, sizeof *m->ranks);
+  if (!m->ranks) return AMBER_ENOMEM;
+  int allfull = 1;
+  for (uint32_t r = 0; r < world; r++) {
+    const uint8_t *p = all + offs[r], *end = p + lens[r];
+    amber__mrank *k = &m->ranks[r];
+    k->kind = amber__get32(p + 4), k->hash = amber__get64(p + 8), k->bytes = amber__get64(p + 16);
+    k->flags = amber__get32(p + 24) ? AMBER__RANK_PRESENT : 0;
+    k->step = gw->step;
+    if (k->flags && k->kind != AMBER_KIND_FULL) allfull = 0;
+    p += 30 + amber__get16(p + 28);
+    while (p < end) {
+      size_t nl = amber__get16(p);
+      uint32_t ndim = p[3];
+      amber__mtensor *t = NULL;
+      for (uint32_t i = 0; i < m->ntensors; i++)
+        if (strlen(m->tensors[i].name) == nl && !memcmp(m->tensors[i].name, p + 8, nl))
+          t = &m->tensors[i];
+      if (!t) {
+        amber__mtensor *nt = realloc(m->tensors, (m->ntensors + 1) * sizeof *nt);
+        if (!nt) return AMBER_ENOMEM;
+        m->tensors = nt;
+        t = &m->tensors[m->ntensors++];
+        memset(t, 0, sizeof *t);
+        if (!(t->name = malloc(nl + 1))) return AMBER_ENOMEM;
+        memcpy(t->name, p + 8, nl), t->name[nl] = 0;
+        t->dtype = p[2], t->ndim = ndim, t->flags = amber__get32(p + 4);
+        for (uint32_t d = 0; d < ndim; d++)
+          t->shape[d] = (int64_t)amber__get64(p + 8 + nl + 8 * d);
+      } else {
+        int same = t->dtype == p[2] && t->ndim == ndim && t->flags == amber__get32(p + 4);
+        for (uint32_t d = 0; same && d < ndim; d++)
+          same = t->shape[d] == (int64_t)amber__get64(p + 8 + nl + 8 * d);
+        if (!same) {
+          snprintf(why, wl, "tensor '%s': rank %u declares another dtype, shape or kind",
+                   t->name, r);
+          return AMBER_EMISMATCH;
+        }
+      }
+      amber__mshard *ns = realloc(t->shards, (t->nshards + 1) * sizeof *ns);
+      if (!ns) return AMBER_ENOMEM;
+      t->shards = ns;
+      amber__mshard *s = &t->shards[t->nshards++];
+      memset(s, 0, sizeof *s);
+      s->rank = r;
+      for (uint32_t d = 0; d < ndim; d++) {
+        s->off[d] = (int64_t)amber__get64(p + 8 + nl + 8 * (ndim + d));
+        s->shape[d] = (int64_t)amber__get64(p + 8 + nl + 8 * (2 * ndim + d));
+      }
+      p += 8 + nl + 24 * (size_t)ndim;
+    }
+  }
+  m->kind = allfull ? AMBER_KIND_FULL : AMBER_KIND_DELTA;
+  if (allfull) m->parent = AMBER_NO_STEP;
+  /* The shards must tile: their volumes add up to the tensor's (overlaps and gaps
+   * are told apart by the reader, which counts the elements it covers). */
+  for (uint32_t i = 0; i < m->ntensors; i++) {
+    const amber__mtensor *t = &m->tensors[i];
+    uint64_t want = 1, have = 0;
+    for (uint32_t d = 0; d < t->ndim; d++) want *= (uint64_t)t->shape[d];
+    for (uint32_t s = 0; s < t->nshards; s++) {
+      uint64_t v = 1;
+      for (uint32_t d = 0; d < t->ndim; d++) v *= (uint64_t)t->shards[s].shape[d];
+      have += v;
+    }
+    if (have != want) {
+      snprintf(why, wl, "tensor '%s': the ranks' shards hold %llu of its %llu elements "
+               "(gaps or overlaps)", t->name, (unsigned long long)have,
+               (unsigned long long)want);
+      return AMBER_EMISMATCH;
+    }
+  }
+  return 0;
+}
+
+/* Rank 0: writes the manifest and moves the global LATEST. */
+static int publish(amber_global_writer *gw, const amber__manifest *m, char *why, size_t wl) {
+  uint8_t *b;
+  size_t len;
+  char path[4200];
+  int rc = amber__manifest_encode(m, &gw->err, &b, &len);
+  if (rc < 0) return snprintf(why, wl, "%s", gw->err.msg), rc;
+  amber__global_manifest_path(gw->path, m->step, path, sizeof path);
+  rc = amber__write_file_durable(gw->path, path, &gw->err, b, len);
+  free(b);
+  if (rc == 0) {
+    rc = amber__global_write_latest(gw->path, &gw->err, m->step);
+    if (rc < 0) unlink(path);
+  }
+  if (rc < 0) snprintf(why, wl, "%s", gw->err.msg);
+  return rc;
+}
+
+static void fail_local(amber_global_writer *gw) {
+  amber_writer_close(gw->w);
+  gw->w = NULL;
+  if (gw->present) {
+    uint64_t l;
+    if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
+      rank_rollback(gw, gw->prev_step, gw->prev_state);
+  }
+  gw->force_full = 1;
+}
+
+int amber_global_writer_wait(amber_global_writer *gw) {
+  if (!gw->busy) return 0;
+  gw->busy = 0;
+  int rc = gw->begin_rc;
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", gw->begin_msg);
+  uint32_t kind = 0;
+  uint64_t hash = 0, bytes = 0, s;
+  if (gw->present && rc == 0) {
+    rc = amber_writer_wait(gw->w);
+    if (rc < 0) snprintf(msg, sizeof msg, "%s", amber_last_error(gw->w));
+    amber_save_stats st;
+    if (rc == 0 && amber_writer_save_stats(gw->w, &st) == 0) kind = st.kind, bytes = st.bytes;
+    if (rc == 0) rc = amber__store_state(gw->st, &gw->err, &s, &hash);
+    if (rc == 0 && s != gw->step) rc = AMBER_EIO;
+  }
+  size_t vl;
+  uint8_t *vote = encode_vote(gw, rc, kind, hash, bytes, msg, &vl);
+  uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
+  uint8_t *all = NULL;
+  int crc = vote && lens ? 0 : AMBER_ENOMEM;
+  if (crc == 0) crc = amber__comm_allgatherv(&gw->comm, &gw->err, vote, vl, &all, lens,
+                                             lens + gw->comm.size);
+  free(vote);
+  if (crc < 0) { /* the collective itself failed: nobody can know the outcome */
+    free(lens);
+    fail_local(gw);
+    return amber__fail(&gw->err, crc, "step %llu not committed: collective failed",
+                       (unsigned long long)gw->step);
+  }
+  uint64_t *offs = lens + gw->comm.size;
+  int bad = -1, brc = 0;
+  for (int r = 0; r < gw->comm.size && bad < 0; r++)
+    if ((brc = (int)amber__get32(all + offs[r])) < 0) bad = r;
+  char why[512] = "";
+  if (bad >= 0) {
+    const uint8_t *p = all + offs[bad];
+    size_t ml = amber__get16(p + 28);
+    snprintf(why, sizeof why, "%.*s", (int)ml, (const char *)p + 30);
+  }
+  /* Every rank has the same votes: rank 0 alone writes, then says how it went. */
+  uint8_t res[4 + 256];
+  memset(res, 0, sizeof res);
+  if (bad < 0 && gw->comm.rank == 0) {
+    amber__manifest m;
+    char w2[256] = "";
+    int mrc = build_manifest(gw, all, lens, offs, &m, w2, sizeof w2);
+    if (mrc == AMBER_ENOMEM && !w2[0]) snprintf(w2, sizeof w2, "out of memory");
+    if (mrc == 0) mrc = publish(gw, &m, w2, sizeof w2);
+    amber__manifest_free(&m);
+    amber__put32(res, (uint32_t)mrc);
+    memcpy(res + 4, w2, strnlen(w2, 255));
+  }
+  free(all);
+  free(lens);
+  if (bad < 0) {
+    crc = gw->comm.broadcast(gw->comm.ctx, res, sizeof res, 0);
+    if (crc < 0) {
+      fail_local(gw);
+      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed",
+                         (unsigned long long)gw->step);
+    }
+    brc = (int)amber__get32(res);
+    if (brc < 0) {
+      bad = 0;
+      snprintf(why, sizeof why, "%.255s", (const char *)res + 4);
+    }
+  }
+  if (bad >= 0) {
+    fail_local(gw);
+    return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
+                       (unsigned long long)gw->step, bad, amber_strerror(brc), why);
+  }
+  gw->latest = gw->step;
+  gw->force_full = 0;
+  gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  return 0;
+}
+
+int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t flags) {
+  int rc = amber_global_writer_begin(gw, step, flags);
+  if (rc < 0) return rc;
+  return amber_global_writer_wait(gw);
+}

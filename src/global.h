@@ -1,0 +1,88 @@
+/*
+ * global.h - what the multi-rank files share inside the library: the manifest of
+ * a global step (src/manifest.c owns its bytes both ways), the global LATEST
+ * pointer, the store's paths, and the variable-length allgather over amber_comm
+ * (src/comm.c). Not part of the public API.
+ */
+#ifndef AMBER_GLOBAL_H
+#define AMBER_GLOBAL_H
+
+#include "internal.h"
+
+/* ---- collectives (src/comm.c) ---- */
+
+/* Allgather of blobs of any length: *out (malloc'd, caller frees) gets the
+ * `size` blobs one after another; lens[r] (caller's array of comm->size) and
+ * offs[r] their lengths and offsets. */
+int amber__comm_allgatherv(const amber_comm *c, amber__err *e, const void *send, size_t len,
+                           uint8_t **out, uint64_t *lens, uint64_t *offs);
+/* Checks a communicator given by a caller. */
+int amber__comm_check(const amber_comm *c, amber__err *e);
+
+/* ---- manifest (src/manifest.c) ---- */
+
+#define AMBER__MF_MAGIC "AMBERMF1"
+#define AMBER__MF_HEADER 56
+#define AMBER__MF_RANK 32
+#define AMBER__MF_TENSOR 16
+#define AMBER__MF_MAX_WORLD (1u << 20)
+
+#define AMBER__RANK_PRESENT 1u /* the rank wrote a file for the step */
+
+typedef struct amber__mrank {
+  uint64_t step;  /* the step of the rank's own store that holds its part */
+  uint64_t hash;  /* its state id (LATEST's) */
+  uint64_t bytes; /* its file's size */
+  uint32_t kind;
+  uint32_t flags; /* AMBER__RANK_* */
+} amber__mrank;
+
+typedef struct amber__mshard {
+  uint32_t rank;
+  int64_t off[AMBER_MAX_DIMS];
+  int64_t shape[AMBER_MAX_DIMS];
+} amber__mshard;
+
+typedef struct amber__mtensor {
+  char *name;
+  int dtype;
+  uint32_t ndim;
+  uint32_t flags; /* AMBER_SHARD_REPLICATED */
+  int64_t shape[AMBER_MAX_DIMS];
+  uint32_t nshards;
+  amber__mshard *shards;
+} amber__mtensor;
+
+typedef struct amber__manifest {
+  uint64_t step, parent;
+  uint32_t world, kind;
+  amber__mrank *ranks;   /* world entries */
+  uint32_t ntensors;
+  amber__mtensor *tensors;
+} amber__manifest;
+
+/* Encodes `m`: *out (malloc'd) of *len bytes. */
+int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **out,
+                           size_t *len);
+/* Decodes and checks `len` bytes; `what` names the file in messages. On success the
+ * caller owns *m (release with amber__manifest_free). */
+int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, size_t len,
+                           amber__manifest *m);
+void amber__manifest_free(amber__manifest *m);
+
+/* ---- store paths and the global LATEST (src/manifest.c) ---- */
+
+void amber__global_manifest_path(const char *store, uint64_t step, char *buf, size_t len);
+void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len);
+/* Reads STORE/GLOBAL: 0 and the step; AMBER_ENOENT when absent. */
+int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step);
+/* Atomically points STORE/GLOBAL at `step` (tmp, fsync, rename, fsync dir). */
+int amber__global_write_latest(const char *store, amber__err *e, uint64_t step);
+/* Writes `len` bytes as file `path` atomically and durably. */
+int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
+                              const void *data, size_t len);
+/* Reads and decodes the manifest of `step`. */
+int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
+                                amber__manifest *m);
+
+#endif /* AMBER_GLOBAL_H */

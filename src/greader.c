@@ -1,0 +1,299 @@
+/*
+ * greader.c - reading a global step of a multi-rank store at any world size: the
+ * manifest's tensor table, and any region of a global tensor assembled from the
+ * shards that overlap it, each read through its rank's own store (its chain, its
+ * checksums). Also the listing of global steps. Nothing here is collective.
+ */
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "global.h"
+
+struct amber_global_reader {
+  amber__err err; /* first: amber_last_error reads it */
+  char *path;
+  amber__manifest m;
+  amber_store **st;   /* per rank, opened on first use */
+  amber_reader **rd;
+};
+
+int amber_global_is_store(const char *path) {
+  char p[4200];
+  struct stat sb;
+  snprintf(p, sizeof p, "%s/GLOBAL", path);
+  if (stat(p, &sb) == 0) return 1;
+  snprintf(p, sizeof p, "%s/rank-00000", path);
+  return stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+int amber_global_reader_open(amber_global_reader **out, const char *path, uint64_t step) {
+  *out = NULL;
+  amber_global_reader *g = calloc(1, sizeof *g);
+  if (!g || !(g->path = strdup(path))) {
+    free(g);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
+  int rc = 0;
+  if (step == AMBER_LATEST) {
+    rc = amber__global_read_latest(path, &g->err, &step);
+    if (rc == AMBER_ENOENT)
+      rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no committed global step", path);
+  }
+  if (rc == 0) rc = amber__global_load_manifest(path, step, &g->err, &g->m);
+  if (rc == 0 && g->m.step != step)
+    rc = amber__fail(&g->err, AMBER_ECORRUPT, "%s: manifest of step %llu says step %llu", path,
+                     (unsigned long long)step, (unsigned long long)g->m.step);
+  if (rc == 0) {
+    g->st = calloc(g->m.world, sizeof *g->st);
+    g->rd = calloc(g->m.world, sizeof *g->rd);
+    if (!g->st || !g->rd) rc = amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+  }
+  if (rc < 0) {
+    amber__err_adopt(&g->err);
+    amber_global_reader_close(g);
+    return rc;
+  }
+  *out = g;
+  return 0;
+}
+
+void amber_global_reader_close(amber_global_reader *g) {
+  if (!g) return;
+  for (uint32_t r = 0; g->rd && r < g->m.world; r++) {
+    amber_reader_close(g->rd[r]);
+    amber_store_close(g->st[r]);
+  }
+  free(g->rd);
+  free(g->st);
+  amber__manifest_free(&g->m);
+  free(g->path);
+  free(g);
+}
+
+uint64_t amber_global_reader_step(const amber_global_reader *g) {
+  return g->m.step;
+}
+uint32_t amber_global_reader_world_size(const amber_global_reader *g) {
+  return g->m.world;
+}
+size_t amber_global_reader_count(const amber_global_reader *g) {
+  return g->m.ntensors;
+}
+
+int amber_global_reader_tensor(const amber_global_reader *g, size_t index,
+                               amber_global_tensor *out) {
+  if (index >= g->m.ntensors)
+    return amber__fail(NULL, AMBER_ERANGE, "tensor index %zu out of range", index);
+  const amber__mtensor *t = &g->m.tensors[index];
+  memset(out, 0, sizeof *out);
+  out->name = t->name, out->dtype = t->dtype, out->ndim = t->ndim;
+  out->nshards = t->nshards, out->flags = t->flags;
+  memcpy(out->shape, t->shape, sizeof out->shape);
+  return 0;
+}
+
+int amber_global_reader_find(const amber_global_reader *g, const char *name, size_t *index) {
+  for (uint32_t i = 0; i < g->m.ntensors; i++)
+    if (!strcmp(g->m.tensors[i].name, name)) return *index = i, 0;
+  return amber__fail(NULL, AMBER_ENOENT, "no tensor '%s' in global step %llu", name,
+                     (unsigned long long)g->m.step);
+}
+
+/* Opens rank r's part of the step and checks it is the one the manifest names. */
+static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
+  if (g->rd[r]) return *out = g->rd[r], 0;
+  char dir[4200];
+  amber__global_rank_path(g->path, r, dir, sizeof dir);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  int rc = amber_store_open(&g->st[r], dir, &so);
+  if (rc < 0)
+    return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+  rc = amber_reader_open(&g->rd[r], g->st[r], g->m.ranks[r].step, NULL);
+  if (rc < 0) return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+  amber_ckpt_info ci;
+  rc = amber_reader_ckpt_info(g->rd[r], &ci);
+  if (rc == 0 && ci.hash != g->m.ranks[r].hash)
+    rc = amber__fail(&g->err, AMBER_ECORRUPT,
+                     "rank %u: %s step %llu is not the file the manifest names (state id "
+                     "%016llx, manifest %016llx)", r, dir,
+                     (unsigned long long)g->m.ranks[r].step, (unsigned long long)ci.hash,
+                     (unsigned long long)g->m.ranks[r].hash);
+  if (rc < 0) {
+    amber_reader_close(g->rd[r]);
+    g->rd[r] = NULL;
+    return rc;
+  }
+  return *out = g->rd[r], 0;
+}
+
+/* Copies the box `n` (at `so` in a source of shape `ss`) to `dst` at `doff` in a
+ * destination of shape `ds`: row by row of the last dimension. */
+static void copy_box(uint8_t *dst, const int64_t *ds, const int64_t *doff, const uint8_t *src,
+                     const int64_t *ss, const int64_t *so, const int64_t *n, uint32_t ndim,
+                     size_t esz) {
+  if (ndim == 0) {
+    memcpy(dst, src, esz);
+    return;
+  }
+  int64_t idx[AMBER_MAX_DIMS] = {0};
+  size_t row = (size_t)n[ndim - 1] * esz;
+  for (uint32_t d = 0; d < ndim; d++)
+    if (n[d] == 0) return;
+  for (;;) {
+    uint64_t di = 0, si = 0;
+    for (uint32_t d = 0; d < ndim; d++) {
+      di = di * (uint64_t)ds[d] + (uint64_t)(doff[d] + idx[d]);
+      si = si * (uint64_t)ss[d] + (uint64_t)(so[d] + idx[d]);
+    }
+    memcpy(dst + di * esz, src + si * esz, row);
+    int d = (int)ndim - 2;
+    for (; d >= 0; d--) {
+      if (++idx[d] < n[d]) break;
+      idx[d] = 0;
+    }
+    if (d < 0) return;
+  }
+}
+
+int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t *offsets,
+                             const int64_t *shape, void *buf, uint64_t size) {
+  if (index >= g->m.ntensors)
+    return amber__fail(&g->err, AMBER_ERANGE, "tensor index %zu out of range", index);
+  const amber__mtensor *t = &g->m.tensors[index];
+  size_t esz = amber_dtype_size(t->dtype);
+  uint64_t want = 1;
+  for (uint32_t d = 0; d < t->ndim; d++) {
+    if (offsets[d] < 0 || shape[d] < 0 || offsets[d] > t->shape[d] ||
+        shape[d] > t->shape[d] - offsets[d])
+      return amber__fail(&g->err, AMBER_ERANGE, "tensor '%s': region outside its shape in dim %u",
+                         t->name, d);
+    want *= (uint64_t)shape[d];
+  }
+  if (size != want * esz)
+    return amber__fail(&g->err, AMBER_EINVAL, "tensor '%s': region is %llu bytes, buffer %llu",
+                       t->name, (unsigned long long)(want * esz), (unsigned long long)size);
+  uint64_t have = 0;
+  for (uint32_t s = 0; s < t->nshards; s++) {
+    const amber__mshard *sh = &t->shards[s];
+    int64_t lo[AMBER_MAX_DIMS], n[AMBER_MAX_DIMS], so[AMBER_MAX_DIMS], doff[AMBER_MAX_DIMS];
+    uint64_t cnt = 1;
+    for (uint32_t d = 0; d < t->ndim; d++) {
+      lo[d] = offsets[d] > sh->off[d] ? offsets[d] : sh->off[d];
+      int64_t a = offsets[d] + shape[d], b = sh->off[d] + sh->shape[d];
+      n[d] = (a < b ? a : b) - lo[d];
+      if (n[d] < 0) n[d] = 0;
+      so[d] = lo[d] - sh->off[d];
+      doff[d] = lo[d] - offsets[d];
+      cnt *= (uint64_t)n[d];
+    }
+    if (!cnt) continue;
+    amber_reader *r;
+    int rc = rank_reader(g, sh->rank, &r);
+    if (rc < 0) return rc;
+    size_t li;
+    amber_tensor_info ti;
+    rc = amber_reader_find(r, t->name, &li);
+    if (rc == 0) rc = amber_reader_info(r, li, &ti);
+    if (rc < 0)
+      return amber__fail(&g->err, rc, "tensor '%s': rank %u's file lacks it: %s", t->name,
+                         sh->rank, amber_last_error(r));
+    int same = ti.dtype == t->dtype && ti.ndim == t->ndim;
+    for (uint32_t d = 0; same && d < t->ndim; d++) same = ti.shape[d] == sh->shape[d];
+    if (!same)
+      return amber__fail(&g->err, AMBER_ECORRUPT,
+                         "tensor '%s': rank %u's file holds another shape than its manifest",
+                         t->name, sh->rank);
+    uint8_t *tmp = malloc(ti.nbytes ? (size_t)ti.nbytes : 1);
+    if (!tmp) return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+    rc = amber_reader_read(r, li, tmp, ti.nbytes);
+    if (rc < 0) {
+      free(tmp);
+      return amber__fail(&g->err, rc, "tensor '%s': rank %u: %s", t->name, sh->rank,
+                         amber_last_error(r));
+    }
+    copy_box(buf, shape, doff, tmp, sh->shape, so, n, t->ndim, esz);
+    free(tmp);
+    have += cnt;
+  }
+  if (have != want)
+    return amber__fail(&g->err, AMBER_ECORRUPT,
+                       "tensor '%s': its shards cover %llu of the %llu elements asked for "
+                       "(they do not tile the tensor)",
+                       t->name, (unsigned long long)have, (unsigned long long)want);
+  return 0;
+}
+
+int amber_global_reader_verify(amber_global_reader *g) {
+  for (uint32_t r = 0; r < g->m.world; r++) {
+    if (!(g->m.ranks[r].flags & AMBER__RANK_PRESENT)) continue;
+    amber_reader *rd;
+    int rc = rank_reader(g, r, &rd);
+    if (rc == 0) rc = amber_reader_verify(rd);
+    if (rc < 0)
+      return amber__fail(&g->err, rc, "rank %u: %s", r,
+                         g->err.msg[0] ? g->err.msg : amber_last_error(rd));
+  }
+  return 0;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
+  *out = NULL, *count = 0;
+  uint64_t latest;
+  int rc = amber__global_read_latest(path, NULL, &latest);
+  if (rc == AMBER_ENOENT) return 0;
+  if (rc < 0) return rc;
+  DIR *d = opendir(path);
+  if (!d) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", path, strerror(errno));
+  uint64_t *steps = NULL;
+  size_t n = 0, cap = 0;
+  struct dirent *de;
+  while ((de = readdir(d))) {
+    unsigned long long s;
+    char tail[16];
+    if (strlen(de->d_name) != 34 || sscanf(de->d_name, "step-%20llu.%15s", &s, tail) != 2 ||
+        strcmp(tail, "manifest") || s > latest)
+      continue;
+    if (n == cap) {
+      uint64_t *ns = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
+      if (!ns) {
+        closedir(d), free(steps);
+        return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+      }
+      steps = ns;
+    }
+    steps[n++] = s;
+  }
+  closedir(d);
+  qsort(steps, n, sizeof *steps, cmp_u64);
+  amber_global_step_info *info = calloc(n ? n : 1, sizeof *info);
+  if (!info) {
+    free(steps);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < n; i++) {
+    amber__manifest m;
+    rc = amber__global_load_manifest(path, steps[i], NULL, &m);
+    if (rc < 0) {
+      free(steps), free(info);
+      return rc;
+    }
+    info[i].step = m.step, info[i].kind = m.kind, info[i].world_size = m.world;
+    info[i].parent = m.parent;
+    for (uint32_t r = 0; r < m.world; r++) info[i].bytes += m.ranks[r].bytes;
+    amber__manifest_free(&m);
+  }
+  free(steps);
+  *out = info, *count = n;
+  return 0;
+}

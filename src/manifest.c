@@ -1,0 +1,291 @@
+/*
+ * manifest.c - the manifest of a global step and the global LATEST pointer of a
+ * multi-rank store, both ways (docs/FORMAT.md, "Many ranks"): the one place that
+ * encodes and decodes their bytes. A manifest is read from files that may be
+ * damaged or hostile: every count is checked against the bytes left before
+ * anything is allocated.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "global.h"
+
+#define GLOBAL_MAGIC "AMBERGL1"
+#define GLOBAL_SIZE 24
+
+void amber__global_manifest_path(const char *store, uint64_t step, char *buf, size_t len) {
+  snprintf(buf, len, "%s/step-%020" PRIu64 ".manifest", store, step);
+}
+
+void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len) {
+  snprintf(buf, len, "%s/rank-%05u", store, rank);
+}
+
+static uint64_t shard_size(uint32_t ndim) {
+  return 8 + 16 * (uint64_t)ndim;
+}
+
+int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **out,
+                           size_t *len) {
+  uint64_t n = AMBER__MF_HEADER + (uint64_t)m->world * AMBER__MF_RANK + 8;
+  for (uint32_t i = 0; i < m->ntensors; i++) {
+    const amber__mtensor *t = &m->tensors[i];
+    n += AMBER__MF_TENSOR + strlen(t->name) + 8 * (uint64_t)t->ndim +
+         (uint64_t)t->nshards * shard_size(t->ndim);
+  }
+  uint8_t *b = calloc(1, (size_t)n);
+  if (!b) return amber__fail(e, AMBER_ENOMEM, "manifest: out of memory");
+  memcpy(b, AMBER__MF_MAGIC, 8);
+  amber__put16(b + 8, AMBER_FORMAT_MAJOR);
+  amber__put16(b + 10, 2); /* the format version that describes manifests */
+  amber__put64(b + 16, m->step);
+  amber__put64(b + 24, m->parent);
+  amber__put32(b + 32, m->world);
+  amber__put32(b + 36, m->kind);
+  amber__put32(b + 40, m->ntensors);
+  amber__put64(b + 48, n);
+  uint8_t *p = b + AMBER__MF_HEADER;
+  for (uint32_t r = 0; r < m->world; r++, p += AMBER__MF_RANK) {
+    amber__put64(p, m->ranks[r].step);
+    amber__put64(p + 8, m->ranks[r].hash);
+    amber__put64(p + 16, m->ranks[r].bytes);
+    amber__put32(p + 24, m->ranks[r].kind);
+    amber__put32(p + 28, m->ranks[r].flags);
+  }
+  for (uint32_t i = 0; i < m->ntensors; i++) {
+    const amber__mtensor *t = &m->tensors[i];
+    size_t nl = strlen(t->name);
+    amber__put16(p, (uint16_t)nl);
+    p[2] = (uint8_t)t->dtype;
+    p[3] = (uint8_t)t->ndim;
+    amber__put32(p + 4, t->flags);
+    amber__put32(p + 8, t->nshards);
+    p += AMBER__MF_TENSOR;
+    memcpy(p, t->name, nl);
+    p += nl;
+    for (uint32_t d = 0; d < t->ndim; d++, p += 8) amber__put64(p, (uint64_t)t->shape[d]);
+    for (uint32_t s = 0; s < t->nshards; s++) {
+      amber__put32(p, t->shards[s].rank);
+      p += 8;
+      for (uint32_t d = 0; d < t->ndim; d++, p += 8)
+        amber__put64(p, (uint64_t)t->shards[s].off[d]);
+      for (uint32_t d = 0; d < t->ndim; d++, p += 8)
+        amber__put64(p, (uint64_t)t->shards[s].shape[d]);
+    }
+  }
+  amber__put64(p, amber__xxh3(b, (size_t)n - 8));
+  *out = b;
+  *len = (size_t)n;
+  return 0;
+}
+
+void amber__manifest_free(amber__manifest *m) {
+  if (!m) return;
+  for (uint32_t i = 0; m->tensors && i < m->ntensors; i++) {
+    free(m->tensors[i].name);
+    free(m->tensors[i].shards);
+  }
+  free(m->tensors);
+  free(m->ranks);
+  memset(m, 0, sizeof *m);
+}
+
+#define BAD(...) (amber__manifest_free(m), amber__fail(e, AMBER_ECORRUPT, __VA_ARGS__))
+
+int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, size_t len,
+                           amber__manifest *m) {
+  memset(m, 0, sizeof *m);
+  if (len < AMBER__MF_HEADER + 8)
+    return amber__fail(e, AMBER_ECORRUPT, "%s: truncated manifest (%zu bytes)", what, len);
+  if (memcmp(in, AMBER__MF_MAGIC, 8) != 0)
+    return amber__fail(e, AMBER_ECORRUPT, "%s: not an amber manifest (bad magic)", what);
+  uint16_t major = amber__get16(in + 8);
+  if (major != AMBER_FORMAT_MAJOR || amber__get16(in + 10) > AMBER_FORMAT_MINOR)
+    return amber__fail(e, AMBER_EFORMAT, "%s: manifest format %u.%u (this library reads %d.%d)",
+                       what, major, amber__get16(in + 10), AMBER_FORMAT_MAJOR,
+                       AMBER_FORMAT_MINOR);
+  if (amber__get64(in + 48) != len)
+    return amber__fail(e, AMBER_ECORRUPT, "%s: manifest is %zu bytes, its header says %llu",
+                       what, len, (unsigned long long)amber__get64(in + 48));
+  if (amber__get64(in + len - 8) != amber__xxh3(in, len - 8))
+    return amber__fail(e, AMBER_ECORRUPT, "%s: manifest checksum mismatch", what);
+  if (amber__get32(in + 12) || amber__get32(in + 44))
+    return amber__fail(e, AMBER_EFORMAT, "%s: manifest reserved fields are not zero", what);
+  m->step = amber__get64(in + 16);
+  m->parent = amber__get64(in + 24);
+  m->world = amber__get32(in + 32);
+  m->kind = amber__get32(in + 36);
+  uint32_t nt = amber__get32(in + 40);
+  const uint8_t *p = in + AMBER__MF_HEADER, *end = in + len - 8;
+  if (m->world == 0 || m->world > AMBER__MF_MAX_WORLD ||
+      (uint64_t)m->world * AMBER__MF_RANK > (uint64_t)(end - p))
+    return BAD("%s: manifest world size %u does not fit its %zu bytes", what, m->world, len);
+  if (m->kind > AMBER_KIND_DELTA) return BAD("%s: manifest kind %u unknown", what, m->kind);
+  if ((uint64_t)nt * AMBER__MF_TENSOR > (uint64_t)(end - p) - (uint64_t)m->world * AMBER__MF_RANK)
+    return BAD("%s: manifest tensor count %u does not fit its %zu bytes", what, nt, len);
+  m->ranks = calloc(m->world, sizeof *m->ranks);
+  m->tensors = calloc(nt ? nt : 1, sizeof *m->tensors);
+  if (!m->ranks || !m->tensors) {
+    amber__manifest_free(m);
+    return amber__fail(e, AMBER_ENOMEM, "%s: out of memory", what);
+  }
+  for (uint32_t r = 0; r < m->world; r++, p += AMBER__MF_RANK) {
+    amber__mrank *k = &m->ranks[r];
+    k->step = amber__get64(p);
+    k->hash = amber__get64(p + 8);
+    k->bytes = amber__get64(p + 16);
+    k->kind = amber__get32(p + 24);
+    k->flags = amber__get32(p + 28);
+    if (k->kind > AMBER_KIND_DELTA || (k->flags & ~AMBER__RANK_PRESENT))
+      return BAD("%s: rank %u's entry is malformed", what, r);
+  }
+  for (uint32_t i = 0; i < nt; i++) {
+    amber__mtensor *t = &m->tensors[i];
+    if ((uint64_t)(end - p) < AMBER__MF_TENSOR) return BAD("%s: tensor %u truncated", what, i);
+    size_t nl = amber__get16(p);
+    t->dtype = p[2];
+    t->ndim = p[3];
+    t->flags = amber__get32(p + 4);
+    t->nshards = amber__get32(p + 8);
+    if (amber__get32(p + 12)) return BAD("%s: tensor %u: reserved field not zero", what, i);
+    p += AMBER__MF_TENSOR;
+    m->ntensors = i + 1;
+    if (!nl || t->ndim > AMBER_MAX_DIMS || !amber_dtype_size(t->dtype) ||
+        (t->flags & ~(uint32_t)AMBER_SHARD_REPLICATED))
+      return BAD("%s: tensor %u: bad name length, ndim, dtype or flags", what, i);
+    uint64_t need = nl + 8 * (uint64_t)t->ndim;
+    if (need > (uint64_t)(end - p) ||
+        (uint64_t)t->nshards > ((uint64_t)(end - p) - need) / shard_size(t->ndim))
+      return BAD("%s: tensor %u: %u shards do not fit the manifest", what, i, t->nshards);
+    t->name = malloc(nl + 1);
+    t->shards = calloc(t->nshards ? t->nshards : 1, sizeof *t->shards);
+    if (!t->name || !t->shards) {
+      amber__manifest_free(m);
+      return amber__fail(e, AMBER_ENOMEM, "%s: out of memory", what);
+    }
+    memcpy(t->name, p, nl);
+    t->name[nl] = 0;
+    if (memchr(t->name, 0, nl)) return BAD("%s: tensor %u: NUL in its name", what, i);
+    p += nl;
+    uint64_t elems = 1;
+    for (uint32_t d = 0; d < t->ndim; d++, p += 8) {
+      t->shape[d] = (int64_t)amber__get64(p);
+      if (t->shape[d] < 0 || amber__mul_overflow(elems, (uint64_t)t->shape[d], &elems) ||
+          elems > AMBER__MAX_BYTES)
+        return BAD("%s: tensor '%s': impossible shape", what, t->name);
+    }
+    for (uint32_t s = 0; s < t->nshards; s++) {
+      amber__mshard *sh = &t->shards[s];
+      sh->rank = amber__get32(p);
+      if (amber__get32(p + 4) || sh->rank >= m->world ||
+          !(m->ranks[sh->rank].flags & AMBER__RANK_PRESENT))
+        return BAD("%s: tensor '%s': shard %u names rank %u, which wrote no file", what,
+                   t->name, s, sh->rank);
+      p += 8;
+      for (uint32_t d = 0; d < t->ndim; d++, p += 8) sh->off[d] = (int64_t)amber__get64(p);
+      for (uint32_t d = 0; d < t->ndim; d++, p += 8) {
+        sh->shape[d] = (int64_t)amber__get64(p);
+        if (sh->off[d] < 0 || sh->shape[d] < 0 || sh->off[d] > t->shape[d] ||
+            sh->shape[d] > t->shape[d] - sh->off[d])
+          return BAD("%s: tensor '%s': shard %u of rank %u lies outside the tensor", what,
+                     t->name, s, sh->rank);
+      }
+    }
+  }
+  if (p != end) return BAD("%s: %zu unexpected bytes after the tensor table", what,
+                           (size_t)(end - p));
+  return 0;
+}
+
+static int read_small(const char *path, amber__err *e, uint8_t **out, size_t *len,
+                      size_t max) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return amber__fail(e, errno == ENOENT ? AMBER_ENOENT : amber__errno_code(errno),
+                       "%s: %s", path, strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb) < 0 || sb.st_size < 0 || (uint64_t)sb.st_size > max) {
+    close(fd);
+    return amber__fail(e, AMBER_ECORRUPT, "%s: unexpected size", path);
+  }
+  uint8_t *b = malloc((size_t)sb.st_size + 1);
+  if (!b) {
+    close(fd);
+    return amber__fail(e, AMBER_ENOMEM, "%s: out of memory", path);
+  }
+  int rc = amber__pread_full(fd, b, (size_t)sb.st_size, 0);
+  close(fd);
+  if (rc < 0) {
+    free(b);
+    return amber__fail(e, rc, "%s: read failed", path);
+  }
+  *out = b;
+  *len = (size_t)sb.st_size;
+  return 0;
+}
+
+int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
+                                amber__manifest *m) {
+  char path[4096];
+  amber__global_manifest_path(store, step, path, sizeof path);
+  uint8_t *b;
+  size_t len;
+  int rc = read_small(path, e, &b, &len, UINT64_C(1) << 32);
+  if (rc < 0) return rc;
+  rc = amber__manifest_decode(e, path, b, len, m);
+  free(b);
+  return rc;
+}
+
+int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/GLOBAL", store);
+  uint8_t *b;
+  size_t len;
+  int rc = read_small(path, e, &b, &len, 4096);
+  if (rc < 0) return rc;
+  if (len != GLOBAL_SIZE || memcmp(b, GLOBAL_MAGIC, 8) != 0 ||
+      amber__get64(b + 16) != amber__xxh3(b, 16)) {
+    free(b);
+    return amber__fail(e, AMBER_ECORRUPT, "%s: damaged global LATEST", path);
+  }
+  *step = amber__get64(b + 8);
+  free(b);
+  return 0;
+}
+
+int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
+                              const void *data, size_t len) {
+  char tmp[4200];
+  int fd;
+  int rc = amber__create_tmp(e, path, tmp, sizeof tmp, &fd);
+  if (rc < 0) return rc;
+  if (amber__write_full(fd, data, len) < 0) rc = amber__errno_code(errno);
+  if (rc == 0 && fsync(fd) < 0) rc = amber__errno_code(errno);
+  if (close(fd) < 0 && rc == 0) rc = amber__errno_code(errno);
+  if (rc == 0 && rename(tmp, path) < 0) rc = amber__errno_code(errno);
+  if (rc < 0) {
+    int err = errno;
+    unlink(tmp);
+    return amber__fail(e, rc, "%s: write failed: %s", path, strerror(err));
+  }
+  if (amber__fsync_dir(dir) < 0)
+    return amber__fail(e, AMBER_EIO, "%s: fsync of the directory failed", dir);
+  return 0;
+}
+
+int amber__global_write_latest(const char *store, amber__err *e, uint64_t step) {
+  char path[4096];
+  uint8_t b[GLOBAL_SIZE];
+  snprintf(path, sizeof path, "%s/GLOBAL", store);
+  memcpy(b, GLOBAL_MAGIC, 8);
+  amber__put64(b + 8, step);
+  amber__put64(b + 16, amber__xxh3(b, 16));
+  return amber__write_file_durable(store, path, e, b, sizeof b);
+}

@@ -1,0 +1,292 @@
+/*
+ * test_global.c - many ranks in one global checkpoint (src/global.c, greader.c),
+ * with ranks as threads (tests/comm_threads.h): sharded and replicated tensors
+ * round-trip at 2 and 4 ranks; a failure on one rank commits nothing anywhere,
+ * rolls every rank back and the next save is correct; a rank's leftovers are
+ * removed by the next writer; steps load at another world size (4->1, 1->4, 4->3,
+ * rows versus columns); deltas chain across ranks; a lossy policy stays within
+ * its bound after resharding.
+ */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "amber.h"
+#include "comm_threads.h"
+#include "testutil.h"
+
+static atomic_int rank_fails;
+
+#define RCHECK(cond)                                                                 \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      fprintf(stderr, "%s:%d: rank check failed: %s (%s)\n", __FILE__, __LINE__, #cond, \
+              amber_last_error(NULL));                                               \
+      atomic_fetch_add(&rank_fails, 1);                                              \
+    }                                                                                \
+  } while (0)
+
+#define ROWS 12
+#define COLS 10
+#define BIAS 7
+
+/* The global value of element (i, j) of "w" at a step: a few elements change per
+ * step, so later steps are deltas. */
+static float wval(int64_t i, int64_t j, uint64_t step) {
+  int64_t k = i * COLS + j;
+  return (float)k * 0.125f + ((k % 5) == (int64_t)(step % 5) ? (float)step : 0.0f);
+}
+static float bval(int64_t i, uint64_t step) {
+  return (float)i - 0.5f * (float)step;
+}
+
+static void fill_w(float *dst, const int64_t *off, const int64_t *shape, uint64_t step) {
+  for (int64_t i = 0; i < shape[0]; i++)
+    for (int64_t j = 0; j < shape[1]; j++)
+      dst[i * shape[1] + j] = wval(off[0] + i, off[1] + j, step);
+}
+
+typedef struct job {
+  const char *path;
+  int by_cols;           /* split "w" by columns instead of rows */
+  uint64_t first, last;  /* steps to save */
+  int fail_rank;         /* -1: none; else this rank's save of fail_step fails */
+  uint64_t fail_step;
+  const char *policy;
+  int expect_fail_seen;
+} job;
+
+/* This rank's box of "w" when it is split in `n` parts along one dimension. */
+static void part(int rank, int n, int by_cols, int64_t *off, int64_t *shape) {
+  int64_t len = by_cols ? COLS : ROWS;
+  int64_t a = len * rank / n, b = len * (rank + 1) / n;
+  off[0] = by_cols ? 0 : a, off[1] = by_cols ? a : 0;
+  shape[0] = by_cols ? ROWS : b - a, shape[1] = by_cols ? b - a : COLS;
+}
+
+static void block_step(const char *path, int rank, uint64_t step, int on) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/rank-%05d/ckpt-%020llu.amber", path, rank,
+           (unsigned long long)step);
+  if (on) mkdir(p, 0755);
+  else rmdir(p);
+}
+
+static void rank_main(const amber_comm *c, void *arg) {
+  job *jb = arg;
+  amber_global_writer *gw;
+  int rc = amber_global_writer_open(&gw, jb->path, c, NULL);
+  RCHECK(rc == 0);
+  if (rc < 0) return;
+  int64_t gshape[2] = {ROWS, COLS}, off[2], shape[2], bshape[1] = {BIAS};
+  part(c->rank, c->size, jb->by_cols, off, shape);
+  float *w = malloc((size_t)(shape[0] * shape[1]) * sizeof *w + 1);
+  float b[BIAS];
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, gshape, off, shape, w, 0) == 0);
+  RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bshape, NULL, NULL, b,
+                                 AMBER_SHARD_REPLICATED) == 0);
+  if (jb->policy) RCHECK(amber_global_writer_add_policy(gw, jb->policy) == 0);
+  for (uint64_t s = jb->first; s <= jb->last; s++) {
+    fill_w(w, off, shape, s);
+    for (int i = 0; i < BIAS; i++) b[i] = bval(i, s);
+    int failing = jb->fail_step == s && jb->fail_rank >= 0;
+    if (failing && c->rank == jb->fail_rank) block_step(jb->path, c->rank, s, 1);
+    c->barrier(c->ctx);
+    rc = s % 2 ? amber_global_writer_save(gw, s, 0) : amber_global_writer_begin(gw, s, 0);
+    if (!(s % 2) && rc == 0) {
+      RCHECK(amber_global_writer_fence(gw) == 0);
+      rc = amber_global_writer_wait(gw);
+    }
+    if (failing) {
+      char want[64];
+      snprintf(want, sizeof want, "rank %d failed", jb->fail_rank);
+      RCHECK(rc < 0);
+      RCHECK(strstr(amber_last_error(gw), want) != NULL);
+      if (c->rank == 0) fprintf(stderr, "  (expected) %s\n", amber_last_error(gw));
+      c->barrier(c->ctx);
+      if (c->rank == jb->fail_rank) block_step(jb->path, c->rank, s, 0);
+    } else {
+      RCHECK(rc == 0);
+    }
+  }
+  amber_global_writer_close(gw);
+  free(w);
+}
+
+static void run_job(const char *path, int n, int by_cols, uint64_t first, uint64_t last,
+                    int fail_rank, uint64_t fail_step, const char *policy) {
+  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0};
+  atomic_store(&rank_fails, 0);
+  tc_run(n, rank_main, &jb);
+  CHECK(atomic_load(&rank_fails) == 0);
+}
+
+/* Reads step `step` of `path` as `n` readers splitting "w" along rows or columns
+ * (any n: resharding) and checks every element against the values of `want_step`
+ * within `tol` (0: bit-exact). */
+static void check_read(const char *path, uint64_t step, uint64_t want_step, int n, int by_cols,
+                       double tol) {
+  amber_global_reader *g;
+  CHECK_OK(amber_global_reader_open(&g, path, step));
+  if (!g) return;
+  size_t wi, bi;
+  CHECK_OK(amber_global_reader_find(g, "w", &wi));
+  CHECK_OK(amber_global_reader_find(g, "b", &bi));
+  amber_global_tensor t;
+  CHECK_OK(amber_global_reader_tensor(g, wi, &t));
+  CHECK(t.ndim == 2 && t.shape[0] == ROWS && t.shape[1] == COLS && t.dtype == AMBER_F32);
+  for (int r = 0; r < n; r++) {
+    int64_t off[2], shape[2];
+    part(r, n, by_cols, off, shape);
+    size_t cnt = (size_t)(shape[0] * shape[1]);
+    float *got = malloc(cnt * sizeof *got + 1), *want = malloc(cnt * sizeof *want + 1);
+    fill_w(want, off, shape, want_step);
+    CHECK_OK(amber_global_reader_read(g, wi, off, shape, got, cnt * sizeof *got));
+    if (tol == 0)
+      CHECK(memcmp(got, want, cnt * sizeof *got) == 0);
+    else
+      for (size_t i = 0; i < cnt; i++) CHECK(fabs((double)got[i] - (double)want[i]) <= tol);
+    free(got), free(want);
+  }
+  float b[BIAS];
+  int64_t o0 = 0, bs = BIAS;
+  CHECK_OK(amber_global_reader_read(g, bi, &o0, &bs, b, sizeof b));
+  for (int i = 0; i < BIAS; i++) CHECK(fabs((double)b[i] - (double)bval(i, want_step)) <= tol);
+  CHECK_OK(amber_global_reader_verify(g));
+  amber_global_reader_close(g);
+}
+
+static void test_two_ranks_sharded_and_replicated_round_trip(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 2, 0, 1, 3, -1, 0, NULL);
+  for (uint64_t s = 1; s <= 3; s++) check_read(p, s, s, 2, 0, 0);
+  check_read(p, AMBER_LATEST, 3, 1, 0, 0);
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3);
+  if (n == 3) {
+    CHECK(info[0].kind == AMBER_KIND_FULL && info[0].world_size == 2);
+    CHECK(info[1].kind == AMBER_KIND_DELTA && info[1].parent == 1);
+    CHECK(info[2].kind == AMBER_KIND_DELTA && info[2].parent == 2);
+  }
+  amber_free(info);
+  CHECK(amber_global_is_store(p) == 1);
+}
+
+static void test_failure_on_one_rank_commits_nothing_and_next_save_is_correct(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 4, 2, 3, NULL); /* step 3 fails on rank 2 */
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3);
+  if (n == 3) {
+    CHECK(info[0].step == 1 && info[1].step == 2 && info[2].step == 4);
+    CHECK(info[2].kind == AMBER_KIND_FULL); /* after a failure the step is full */
+  }
+  amber_free(info);
+  amber_global_reader *g;
+  CHECK_RC(amber_global_reader_open(&g, p, 3), AMBER_ENOENT);
+  /* No rank keeps a file of step 3. */
+  for (int r = 0; r < 4; r++) {
+    char f[4200];
+    snprintf(f, sizeof f, "%s/rank-%05d/ckpt-%020d.amber", p, r, 3);
+    CHECK(access(f, F_OK) != 0);
+  }
+  check_read(p, 2, 2, 4, 0, 0);
+  check_read(p, 4, 4, 4, 0, 0);
+}
+
+static void test_leftovers_of_a_dead_rank_are_removed_by_the_next_writer(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 2, 0, 1, 2, -1, 0, NULL);
+  /* Rank 1 committed step 3 in its own store, then the job died before the manifest. */
+  char dir[4200];
+  snprintf(dir, sizeof dir, "%s/rank-00001", p);
+  amber_store *st;
+  CHECK_OK(amber_store_open(&st, dir, NULL));
+  amber_writer *w;
+  CHECK_OK(amber_writer_open(&w, st, NULL));
+  float x[4] = {1, 2, 3, 4};
+  int64_t sh[1] = {4};
+  CHECK_OK(amber_writer_add(w, "junk", AMBER_F32, 1, sh, x, NULL));
+  CHECK_OK(amber_writer_save(w, 3, 0));
+  amber_writer_close(w);
+  amber_store_close(st);
+  run_job(p, 2, 0, 3, 4, -1, 0, NULL); /* step 3 again: the leftover must not stop it */
+  check_read(p, 3, 3, 2, 0, 0);
+  check_read(p, 4, 4, 3, 1, 0);
+}
+
+static void test_reshard_4_to_1_and_3_and_columns(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 2, -1, 0, NULL);
+  check_read(p, 2, 2, 1, 0, 0);
+  check_read(p, 2, 2, 3, 0, 0);
+  check_read(p, 2, 2, 3, 1, 0); /* written by rows, read by columns */
+  check_read(p, 1, 1, 4, 1, 0);
+}
+
+static void test_reshard_1_to_4_and_columns_to_rows(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 1, 0, 1, 2, -1, 0, NULL);
+  check_read(p, 2, 2, 4, 0, 0);
+  const char *q = tu_tmpdir();
+  run_job(q, 3, 1, 1, 3, -1, 0, NULL); /* columns at 3 ranks */
+  check_read(q, 3, 3, 4, 0, 0);
+  check_read(q, 2, 2, 2, 1, 0);
+}
+
+static void test_delta_chain_across_ranks_and_world_size_change(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 6, -1, 0, NULL);
+  for (uint64_t s = 1; s <= 6; s++) check_read(p, s, s, 2, 0, 0);
+  /* The job resumes at 3 ranks on the same store. */
+  run_job(p, 3, 0, 7, 8, -1, 0, NULL);
+  for (uint64_t s = 5; s <= 8; s++) check_read(p, s, s, 4, 1, 0);
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 8);
+  if (n == 8) CHECK(info[5].world_size == 4 && info[7].world_size == 3);
+  amber_free(info);
+}
+
+static void test_lossy_policy_resharded_within_bound(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 5, -1, 0, "threshold:0.01");
+  for (uint64_t s = 1; s <= 5; s++) check_read(p, s, s, 3, 1, 0.01 + 1e-6);
+}
+
+static void test_region_outside_or_wrong_size_is_refused(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 2, 0, 1, 1, -1, 0, NULL);
+  amber_global_reader *g;
+  CHECK_OK(amber_global_reader_open(&g, p, AMBER_LATEST));
+  if (!g) return;
+  int64_t off[2] = {10, 0}, sh[2] = {4, COLS};
+  float buf[4 * COLS];
+  CHECK_RC(amber_global_reader_read(g, 0, off, sh, buf, sizeof buf), AMBER_ERANGE);
+  off[0] = 0;
+  CHECK_RC(amber_global_reader_read(g, 0, off, sh, buf, sizeof buf - 4), AMBER_EINVAL);
+  CHECK_OK(amber_global_reader_read(g, 0, off, sh, buf, sizeof buf));
+  amber_global_reader_close(g);
+}
+
+int main(void) {
+  alarm(300); /* a rank stuck in a collective must not hang the suite */
+  TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
+  TEST_RUN(test_failure_on_one_rank_commits_nothing_and_next_save_is_correct);
+  TEST_RUN(test_leftovers_of_a_dead_rank_are_removed_by_the_next_writer);
+  TEST_RUN(test_reshard_4_to_1_and_3_and_columns);
+  TEST_RUN(test_reshard_1_to_4_and_columns_to_rows);
+  TEST_RUN(test_delta_chain_across_ranks_and_world_size_change);
+  TEST_RUN(test_lossy_policy_resharded_within_bound);
+  TEST_RUN(test_region_outside_or_wrong_size_is_refused);
+  return tu_finish();
+}
