@@ -1,55 +1,77 @@
 #!/usr/bin/env python3
-"""torch_bench.py - amber.torch against torch.save/torch.load on a GPT-2-small-sized
-training state (124M parameters + AdamW moments and step counters, about 1.5 GB),
-side by side in one run.
+"""torch_bench.py - amber.torch side by side with what users would pick instead:
+torch.save, safetensors, and PyTorch's Distributed Checkpoint (DCP: dcp.save,
+dcp.async_save, dcp.load), on the same training state in one run.
 
-The state trains by AdamW steps on synthetic gradients (a forward/backward pass of
-GPT-2 small takes seconds on a CPU and would not change what is measured: every
-element of weights and moments moves at every step, as in real training). The
-gradients have the size that GPT-2 training clips them to (global norm 1), and the
-optimizer starts from the state it has after many steps on such gradients (step
-1000; moments at their stationary statistics), not from the first steps' transient,
-in which Adam's second moments change by large factors at each step. Between a save
-and the next optimizer step the script draws the next gradients, which stands for
-the forward and backward pass that a save overlaps with.
+The state is GPT-2 small (124M parameters) + AdamW (two moments and a step counter
+per parameter): about 1.5 GB. It trains by AdamW steps on synthetic gradients (a
+forward/backward pass of GPT-2 small takes seconds on a CPU and would not change what
+is measured: every element of weights and moments moves at every step, as in real
+training). The gradients have the size GPT-2 training clips them to (global norm 1),
+and the optimizer starts from the state it has after many steps on such gradients
+(step 1000), not from the first steps' transient. Between a save and the next
+optimizer step the script draws the next gradients, which stands for the forward and
+backward pass that a save overlaps with.
 
-Measured, each as the median of several repetitions:
-  - torch.save + fsync of the state: save-to-durable (= training stall), bytes;
-  - amber full and delta saves: save-to-durable (save() + wait()), training stall
-    (time in save() plus the fence in the next optimizer.step()), bytes;
-  - load: torch.load (+ load_state_dict) against Checkpointer.load of the latest
-    delta (its chain: a full checkpoint and the deltas after it), into the live
-    model and optimizer. Both read cold files: the script drops them from the page
-    cache first (posix_fadvise DONTNEED; amber writes with O_DIRECT anyway).
-  - bounds: reading the state twice (a delta's scan reads the live state and the
-    reference once) and writing a full checkpoint's bytes with O_DIRECT + fsync
-    (the disk's pace); the ratios above cannot exceed torch.save's time over these.
+Each round measures every figure once; --repeat N rounds give the spread (median,
+min-max), and each ratio is taken within a round, so both sides of a ratio saw the
+same machine state.
 
-    torch_bench.py [--out bench-out] [--policy lossy] [--deltas 5] [--lr 1e-4]
+Saves (durable = the file is fsynced and, for amber and DCP, committed):
+  torch.save + fsync; safetensors.torch.save_file + fsync (model and optimizer state
+  as one flat dict); dcp.save with FileSystemWriter(sync_files=True), thread_count 1
+  and 2; dcp.async_save with its default stager: its stall is the time until its
+  staging has completed (the call returns after staging: DefaultStager's staging is
+  synchronous on a CPU), durable when its future completes.
+  amber: full save (save() + wait()), steady delta save-to-durable, the stall a delta
+  costs the training thread (the save() call + the wait at the next optimizer
+  step's fence), and the first save after a resume (load, then a delta whose
+  reference the load seeded).
+Loads (cold: the files are dropped from the page cache first; into the live model
+and optimizer): torch.load + load_state_dict; safetensors load_file + copy into the
+live tensors; dcp.load + set_state_dict; amber's resuming load of the latest step
+(which also seeds the writer's reference) and a read-only load.
+Bounds, measured in the same run: a delta's floor = reading live and reference once
+(both arrays summed at memory speed) + writing the delta's bytes at the disk's
+O_DIRECT pace (a full checkpoint's size written with O_DIRECT + fsync).
+
+    torch_bench.py [--repeat 3] [--policy lossy] [--deltas 4] [--quick]
+                   [--json FILE] [--markdown] [--out DIR]
 """
 import argparse
 import gc
 import glob
+import json
+import math
 import mmap
 import os
+import platform
 import shutil
+import statistics
 import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+import torch
+import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from safetensors.torch import load_file, save_file
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import amber
+from amber.torch import Checkpointer, PRESETS
 
-from amber.torch import Checkpointer  # noqa: E402
 
-LAYERS, D, VOCAB, CTX = 12, 768, 50257, 1024
+def log(msg):
+    print(f"[torch_bench] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs):
+    return statistics.median(xs)
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, D):
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
         self.attn = nn.ModuleDict({"c_attn": nn.Linear(D, 3 * D), "c_proj": nn.Linear(D, D)})
@@ -59,10 +81,10 @@ class Block(nn.Module):
 class GPT2Small(nn.Module):
     """GPT-2 small's parameters under GPT-2's names (the LM head is tied to wte)."""
 
-    def __init__(self):
+    def __init__(self, layers=12, D=768, vocab=50257, ctx=1024):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
-        self.h = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.wte, self.wpe = nn.Embedding(vocab, D), nn.Embedding(ctx, D)
+        self.h = nn.ModuleList(Block(D) for _ in range(layers))
         self.ln_f = nn.LayerNorm(D)
         with torch.no_grad():
             for n, p in self.named_parameters():
@@ -102,11 +124,6 @@ def drop_cache(paths):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def torch_save(path, model, opt):
@@ -174,20 +191,349 @@ def direct_write(path, nbytes, piece=8 << 20, inflight=2, reps=3):
     return median(times)
 
 
+def fsync_dir_files(path):
+    for f in glob.glob(os.path.join(path, "*")):
+        if os.path.isfile(f):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def flat_state(model, opt):
+    """Model and optimizer state as one flat {name: tensor} dict (safetensors' shape
+    of a checkpoint), with the live tensors themselves (no copies)."""
+    names = {p: n for n, p in model.named_parameters()}
+    flat = {f"model.{n}": t for n, t in model.state_dict().items()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                flat[f"optim.{names[p]}.{k}"] = v
+    return flat
+
+
+def dcp_state(model, opt):
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def du(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
+               if os.path.isfile(f))
+
+
+class Trainer:
+    def __init__(self, model, opt, gen):
+        self.model, self.opt, self.gen = model, opt, gen
+        self.state = {"model": model, "optim": opt}
+
+    def grads(self):
+        fake_grads(self.model, self.gen)
+
+    def step(self):
+        self.opt.step()
+
+
+def peers(tr, out, r):
+    """One round of the peers' saves and loads; returns {figure: value}."""
+    model, opt = tr.model, tr.opt
+    f = {}
+    # torch.save + fsync, torch.load + load_state_dict
+    path = os.path.join(out, "state.pt")
+    log(f"round {r}: torch.save")
+    f["torch_save"] = torch_save(path, model, opt)
+    f["torch_bytes"] = os.path.getsize(path)
+    drop_cache([path])
+
+    def tload():
+        sd = torch.load(path)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    f["torch_load"], _ = timed(tload)
+    os.remove(path)
+    gc.collect()
+
+    # safetensors
+    log(f"round {r}: safetensors")
+    path = os.path.join(out, "state.safetensors")
+
+    def ssave():
+        save_file(flat_state(model, opt), path)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    f["st_save"], _ = timed(ssave)
+    f["st_bytes"] = os.path.getsize(path)
+    drop_cache([path])
+
+    def sload():
+        got = load_file(path)
+        with torch.no_grad():
+            for n, t in flat_state(model, opt).items():
+                t.copy_(got[n])
+    f["st_load"], _ = timed(sload)
+    os.remove(path)
+    gc.collect()
+
+    # dcp.save, thread_count 1 and 2
+    for k in (1, 2):
+        log(f"round {r}: dcp.save thread_count={k}")
+        d = os.path.join(out, f"dcp{k}")
+        f[f"dcp_save_t{k}"], _ = timed(lambda: dcp.save(
+            dcp_state(model, opt), storage_writer=dcp.FileSystemWriter(d, sync_files=True, thread_count=k)))
+        f["dcp_bytes"] = du(d)
+        if k == 2:
+            drop_cache([p for p in glob.glob(os.path.join(d, "*")) if os.path.isfile(p)])
+
+            def dload():
+                sd = dcp_state(model, opt)
+                dcp.load(sd, storage_reader=dcp.FileSystemReader(d))
+                set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            log(f"round {r}: dcp.load")
+            f["dcp_load"], _ = timed(dload)
+        shutil.rmtree(d)
+    gc.collect()
+
+    # dcp.async_save: the stall is until its staging completed, then the next step runs
+    log(f"round {r}: dcp.async_save")
+    d = os.path.join(out, "dcpa")
+    t0 = time.perf_counter()
+    fut = dcp.async_save(dcp_state(model, opt),
+                         storage_writer=dcp.FileSystemWriter(d, sync_files=True, thread_count=1))
+    if isinstance(fut, dcp.state_dict_saver.AsyncSaveResponse):
+        fut.staging_completion.result()
+        fut = fut.upload_completion
+    f["dcp_async_stall"] = time.perf_counter() - t0
+    fut.result()
+    f["dcp_async_durable"] = time.perf_counter() - t0
+    shutil.rmtree(d)
+    gc.collect()
+    return f
+
+
+def amber_round(tr, out, r, policy, deltas):
+    """One round of amber's saves and loads on a fresh store; returns {figure: value}."""
+    f = {}
+    store = os.path.join(out, "store")
+    shutil.rmtree(store, ignore_errors=True)
+    state = tr.state
+    step = 0
+    dur, stall, dbytes = [], [], []
+    log(f"round {r}: amber full and {deltas} deltas ({policy})")
+    with Checkpointer(store, policy=policy, full_every=1000, full_share=-1) as ck:
+        step += 1
+        t0 = time.perf_counter()
+        ck.save(step, state, full=True)
+        ck.wait()
+        f["amber_full"] = time.perf_counter() - t0
+        # the full save's stall: save() call + the fence in the next step
+        tr.grads()
+        tr.step()
+        step += 1
+        t0 = time.perf_counter()
+        ck.save(step, state, full=True)
+        t_call = time.perf_counter() - t0
+        tr.grads()
+        ck.timings["fence"] = 0.0
+        tr.step()  # fences first
+        f["amber_full_stall"] = t_call + ck.timings["fence"]
+        ck.wait()
+        full_step = step
+        # deltas, alternately synchronous (save-to-durable) and overlapped (stall)
+        for i in range(2 * deltas):
+            tr.grads()
+            tr.step()
+            step += 1
+            t0 = time.perf_counter()
+            ck.save(step, state)
+            t_call = time.perf_counter() - t0
+            if i % 2 == 0:
+                ck.wait()
+                dur.append(time.perf_counter() - t0)
+            else:
+                tr.grads()
+                ck.timings["fence"] = 0.0
+                ck.fence()
+                stall.append(t_call + ck.timings["fence"])
+                ck.wait()
+        infos = {c.step: c for c in ck.steps()}
+    kinds = [infos[s].kind for s in infos if s > full_step]
+    if any(k != "delta" for k in kinds):
+        raise RuntimeError(f"expected only deltas after step {full_step}, got {kinds}")
+    dbytes = [infos[s].bytes for s in infos if s > full_step]
+    f["amber_full_bytes"] = infos[full_step].bytes
+    f["amber_delta"] = median(dur)
+    f["amber_delta_stall"] = median(stall)
+    f["amber_delta_bytes"] = median(dbytes)
+    f["amber_delta_bytes_max"] = max(dbytes)
+
+    files = lambda: glob.glob(os.path.join(store, "*.amber"))  # noqa: E731
+    # read-only load of the latest step
+    drop_cache(files())
+    with Checkpointer(store, readonly=True) as ck:
+        t, got = timed(lambda: ck.load(state))
+    assert got == step, (got, step)
+    f["amber_load_ro"] = t
+    # resuming load (seeds the next delta's reference), then the first save after it:
+    # once synchronous (durable), once overlapped (stall)
+    for mode in ("durable", "stall"):
+        drop_cache(files())
+        with Checkpointer(store, policy=policy, full_every=1000, full_share=-1) as ck:
+            t, got = timed(lambda: ck.load(state))
+            assert got == step, (got, step)
+            f.setdefault("_resume_loads", []).append(t)
+            tr.grads()
+            ck.timings["fence"] = 0.0
+            tr.step()
+            seed_wait = ck.timings["fence"]
+            step += 1
+            t0 = time.perf_counter()
+            ck.save(step, state)
+            t_call = time.perf_counter() - t0
+            if mode == "durable":
+                ck.wait()
+                f["first_after_load"] = time.perf_counter() - t0 + seed_wait
+            else:
+                tr.grads()
+                ck.timings["fence"] = 0.0
+                ck.fence()
+                f["first_after_load_stall"] = seed_wait + t_call + ck.timings["fence"]
+                ck.wait()
+            kind = {c.step: c for c in ck.steps()}[step].kind
+            if kind != "delta":
+                raise RuntimeError(f"the first save after a load was a {kind} checkpoint")
+    f["amber_load"] = median(f.pop("_resume_loads"))
+    shutil.rmtree(store)
+    gc.collect()
+    return f
+
+
+def ratios(f):
+    """The targets' ratios within one round (> 1 is better unless said)."""
+    fastest_peer = min(f["torch_save"], f["st_save"], f["dcp_save_t1"], f["dcp_save_t2"])
+    dcp_save = min(f["dcp_save_t1"], f["dcp_save_t2"])
+    return {
+        "delta_vs_dcp_save": dcp_save / f["amber_delta"],
+        "stall_vs_dcp_async": f["dcp_async_stall"] / f["amber_delta_stall"],
+        "full_vs_fastest_peer": fastest_peer / f["amber_full"],
+        "load_vs_dcp_load": f["dcp_load"] / f["amber_load"],
+        "load_ro_vs_dcp_load": f["dcp_load"] / f["amber_load_ro"],
+        "delta_over_floor": f["amber_delta"] / f["delta_floor"],
+        "first_after_load_durable_x": f["first_after_load"] / f["amber_delta"],
+        "first_after_load_stall_x": f["first_after_load_stall"] / f["amber_delta_stall"],
+        "delta_pct_of_full": 100.0 * f["amber_delta_bytes_max"] / f["amber_full_bytes"],
+    }
+
+
+# (ratio, target, higher is better, text)
+TARGETS = [
+    ("delta_vs_dcp_save", 20.0, True, "delta save-to-durable >= 20x faster than dcp.save"),
+    ("stall_vs_dcp_async", 50.0, True, "stall >= 50x smaller than dcp.async_save's"),
+    ("full_vs_fastest_peer", 1.0, True, "full save at least as fast as the fastest peer"),
+    ("load_vs_dcp_load", 1.5, True, "load of the latest step >= 1.5x faster than dcp.load"),
+    ("delta_over_floor", 1.3, False, "delta save-to-durable within 1.3x of the run's floor"),
+    ("first_after_load_durable_x", 2.0, False, "first save after a load: durable within 2x of a steady delta"),
+    ("first_after_load_stall_x", 2.0, False, "first save after a load: stall within 2x of a steady delta"),
+    ("delta_pct_of_full", 3.0, False, "each delta <= 3% of a full checkpoint"),
+]
+
+
+def spread(xs):
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def fmt(s, unit="s"):
+    if unit == "s":
+        v = lambda x: f"{x:.3f}" if x < 10 else f"{x:.2f}"  # noqa: E731
+        return f"{v(s['median'])} s ({v(s['min'])}-{v(s['max'])})" if s["n"] > 1 else f"{v(s['median'])} s"
+    if unit == "x":
+        return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if s["n"] > 1 else f"{s['median']:.2f}x"
+    if unit == "%":
+        return f"{s['median']:.2f}% ({s['min']:.2f}-{s['max']:.2f})" if s["n"] > 1 else f"{s['median']:.2f}%"
+    return f"{s['median'] / 1e6:.1f} MB"
+
+
+def report(res, markdown):
+    S, R = res["figures"], res["ratios"]
+    lines = []
+    if markdown:
+        lines += ["| save | seconds (median, min-max) | bytes |", "|---|---|---|"]
+        rows = [("torch.save + fsync", "torch_save", "torch_bytes"),
+                ("safetensors save_file + fsync", "st_save", "st_bytes"),
+                ("dcp.save, 1 thread", "dcp_save_t1", "dcp_bytes"),
+                ("dcp.save, 2 threads", "dcp_save_t2", "dcp_bytes"),
+                ("dcp.async_save: stall (until staged)", "dcp_async_stall", None),
+                ("dcp.async_save: durable", "dcp_async_durable", None),
+                ("amber full save", "amber_full", "amber_full_bytes"),
+                ("amber full save: stall", "amber_full_stall", None),
+                (f"amber delta save ({res['config']['policy']})", "amber_delta", "amber_delta_bytes"),
+                ("amber delta: stall", "amber_delta_stall", None),
+                ("amber first delta after a load", "first_after_load", None),
+                ("amber first delta after a load: stall", "first_after_load_stall", None),
+                ("delta floor (read live + reference, write delta at O_DIRECT pace)", "delta_floor", None)]
+        for label, k, b in rows:
+            lines.append(f"| {label} | {fmt(S[k])} | {fmt(S[b], 'B') if b else ''} |")
+        lines += ["", "| load (cold, into the live model and optimizer) | seconds |", "|---|---|"]
+        for label, k in [("torch.load + load_state_dict", "torch_load"),
+                         ("safetensors load_file + copy", "st_load"),
+                         ("dcp.load + set_state_dict", "dcp_load"),
+                         ("amber load, resuming (seeds the next delta)", "amber_load"),
+                         ("amber load, read-only", "amber_load_ro")]:
+            lines.append(f"| {label} | {fmt(S[k])} |")
+        lines += ["", "| target | measured (median, min-max) | met |", "|---|---|---|"]
+        for k, tgt, hi, text in TARGETS:
+            s = R[k]
+            ok = s["median"] >= tgt if hi else s["median"] <= tgt
+            lines.append(f"| {text} | {fmt(s, '%' if k.endswith('pct_of_full') else 'x')} | "
+                         f"{'met' if ok else 'not met'} |")
+        b = R["floor_vs_dcp_save"]
+        lines.append(f"\nBound: the run's delta floor is {fmt(b, 'x')} faster than dcp.save; "
+                     f"no delta save on this machine can show a larger ratio.")
+    else:
+        for k, s in S.items():
+            if k == "loadavg":
+                continue
+            unit = "B" if k.endswith("bytes") or k.endswith("bytes_max") else "s"
+            lines.append(f"{k:28} {fmt(s, unit)}")
+        lines.append("")
+        for k, tgt, hi, text in TARGETS:
+            s = R[k]
+            ok = s["median"] >= tgt if hi else s["median"] <= tgt
+            lines.append(f"{text:70} {fmt(s, '%' if k.endswith('pct_of_full') else 'x'):28} "
+                         f"{'met' if ok else 'NOT met'}")
+        lines.append(f"{'bound: the delta floor against dcp.save':70} {fmt(R['floor_vs_dcp_save'], 'x')}")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "bench-out"))
-    ap.add_argument("--policy", default="lossy")
-    ap.add_argument("--deltas", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.getcwd(), "bench-out"),
+                    help="scratch directory (removed at the end)")
+    ap.add_argument("--policy", default="lossy", help=f"amber's policy (presets: {', '.join(PRESETS)})")
+    ap.add_argument("--deltas", type=int, default=4, help="synchronous and overlapped deltas per round")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (the spread is over them)")
+    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
+    ap.add_argument("--json", help="write every figure of every round here")
+    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
     ap.add_argument("--lr", type=float, default=1e-4)
     a = ap.parse_args()
+    if a.repeat < 1 or a.deltas < 1:
+        ap.error("--repeat and --deltas must be >= 1")
     torch.set_num_threads(os.cpu_count() or 2)
     shutil.rmtree(a.out, ignore_errors=True)
     os.makedirs(a.out)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = GPT2Small()
+    model = GPT2Small(2, 256, 8192, 256) if a.quick else GPT2Small()
     nparams = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
     fake_grads(model, gen)
@@ -196,121 +542,44 @@ def main():
     for _ in range(3):
         fake_grads(model, gen)
         opt.step()
-    state = {"model": model, "optim": opt}
-    print(f"state: {nparams / 1e6:.1f}M parameters + AdamW ({len(opt.state)} tensors x 3 state), "
-          f"policy {a.policy!r}, lr {a.lr}, {os.cpu_count()} CPUs")
-
-    # torch.save + fsync, torch.load
-    tpath = os.path.join(a.out, "state.pt")
-    t_save = [torch_save(tpath, model, opt) for _ in range(a.reps)]
-    t_bytes = os.path.getsize(tpath)
-    t_load, t_load_sd = [], []
-    for _ in range(a.reps):
-        drop_cache([tpath])
-        t0 = time.perf_counter()
-        sd = torch.load(tpath)
-        t1 = time.perf_counter()
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optim"])
-        t_load.append(t1 - t0)
-        t_load_sd.append(time.perf_counter() - t0)
-        del sd
-        gc.collect()
-    os.remove(tpath)
-    print(f"torch.save+fsync {median(t_save):.2f} s, {t_bytes / 1e9:.2f} GB; "
-          f"torch.load {median(t_load):.2f} s (+ load_state_dict: {median(t_load_sd):.2f} s)")
-
-    store = os.path.join(a.out, "store")
-    step = 0
-    full_durable, full_stall, delta_durable, delta_stall = [], [], [], []
-    with Checkpointer(store, policy=a.policy, full_every=1000, full_share=-1) as ck:
-        # full checkpoints: the first save of a writer, then forced ones
-        for i in range(a.reps):
-            step += 1
-            t0 = time.perf_counter()
-            ck.save(step, state, full=True)
-            ck.wait()
-            full_durable.append(time.perf_counter() - t0)
-            fake_grads(model, gen)
-            step += 1
-            ck.timings["fence"] = 0.0
-            opt.step()
-            t0 = time.perf_counter()
-            ck.save(step, state, full=True)
-            t_call = time.perf_counter() - t0
-            fake_grads(model, gen)  # the next forward/backward overlaps the save
-            ck.timings["fence"] = 0.0
-            opt.step()  # fences first
-            full_stall.append(t_call + ck.timings["fence"])
-            ck.wait()
-        # deltas: alternately synchronous (save-to-durable) and overlapped (stall)
-        step += 1
-        ck.save(step, state, full=True)  # the chain's full checkpoint
-        ck.wait()
-        first_delta = step + 1
-        for i in range(2 * a.deltas):
-            fake_grads(model, gen)
-            ck.timings["fence"] = 0.0
-            opt.step()
-            if i % 2 == 1:
-                delta_stall.append(t_call + ck.timings["fence"])
-                ck.wait()
-            step += 1
-            t0 = time.perf_counter()
-            ck.save(step, state)
-            t_call = time.perf_counter() - t0
-            if i % 2 == 0:
-                ck.wait()
-                delta_durable.append(time.perf_counter() - t0)
-        ck.wait()
-        infos = {c.step: c for c in ck.steps()}
-    deltas = [c.bytes for s, c in infos.items() if s >= first_delta]
-    assert all(infos[s].kind == "delta" for s in infos if s >= first_delta)
-    full_bytes = infos[first_delta - 1].bytes
-
-    a_load = []
-    for _ in range(a.reps):
-        drop_cache(glob.glob(os.path.join(store, "*.amber")))
-        with Checkpointer(store, readonly=True) as ck:
-            t0 = time.perf_counter()
-            got = ck.load(state)
-            a_load.append(time.perf_counter() - t0)
-        assert got == step
-    gc.collect()
-
-    ts, tl = median(t_save), median(t_load)
-    rows = [
-        ("torch.save + fsync", ts, ts, t_bytes, ""),
-        ("amber full", median(full_durable), median(full_stall), full_bytes, ""),
-        ("amber delta", median(delta_durable), median(delta_stall), median(deltas), ""),
-    ]
-    print()
-    print(f"{'':22}{'save-to-durable':>16}{'stall':>12}{'bytes':>12}{'vs full':>9}"
-          f"{'durable x':>11}{'stall x':>10}")
-    for label, dur, stall, nbytes, _ in rows:
-        print(f"{label:22}{dur:14.3f} s{stall:10.4f} s{nbytes / 1e6:10.1f}MB"
-              f"{100 * nbytes / full_bytes:8.2f}%{ts / dur:10.1f}x{ts / stall:9.1f}x")
-    print(f"{'largest delta':22}{'':28}{max(deltas) / 1e6:10.1f}MB{100 * max(deltas) / full_bytes:8.2f}%")
-    print(f"\nload: torch.load {tl:.2f} s (+ load_state_dict {median(t_load_sd):.2f} s); "
-          f"amber load of the latest delta into the live state {median(a_load):.2f} s "
-          f"({tl / median(a_load):.1f}x faster than torch.load)")
-    # What the machine allows, measured now: the floors of a delta and of a full save.
-    t_read = read_floor(state_tensors(model, opt))
-    t_disk = direct_write(os.path.join(a.out, "direct.bin"), full_bytes)
-    print(f"bounds, same run: reading the state twice (live + reference, as every delta's "
-          f"scan does) takes {t_read:.3f} s: no delta save can beat {ts / t_read:.1f}x "
-          f"torch.save+fsync here")
-    if t_disk:
-        print(f"                  writing {full_bytes / 1e9:.2f} GB with O_DIRECT + fsync (the "
-              f"disk's pace) takes {t_disk:.2f} s: no full save of raw bytes can beat "
-              f"{ts / t_disk:.1f}x")
-    targets = [("delta save-to-durable >= 25x faster", ts / median(delta_durable) >= 25),
-               ("stall >= 100x smaller", ts / median(delta_stall) >= 100),
-               ("full save >= 3x faster", ts / median(full_durable) >= 3),
-               ("load >= 2x faster than torch.load", tl / median(a_load) >= 2),
-               ("each delta <= 3% of a full", max(deltas) <= 0.03 * full_bytes)]
-    print("targets: " + "; ".join(f"{t}: {'met' if ok else 'NOT met'}" for t, ok in targets))
-    shutil.rmtree(a.out, ignore_errors=True)
+    tr = Trainer(model, opt, gen)
+    config = {"params": nparams, "policy": a.policy, "lr": a.lr, "repeat": a.repeat,
+              "deltas": a.deltas, "cpus": os.cpu_count(), "torch": torch.__version__,
+              "amber": getattr(amber, "__version__", "?"), "machine": platform.machine(),
+              "loadavg_start": os.getloadavg()[0]}
+    log(f"state: {nparams / 1e6:.1f}M parameters + AdamW, policy {a.policy!r}, "
+        f"{a.repeat} rounds, load average {config['loadavg_start']:.2f}")
+    rounds = []
+    try:
+        for r in range(1, a.repeat + 1):
+            f = peers(tr, a.out, r)
+            f.update(amber_round(tr, a.out, r, a.policy, a.deltas))
+            log(f"round {r}: bounds")
+            f["read_floor"] = read_floor(state_tensors(model, opt))
+            t_disk = direct_write(os.path.join(a.out, "direct.bin"), f["amber_full_bytes"])
+            # without O_DIRECT (tmpfs), the floor counts the read only
+            f["disk_rate"] = f["amber_full_bytes"] / t_disk if t_disk else math.inf
+            f["delta_floor"] = f["read_floor"] + f["amber_delta_bytes"] / f["disk_rate"]
+            f["loadavg"] = os.getloadavg()[0]
+            rounds.append(f)
+    finally:
+        shutil.rmtree(a.out, ignore_errors=True)
+    figures = {k: spread([f[k] for f in rounds]) for k in rounds[0] if k != "disk_rate"}
+    rs = [ratios(f) for f in rounds]
+    for f, rr in zip(rounds, rs):
+        rr["floor_vs_dcp_save"] = min(f["dcp_save_t1"], f["dcp_save_t2"]) / f["delta_floor"]
+    res = {"config": config, "rounds": rounds, "figures": figures,
+           "ratios": {k: spread([rr[k] for rr in rs]) for k in rs[0]}}
+    res["targets"] = [{"target": text, "ratio": k, "threshold": tgt,
+                       "met": (res["ratios"][k]["median"] >= tgt) if hi else (res["ratios"][k]["median"] <= tgt)}
+                      for k, tgt, hi, text in TARGETS]
+    print(f"amber torch_bench: {nparams / 1e6:.1f}M parameters + AdamW, policy {a.policy!r}, "
+          f"{a.repeat} round(s), {config['cpus']} CPUs, torch {torch.__version__}, "
+          f"load average {config['loadavg_start']:.2f} -> {rounds[-1]['loadavg']:.2f}")
+    print(report(res, a.markdown))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1, default=lambda x: None if x == math.inf else x)
 
 
 if __name__ == "__main__":

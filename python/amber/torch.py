@@ -108,6 +108,7 @@ type) raises AmberError AMBER_EFORMAT before anything is restored. Step numbers
 must increase: a save of a step at or below the store's latest raises AMBER_EEXIST.
 """
 
+import itertools
 import json
 import os
 import random
@@ -233,6 +234,27 @@ def _rules(policy):
 
 # ---- naming: modules, FQNs and optimizers ------------------------------------------
 
+def _plain(mod):
+    """True when `mod` holds only plain tensors and no wrapper that renames or shards
+    its state (DDP, FSDP, checkpoint wrappers: anything from torch.distributed):
+    then its state_dict() with torch.compile's "_orig_mod." removed is exactly what
+    get_model_state_dict gives, at a fraction of the cost (GPT-2 small: 0.4 ms
+    against 5.5 ms per call; save() pays it at every step)."""
+    for i, m in enumerate(mod.modules()):
+        if type(m).__module__.startswith(("torch.distributed", "torch.nn.parallel")):
+            return False
+        if i and type(m).__name__ == "OptimizedModule":
+            return False  # a compiled submodule: get_model_state_dict orders it last
+    for t in itertools.chain(mod.parameters(), mod.buffers()):
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+def _plain_fqn(name):
+    return ".".join(p for p in name.split(".") if p != "_orig_mod") if "_orig_mod" in name else name
+
+
 def _fqn(module, name):
     """The fully qualified name that torch.distributed.checkpoint.state_dict gives the
     parameter or buffer `name` of `module` ("_orig_mod." of torch.compile and the
@@ -253,10 +275,12 @@ class _Names:
         self.modules = [(k, v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
         self.single = len(self.modules) == 1
         self.by_id = {}  # id(parameter) -> name ("<FQN>" or "<module key>/<FQN>")
+        self.plain = {}  # id(module) -> _plain(module)
         for key, mod in self.modules:
+            plain = self.plain[id(mod)] = _plain(mod)
             for pname, p in mod.named_parameters(remove_duplicate=False):
                 if id(p) not in self.by_id:
-                    fqn = _fqn(mod, pname)
+                    fqn = _plain_fqn(pname) if plain else _fqn(mod, pname)
                     self.by_id[id(p)] = fqn if self.single else f"{key}/{fqn}"
 
     def optimizer_params(self, opt):
@@ -280,9 +304,12 @@ class _Names:
         return mod if all(id(p) in own for p in params) else None
 
 
-def _model_state(mod):
+def _model_state(mod, plain=None):
     """get_model_state_dict(mod): FQN -> value (the module's tensors themselves, not
-    copies, for modules that are not FSDP1-wrapped)."""
+    copies, for modules that are not FSDP1-wrapped). A plain module's comes from its
+    own state_dict() (see _plain; tests/python/test_torch_v2.py checks that both agree)."""
+    if plain if plain is not None else _plain(mod):
+        return {_plain_fqn(k): v for k, v in mod.state_dict().items()}
     return _dsd.get_model_state_dict(mod)
 
 
@@ -292,7 +319,8 @@ def _optimizer_state(opt, names):
     the optimizer has state (it would otherwise take a zero-lr step to create it)."""
     params, pnames = names.optimizer_params(opt)
     mod = names.owner(opt)
-    if mod is not None and opt.state:
+    # for a plain module, the renaming below is what get_optimizer_state_dict does
+    if mod is not None and opt.state and not names.plain[id(mod)]:
         osd = _dsd.get_optimizer_state_dict(mod, opt)
         return dict(osd["state"]), [dict(g) for g in osd["param_groups"]]
     sd = opt.state_dict()
@@ -432,7 +460,8 @@ def _flatten(state, rng):
         if isinstance(value, torch.Tensor):
             entries[key] = {"type": "tensor", "value": flat.tensor(key, value)}
         elif isinstance(value, torch.nn.Module):
-            entries[key] = {"type": "module", "state": flat.enc(_model_state(value), key)}
+            entries[key] = {"type": "module",
+                            "state": flat.enc(_model_state(value, names.plain[id(value)]), key)}
         elif isinstance(value, torch.optim.Optimizer):
             entries[key] = flat.optimizer(value, key, names)
         elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):

@@ -211,3 +211,50 @@ def test_a_load_of_the_latest_step_seeds_the_next_delta(tmp_path, policy):
             first = got
     assert got == first
     del model, opt, sched
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied, as GPT-2's LM head
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+@pytest.mark.parametrize("kind", ["plain", "tied", "compiled", "nested_compiled"])
+def test_the_fast_state_dict_of_a_plain_module_is_what_dcp_state_dict_gives(kind):
+    """save() names plain modules' tensors from state_dict() instead of
+    get_model_state_dict/get_optimizer_state_dict (much cheaper); both must agree on
+    names, tensors (the same memory) and optimizer state."""
+    from torch.distributed.checkpoint import state_dict as dsd
+    from amber.torch import _Names, _model_state, _optimizer_state
+    torch.manual_seed(0)
+    mod = _Tied() if kind == "tied" else torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))
+    if kind == "compiled":
+        mod = torch.compile(mod)
+    if kind == "nested_compiled":
+        mod = torch.nn.ModuleDict({"a": torch.compile(mod), "b": torch.nn.Linear(2, 2)})
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-2)
+    for p in mod.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    names = _Names({"m": mod, "o": opt})
+    # a compiled submodule takes the slow path (DCP orders its tensors differently)
+    assert names.plain[id(mod)] == (kind != "nested_compiled")
+    fast, slow = _model_state(mod, names.plain[id(mod)]), dsd.get_model_state_dict(mod)
+    assert list(fast) == list(slow)
+    for k in slow:
+        assert fast[k].data_ptr() == slow[k].data_ptr() and fast[k].shape == slow[k].shape, k
+    state, groups = _optimizer_state(opt, names)
+    osd = dsd.get_optimizer_state_dict(mod, opt)
+    assert list(state) == list(osd["state"])
+    for fqn, s in osd["state"].items():
+        assert list(state[fqn]) == list(s)
+        for k, v in s.items():
+            assert torch.equal(state[fqn][k], v), (fqn, k)
+    assert [g["params"] for g in groups] == [g["params"] for g in osd["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]

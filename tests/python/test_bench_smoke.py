@@ -1,0 +1,32 @@
+"""bench/torch_bench.py runs (small model, one round) and reports every figure."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_torch_bench_quick_reports_every_figure(tmp_path):
+    out = tmp_path / "res.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "torch_bench.py"), "--quick",
+                        "--repeat", "1", "--deltas", "2", "--out", str(tmp_path / "scratch"),
+                        "--json", str(out), "--markdown"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    want = {"torch_save", "st_save", "dcp_save_t1", "dcp_save_t2", "dcp_async_stall",
+            "dcp_async_durable", "amber_full", "amber_full_stall", "amber_delta",
+            "amber_delta_stall", "first_after_load", "first_after_load_stall", "torch_load",
+            "st_load", "dcp_load", "amber_load", "amber_load_ro", "delta_floor",
+            "amber_full_bytes", "amber_delta_bytes"}
+    assert want <= set(res["figures"]), want - set(res["figures"])
+    for k in want:
+        v = res["figures"][k]["median"]
+        assert math.isfinite(v) and v > 0, (k, v)
+    # a lossy delta of a few steps is far smaller than a full checkpoint
+    assert res["figures"]["amber_delta_bytes"]["median"] < 0.2 * res["figures"]["amber_full_bytes"]["median"]
+    assert len(res["targets"]) == 8 and all(isinstance(t["met"], bool) for t in res["targets"])
+    assert "| target |" in p.stdout and "dcp.load" in p.stdout
+    assert not (tmp_path / "scratch").exists()  # the scratch directory is removed
