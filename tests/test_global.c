@@ -278,6 +278,28 @@ static void test_region_outside_or_wrong_size_is_refused(void) {
   amber_global_reader_close(g);
 }
 
+static void test_cli_ls_and_verify_on_a_multi_rank_store(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 2, -1, 0, NULL);
+  char out[4200];
+  snprintf(out, sizeof out, "%s/ls.json", p);
+  CHECK(tu_system("%s ls %s --json > %s", AMBER_CLI, p, out) == 0);
+  size_t len;
+  char *txt = (char *)tu_read_file(out, &len);
+  CHECK(txt && strstr(txt, "\"world_size\": 4") && strstr(txt, "\"kind\": \"delta\""));
+  free(txt);
+  CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+  /* Damage rank 3's file of step 2: verify fails and names the rank. */
+  char f[4200];
+  snprintf(f, sizeof f, "%s/rank-00003/ckpt-%020d.amber", p, 2);
+  CHECK(tu_flip_byte(f, 100, 0x10) == 0);
+  snprintf(out, sizeof out, "%s/verify.txt", p);
+  CHECK(tu_system("%s verify %s > %s", AMBER_CLI, p, out) != 0);
+  txt = (char *)tu_read_file(out, &len);
+  CHECK(txt && strstr(txt, "rank 3"));
+  free(txt);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -288,5 +310,6 @@ int main(void) {
   TEST_RUN(test_delta_chain_across_ranks_and_world_size_change);
   TEST_RUN(test_lossy_policy_resharded_within_bound);
   TEST_RUN(test_region_outside_or_wrong_size_is_refused);
+  TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);
   return tu_finish();
 }

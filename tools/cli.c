@@ -639,7 +639,76 @@ static int check_empty(amber_store *st, const char *path) {
 
 /* ---- ls ----------------------------------------------------------------------- */
 
+/* ---- multi-rank stores (ls, verify) ------------------------------------------- */
+
+static int global_ls(const args *a) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  int rc = amber_global_list(a->pos[0], &gs, &n);
+  if (rc) return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]), 1;
+  int ret = 0;
+  if (a->json) {
+    json_t *arr = json_array();
+    for (size_t i = 0; arr && i < n; i++) {
+      json_t *o = json_pack("{s:o,s:s,s:o,s:o,s:o}", "step", ju64(gs[i].step), "kind",
+                            kind_name(gs[i].kind), "parent", jstep_or_null(gs[i].parent),
+                            "bytes", ju64(gs[i].bytes), "world_size",
+                            ju64(gs[i].world_size));
+      if (json_array_append_new(arr, o) != 0) {
+        json_decref(arr);
+        arr = NULL;
+      }
+    }
+    ret = print_json(arr);
+  } else {
+    if (n)
+      printf("%-20s  %-5s  %-20s  %14s  %s\n", "step", "kind", "parent", "bytes", "world_size");
+    for (size_t i = 0; i < n; i++) {
+      char parent[24] = "-";
+      if (gs[i].parent != AMBER_NO_STEP)
+        snprintf(parent, sizeof parent, "%" PRIu64, gs[i].parent);
+      printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %u\n", gs[i].step,
+             kind_name(gs[i].kind), parent, gs[i].bytes, gs[i].world_size);
+    }
+  }
+  amber_free(gs);
+  return ret;
+}
+
+static int global_verify(const args *a) {
+  amber_global_step_info one = {.step = a->step}, *gs = &one;
+  size_t n = 1;
+  if (!a->have_step) {
+    int rc = amber_global_list(a->pos[0], &gs, &n);
+    if (rc) return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]), 1;
+  }
+  json_t *arr = a->json ? json_array() : NULL;
+  int bad = (a->json && !arr) || n == 0;
+  for (size_t i = 0; i < n; i++) {
+    amber_global_reader *g = NULL;
+    int rc = amber_global_reader_open(&g, a->pos[0], gs[i].step);
+    char why[1200] = "";
+    if (rc == 0) rc = amber_global_reader_verify(g);
+    if (rc) snprintf(why, sizeof why, "%s", amber_last_error(g));
+    amber_global_reader_close(g);
+    bad |= rc != 0;
+    if (arr) {
+      json_t *o = json_pack("{s:o,s:b,s:s?}", "step", ju64(gs[i].step), "ok", rc == 0,
+                            "error", rc ? why : NULL);
+      if (json_array_append_new(arr, o) != 0) bad = 1;
+    } else if (rc) {
+      printf("step %" PRIu64 ": FAILED: %s\n", gs[i].step, why);
+    } else {
+      printf("step %" PRIu64 ": ok\n", gs[i].step);
+    }
+  }
+  if (a->json && print_json(arr)) bad = 1;
+  if (gs != &one) amber_free(gs);
+  return bad;
+}
+
 static int cmd_ls(const args *a) {
+  if (amber_global_is_store(a->pos[0])) return global_ls(a);
   amber_store *st = NULL;
   if (open_store_ro(a->pos[0], &st)) return 1;
   amber_ckpt_info *ck = NULL;
@@ -809,6 +878,7 @@ static int verify_step(amber_store *st, uint64_t step, char *why, size_t len) {
 }
 
 static int cmd_verify(const args *a) {
+  if (amber_global_is_store(a->pos[0])) return global_verify(a);
   amber_store *st = NULL;
   if (open_store_ro(a->pos[0], &st)) return 1;
   amber_ckpt_info one = {.step = a->step}, *ck = &one;
