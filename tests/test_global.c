@@ -300,6 +300,40 @@ static void test_cli_ls_and_verify_on_a_multi_rank_store(void) {
   free(txt);
 }
 
+static void overlap_main(const amber_comm *c, void *arg) {
+  const char *path = arg;
+  amber_global_writer *gw;
+  int rc = amber_global_writer_open(&gw, path, c, NULL);
+  RCHECK(rc == 0);
+  if (rc < 0) return;
+  int64_t g[2] = {ROWS, COLS}, off[2] = {0, 0}, sh[2] = {ROWS / 2 + 1, COLS};
+  float w[(ROWS / 2 + 1) * COLS];
+  memset(w, 0, sizeof w);
+  off[0] = c->rank ? ROWS / 2 - 1 : 0; /* the ranks' boxes overlap by two rows */
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+  rc = amber_global_writer_save(gw, 1, 0);
+  RCHECK(rc == AMBER_EMISMATCH);
+  RCHECK(strstr(amber_last_error(gw), "tensor 'w'") != NULL);
+  amber_global_writer_close(gw);
+}
+
+static void test_shards_that_do_not_tile_fail_the_step_on_every_rank(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  tc_run(2, overlap_main, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_step_info *info;
+  size_t n = 9;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 0);
+  amber_free(info);
+  for (int r = 0; r < 2; r++) {
+    char f[4200];
+    snprintf(f, sizeof f, "%s/rank-%05d/ckpt-%020d.amber", p, r, 1);
+    CHECK(access(f, F_OK) != 0);
+  }
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -311,5 +345,6 @@ int main(void) {
   TEST_RUN(test_lossy_policy_resharded_within_bound);
   TEST_RUN(test_region_outside_or_wrong_size_is_refused);
   TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);
+  TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
   return tu_finish();
 }
