@@ -13,14 +13,22 @@ for f in include/amber.h lib/libamber.a lib/libamber.so lib/pkgconfig/amber.pc b
 done
 readlink "$tmp/prefix/lib/libamber.so" | grep -q '^libamber.so.0' || { echo "no versioned soname"; exit 1; }
 # The library's boundary: it needs no JSON library (the CLI's safetensors code and
-# --json output use jansson, on the CLI's side), and installs one header.
+# --json output use jansson, on the CLI's side), and installs one header (besides
+# amber_mpi.h of the optional libamber_mpi, which alone needs MPI).
 if readelf -d "$tmp/prefix/lib/libamber.so" | grep -qi jansson; then
   echo "libamber.so needs jansson"; exit 1
 fi
 if grep -qi jansson "$tmp/prefix/lib/pkgconfig/amber.pc" "$tmp/prefix/lib/cmake/amber/"*.cmake; then
   echo "amber.pc or the CMake package asks for jansson"; exit 1
 fi
-[ "$(ls "$tmp/prefix/include")" = amber.h ] || { echo "headers other than amber.h installed"; exit 1; }
+headers=$(ls "$tmp/prefix/include" | tr '\n' ' ')
+case "$headers" in
+  "amber.h " | "amber.h amber_mpi.h ") ;;
+  *) echo "headers other than amber.h (and amber_mpi.h) installed: $headers"; exit 1 ;;
+esac
+if readelf -d "$tmp/prefix/lib/libamber.so" | grep -qi mpi; then
+  echo "libamber.so needs MPI"; exit 1
+fi
 cat > "$tmp/use.c" <<'C'
 #include <amber.h>
 #include <stdio.h>
