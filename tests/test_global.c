@@ -334,6 +334,32 @@ static void test_shards_that_do_not_tile_fail_the_step_on_every_rank(void) {
   }
 }
 
+/* Golden multi-rank stores (format 1.2), which must load forever: 3 steps (full,
+ * delta, delta) written at 2 ranks by rows and at 4 ranks by columns. With
+ * AMBER_WRITE_GOLDEN set, (re)writes them into tests/golden/. */
+static void test_golden_multi_rank_stores_load(void) {
+  const char *gen = getenv("AMBER_WRITE_GOLDEN");
+  for (int k = 0; k < 2; k++) {
+    int n = k ? 4 : 2, cols = k;
+    char p[4200];
+    snprintf(p, sizeof p, "%s/tests/golden/v1.2-ranks%d", AMBER_SOURCE_DIR, n);
+    if (gen) {
+      tu_rm_rf(p);
+      run_job(p, n, cols, 1, 3, -1, 0, NULL);
+      tu_system("find %s -name .lock -delete", p);
+    }
+    for (uint64_t s = 1; s <= 3; s++) {
+      check_read(p, s, s, 1, 0, 0);
+      check_read(p, s, s, 3, !cols, 0);
+    }
+    amber_global_step_info *info;
+    size_t cnt = 0;
+    CHECK_OK(amber_global_list(p, &info, &cnt));
+    CHECK(cnt == 3 && info[0].world_size == (uint32_t)n && info[2].kind == AMBER_KIND_DELTA);
+    amber_free(info);
+  }
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -346,5 +372,6 @@ int main(void) {
   TEST_RUN(test_region_outside_or_wrong_size_is_refused);
   TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);
   TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
+  TEST_RUN(test_golden_multi_rank_stores_load);
   return tu_finish();
 }
