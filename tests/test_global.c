@@ -289,6 +289,20 @@ static void test_cli_ls_and_verify_on_a_multi_rank_store(void) {
   CHECK(txt && strstr(txt, "\"world_size\": 4") && strstr(txt, "\"kind\": \"delta\""));
   free(txt);
   CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+  /* export: one safetensors file of the consolidated global tensors. */
+  snprintf(out, sizeof out, "%s/x.safetensors", p);
+  CHECK(tu_system("%s export %s -o %s > /dev/null", AMBER_CLI, p, out) == 0);
+  uint8_t *st = tu_read_file(out, &len);
+  float w[ROWS * COLS];
+  int64_t o[2] = {0, 0}, g[2] = {ROWS, COLS};
+  fill_w(w, o, g, 2);
+  CHECK(st && len > 8 + sizeof w);
+  if (st && len > 8 + sizeof w) {
+    uint64_t hl = 0;
+    memcpy(&hl, st, 8);
+    CHECK(8 + hl + sizeof w <= len && memcmp(st + 8 + hl, w, sizeof w) == 0);
+  }
+  free(st);
   /* Damage rank 3's file of step 2: verify fails and names the rank. */
   char f[4200];
   snprintf(f, sizeof f, "%s/rank-00003/ckpt-%020d.amber", p, 2);

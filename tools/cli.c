@@ -455,6 +455,8 @@ static int sync_parent(const char *path) {
 
 typedef struct export_job {
   amber_reader *r;
+  amber_global_reader *g; /* instead of r, for a multi-rank store */
+  uint64_t step;
   const amber__st_tensor *t;
   size_t n;
   const uint8_t *hdr;
@@ -476,15 +478,18 @@ static void progress(const export_job *j, size_t done, uint64_t bytes, double *l
 
 /* Writes the header and every tensor to fd. */
 static int export_data(const export_job *j, int fd) {
-  uint64_t step = amber_reader_step(j->r), done = 0;
+  uint64_t step = j->step, done = 0;
+  int64_t zero[AMBER_MAX_DIMS] = {0};
   int tty = isatty(STDERR_FILENO) && j->total >= (64u << 20);
   double last = 0;
   if (write_all(fd, j->hdr, j->hdr_len)) return sys_fail("writing %s", tmp_path);
   for (size_t i = 0; i < j->n; i++) {
-    int rc = amber_reader_read(j->r, i, j->buf, j->t[i].nbytes);
+    int rc = j->g ? amber_global_reader_read(j->g, i, zero, j->t[i].shape, j->buf,
+                                             j->t[i].nbytes)
+                  : amber_reader_read(j->r, i, j->buf, j->t[i].nbytes);
     if (rc && last > 0) fputc('\n', stderr); /* end the progress line */
     if (rc)
-      return fail(rc, j->r, "reading tensor '%s' of step %" PRIu64 " of %s", j->t[i].name,
+      return fail(rc, j->g ? (const void *)j->g : (const void *)j->r, "reading tensor '%s' of step %" PRIu64 " of %s", j->t[i].name,
                   step, j->store);
     if (write_all(fd, j->buf, j->t[i].nbytes)) return sys_fail("writing %s", tmp_path);
     done += j->t[i].nbytes;
@@ -566,7 +571,7 @@ static char *export_metadata(amber_reader *r, uint64_t step) {
 }
 
 static int export_report(const args *a, const export_job *j, double secs) {
-  uint64_t step = amber_reader_step(j->r);
+  uint64_t step = j->step;
   if (a->json)
     return print_json(json_pack("{s:o,s:s,s:s,s:I,s:o,s:f}", "step", ju64(step), "store",
                                 j->store, "file", j->out, "tensors", (json_int_t)j->n,
@@ -577,8 +582,56 @@ static int export_report(const args *a, const export_job *j, double secs) {
   return 0;
 }
 
+/* export of a multi-rank store: the consolidated global tensors, as if the state had
+ * never been sharded. */
+static int global_export(const args *a, double t0) {
+  amber_global_reader *g = NULL;
+  int rc = amber_global_reader_open(&g, a->pos[0], a->have_step ? a->step : AMBER_LATEST);
+  if (rc) return fail(rc, NULL, "cannot open multi-rank store %s", a->pos[0]), 1;
+  export_job j = {.g = g, .step = amber_global_reader_step(g),
+                  .n = amber_global_reader_count(g), .store = a->pos[0], .out = a->out};
+  uint64_t max = 0;
+  amber__st_tensor *t = calloc(j.n ? j.n : 1, sizeof *t);
+  uint8_t *hdr = NULL;
+  int ret = 1;
+  rc = t ? 0 : AMBER_ENOMEM;
+  for (size_t i = 0; i < j.n && !rc; i++) {
+    amber_global_tensor gt;
+    if ((rc = amber_global_reader_tensor(g, i, &gt)) != 0) break;
+    t[i].name = (char *)gt.name;
+    t[i].dtype = gt.dtype;
+    t[i].ndim = gt.ndim;
+    memcpy(t[i].shape, gt.shape, sizeof t[i].shape);
+    uint64_t n = amber_dtype_size(gt.dtype);
+    for (uint32_t d = 0; d < gt.ndim; d++) n *= (uint64_t)gt.shape[d];
+    t[i].nbytes = n;
+    j.total += n;
+    if (n > max) max = n;
+  }
+  char err[512] = "";
+  if (rc) {
+    fail(rc, NULL, "reading the tensor list of step %" PRIu64 " of %s", j.step, a->pos[0]);
+  } else if ((rc = amber__st_format_header(t, j.n, NULL, 0, &hdr, &j.hdr_len, err,
+                                           sizeof err)) != 0) {
+    fprintf(stderr, "amber: cannot export step %" PRIu64 " of %s as safetensors: %s\n",
+            j.step, a->pos[0], err);
+  } else if (max > SIZE_MAX || !(j.buf = malloc(max ? (size_t)max : 1))) {
+    fprintf(stderr, "amber: out of memory for a %" PRIu64 "-byte tensor buffer\n", max);
+  } else {
+    j.t = t;
+    j.hdr = hdr;
+    if (export_file(&j) == 0) ret = export_report(a, &j, now() - t0);
+  }
+  free(j.buf);
+  free(hdr);
+  free(t);
+  amber_global_reader_close(g);
+  return ret;
+}
+
 static int cmd_export(const args *a) {
   double t0 = now();
+  if (amber_global_is_store(a->pos[0])) return global_export(a, t0);
   amber_store *st = NULL;
   amber_reader *r = NULL;
   if (open_store_ro(a->pos[0], &st)) return 1;
@@ -586,8 +639,9 @@ static int cmd_export(const args *a) {
     amber_store_close(st);
     return 1;
   }
-  export_job j = {.r = r, .n = amber_reader_count(r), .store = a->pos[0], .out = a->out};
-  uint64_t step = amber_reader_step(r), max = 0;
+  export_job j = {.r = r, .step = amber_reader_step(r), .n = amber_reader_count(r),
+                  .store = a->pos[0], .out = a->out};
+  uint64_t step = j.step, max = 0;
   amber__st_tensor *t = calloc(j.n ? j.n : 1, sizeof *t);
   char *meta = export_metadata(r, step);
   uint8_t *hdr = NULL;
