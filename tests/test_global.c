@@ -289,6 +289,11 @@ static void test_cli_ls_and_verify_on_a_multi_rank_store(void) {
   CHECK(txt && strstr(txt, "\"world_size\": 4") && strstr(txt, "\"kind\": \"delta\""));
   free(txt);
   CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+  snprintf(out, sizeof out, "%s/info.json", p);
+  CHECK(tu_system("%s info %s --json > %s", AMBER_CLI, p, out) == 0);
+  txt = (char *)tu_read_file(out, &len);
+  CHECK(txt && strstr(txt, "\"world_size\": 4") && strstr(txt, "\"shards\": 4"));
+  free(txt);
   /* export: one safetensors file of the consolidated global tensors. */
   snprintf(out, sizeof out, "%s/x.safetensors", p);
   CHECK(tu_system("%s export %s -o %s > /dev/null", AMBER_CLI, p, out) == 0);
@@ -374,6 +379,35 @@ static void test_golden_multi_rank_stores_load(void) {
   }
 }
 
+static void self_main(const char *p, uint64_t step) {
+  amber_global_writer *gw = NULL;
+  CHECK_OK(amber_global_writer_open(&gw, p, amber_comm_self(), NULL));
+  if (!gw) return;
+  float w[ROWS * COLS], b[BIAS];
+  int64_t g[2] = {ROWS, COLS}, o[2] = {0, 0}, bs[1] = {BIAS};
+  fill_w(w, o, g, step);
+  for (int i = 0; i < BIAS; i++) b[i] = bval(i, step);
+  CHECK_OK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, o, g, w, 0));
+  CHECK_OK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bs, NULL, NULL, b,
+                                   AMBER_SHARD_REPLICATED));
+  CHECK_OK(amber_global_writer_save(gw, step, 0));
+  CHECK_RC(amber_global_writer_save(gw, step, 0), AMBER_EEXIST);
+  amber_global_writer_close(gw);
+}
+
+static void test_one_rank_through_amber_comm_self(void) {
+  const char *p = tu_tmpdir();
+  self_main(p, 1);
+  self_main(p, 2); /* a new writer on the same store: a delta after the first */
+  check_read(p, 1, 1, 2, 1, 0);
+  check_read(p, 2, 2, 4, 0, 0);
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 2 && info[1].kind == AMBER_KIND_DELTA && info[1].world_size == 1);
+  amber_free(info);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -387,5 +421,6 @@ int main(void) {
   TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);
   TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
   TEST_RUN(test_golden_multi_rank_stores_load);
+  TEST_RUN(test_one_rank_through_amber_comm_self);
   return tu_finish();
 }

@@ -890,7 +890,47 @@ static void info_text(amber_reader *r, const amber_ckpt_info *ci) {
   }
 }
 
+/* info of a multi-rank store: the global tensor table of one step. */
+static int global_info(const args *a) {
+  amber_global_reader *g = NULL;
+  int rc = amber_global_reader_open(&g, a->pos[0], a->have_step ? a->step : AMBER_LATEST);
+  if (rc) return fail(rc, NULL, "cannot open multi-rank store %s", a->pos[0]), 1;
+  size_t n = amber_global_reader_count(g);
+  int ret = 0;
+  json_t *arr = a->json ? json_array() : NULL;
+  if (!a->json)
+    printf("step %" PRIu64 ", world size %u, %zu tensors\n", amber_global_reader_step(g),
+           amber_global_reader_world_size(g), n);
+  for (size_t i = 0; i < n; i++) {
+    amber_global_tensor t;
+    amber_global_reader_tensor(g, i, &t);
+    char shape[256] = "";
+    size_t o = 0;
+    for (uint32_t d = 0; d < t.ndim && o < sizeof shape - 24; d++)
+      o += (size_t)snprintf(shape + o, sizeof shape - o, "%s%" PRId64, d ? "," : "", t.shape[d]);
+    if (arr) {
+      json_t *sh = json_array();
+      for (uint32_t d = 0; sh && d < t.ndim; d++) json_array_append_new(sh, json_integer(t.shape[d]));
+      json_array_append_new(arr, json_pack("{s:s,s:s,s:o,s:I,s:b}", "name", t.name, "dtype",
+                                           amber_dtype_name(t.dtype), "shape", sh, "shards",
+                                           (json_int_t)t.nshards, "replicated",
+                                           (t.flags & AMBER_SHARD_REPLICATED) != 0));
+    } else {
+      printf("  %-40s %-5s [%s]  %u shard%s%s\n", t.name, amber_dtype_name(t.dtype), shape,
+             t.nshards, t.nshards == 1 ? "" : "s",
+             (t.flags & AMBER_SHARD_REPLICATED) ? " (replicated)" : "");
+    }
+  }
+  if (a->json)
+    ret = print_json(json_pack("{s:o,s:I,s:o}", "step", ju64(amber_global_reader_step(g)),
+                               "world_size", (json_int_t)amber_global_reader_world_size(g),
+                               "tensors", arr ? arr : json_array()));
+  amber_global_reader_close(g);
+  return ret;
+}
+
 static int cmd_info(const args *a) {
+  if (amber_global_is_store(a->pos[0])) return global_info(a);
   amber_store *st = NULL;
   amber_reader *r = NULL;
   if (open_store_ro(a->pos[0], &st)) return 1;
