@@ -299,7 +299,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   }
   if (rc < 0) {
     gw->begin_rc = rc;
-    snprintf(gw->begin_msg, sizeof gw->begin_msg, "%s", gw->err.msg);
+    snprintf(gw->begin_msg, sizeof gw->begin_msg, "%.255s", gw->err.msg);
   }
   return 0; /* a failure here is this rank's vote, reported by wait on every rank */
 }

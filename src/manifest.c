@@ -96,7 +96,13 @@ void amber__manifest_free(amber__manifest *m) {
   memset(m, 0, sizeof *m);
 }
 
-#define BAD(...) (amber__manifest_free(m), amber__fail(e, AMBER_ECORRUPT, __VA_ARGS__))
+/* Frees what was decoded so far once the message (which may name a tensor of it)
+ * has been formatted. */
+static int bad(amber__manifest *m, int rc) {
+  amber__manifest_free(m);
+  return rc;
+}
+#define BAD(...) bad(m, amber__fail(e, AMBER_ECORRUPT, __VA_ARGS__))
 
 int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, size_t len,
                            amber__manifest *m) {

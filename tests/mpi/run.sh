@@ -8,6 +8,11 @@ dir=$(mktemp -d "${TMPDIR:-/tmp}/amber-mpi-XXXXXX") || exit 1
 trap 'rm -rf "$dir"' EXIT
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMPI_MCA_rmaps_base_oversubscribe=1
+# Under ASan, OpenMPI's own allocations show as leaks, mostly from its plugins,
+# which it unloads before the leak check can name them, so no suppression can be
+# narrower than the whole process: leak checking is off here only (amber's code
+# is leak-checked with the threads communicator in test_global).
+export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
 rc=0
 for n in 2 4; do
   timeout -k 10 120 mpirun --allow-run-as-root --oversubscribe -np "$n" "$exe" "$dir/s$n" || rc=1
