@@ -195,7 +195,7 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
     if (!cnt) continue;
     amber_reader *r;
     int rc = rank_reader(g, sh->rank, &r);
-    if (rc < 0) return rc;
+    if (rc < 0) return amber__fail(&g->err, rc, "tensor '%s': %s", t->name, g->err.msg);
     size_t li;
     amber_tensor_info ti;
     rc = amber_reader_find(r, t->name, &li);

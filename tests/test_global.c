@@ -408,6 +408,27 @@ static void test_one_rank_through_amber_comm_self(void) {
   amber_free(info);
 }
 
+static void test_missing_rank_file_names_the_rank_and_tensor(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 1, -1, 0, NULL);
+  char f[4200];
+  snprintf(f, sizeof f, "%s/rank-00002/ckpt-%020d.amber", p, 1);
+  CHECK(unlink(f) == 0);
+  amber_global_reader *g;
+  CHECK_OK(amber_global_reader_open(&g, p, 1));
+  if (!g) return;
+  float row[COLS];
+  int64_t off[2] = {0, 0}, sh[2] = {1, COLS};
+  CHECK_OK(amber_global_reader_read(g, 0, off, sh, row, sizeof row)); /* rank 0's rows */
+  off[0] = ROWS - 4; /* rank 2's rows */
+  CHECK(amber_global_reader_read(g, 0, off, sh, row, sizeof row) < 0);
+  CHECK(strstr(amber_last_error(g), "rank 2") != NULL);
+  CHECK(strstr(amber_last_error(g), "tensor 'w'") != NULL);
+  CHECK(strstr(amber_last_error(g), "rank-00002") != NULL);
+  CHECK(amber_global_reader_verify(g) < 0);
+  amber_global_reader_close(g);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -422,5 +443,6 @@ int main(void) {
   TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
   TEST_RUN(test_golden_multi_rank_stores_load);
   TEST_RUN(test_one_rank_through_amber_comm_self);
+  TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   return tu_finish();
 }
