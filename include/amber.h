@@ -625,6 +625,13 @@ AMBER_API int amber_global_is_store(const char *path);
 AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
                                 size_t *count);
 
+/* Keeps the newest `keep_last` (>= 1) global steps of store `path` and removes the
+ * others' manifests, then prunes each rank's store so that it keeps every file the
+ * kept steps need (as amber_store_prune does, per rank). Takes each rank store's
+ * writer lock in turn: AMBER_ELOCKED while a global writer is open. *removed (may
+ * be NULL) gets the number of global steps removed. */
+AMBER_API int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed);
+
 typedef struct amber_global_reader amber_global_reader;
 
 /* One global tensor of a step. */

@@ -536,3 +536,60 @@ int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t fl
   if (rc < 0) return rc;
   return amber_global_writer_wait(gw);
 }
+
+/* ---- prune ---- */
+
+/* Prunes rank store `dir` so that it keeps every step from `oldest` on. */
+static int prune_rank(const char *dir, uint64_t oldest) {
+  amber_store *st;
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_NOCREATE;
+  int rc = amber_store_open(&st, dir, &so);
+  if (rc < 0) return amber__fail(NULL, rc, "%s", amber_last_error(NULL));
+  amber_ckpt_info *info = NULL;
+  size_t n = 0, keep = 0, removed;
+  rc = amber_store_list(st, &info, &n);
+  for (size_t i = 0; rc == 0 && i < n; i++) keep += info[i].step >= oldest;
+  amber_free(info);
+  if (rc == 0 && keep) rc = amber_store_prune(st, keep, &removed);
+  if (rc < 0) rc = amber__fail(NULL, rc, "%s", amber_last_error(st));
+  amber_store_close(st);
+  return rc;
+}
+
+int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
+  if (removed) *removed = 0;
+  if (keep_last == 0) return amber__fail(NULL, AMBER_EINVAL, "keep_last must be at least 1");
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  int rc = amber_global_list(path, &gs, &n);
+  if (rc < 0) return rc;
+  if (n <= keep_last) {
+    amber_free(gs);
+    return 0;
+  }
+  uint64_t oldest = gs[n - keep_last].step;
+  /* Manifests first: a crash between the two steps leaves rank files that no step
+   * names, never a step whose files are gone. */
+  char p[4200];
+  for (size_t i = 0; i < n - keep_last; i++) {
+    amber__global_manifest_path(path, gs[i].step, p, sizeof p);
+    if (unlink(p) < 0 && errno != ENOENT) {
+      rc = amber__fail(NULL, amber__errno_code(errno), "cannot remove %s: %s", p,
+                       strerror(errno));
+      break;
+    }
+    if (removed) (*removed)++;
+  }
+  amber_free(gs);
+  if (rc == 0 && amber__fsync_dir(path) < 0)
+    rc = amber__fail(NULL, AMBER_EIO, "%s: fsync of the directory failed", path);
+  for (uint32_t r = 0; rc == 0; r++) {
+    amber__global_rank_path(path, r, p, sizeof p);
+    struct stat sb;
+    if (stat(p, &sb) < 0) break; /* ranks are numbered without gaps */
+    rc = prune_rank(p, oldest);
+  }
+  return rc;
+}

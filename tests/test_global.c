@@ -58,6 +58,7 @@ typedef struct job {
   uint64_t fail_step;
   const char *policy;
   int expect_fail_seen;
+  uint32_t full_every;   /* 0: the default */
 } job;
 
 /* This rank's box of "w" when it is split in `n` parts along one dimension. */
@@ -79,7 +80,10 @@ static void block_step(const char *path, int rank, uint64_t step, int on) {
 static void rank_main(const amber_comm *c, void *arg) {
   job *jb = arg;
   amber_global_writer *gw;
-  int rc = amber_global_writer_open(&gw, jb->path, c, NULL);
+  amber_writer_opts wo;
+  amber_writer_opts_init(&wo);
+  wo.full_every = jb->full_every;
+  int rc = amber_global_writer_open(&gw, jb->path, c, &wo);
   RCHECK(rc == 0);
   if (rc < 0) return;
   int64_t gshape[2] = {ROWS, COLS}, off[2], shape[2], bshape[1] = {BIAS};
@@ -119,7 +123,7 @@ static void rank_main(const amber_comm *c, void *arg) {
 
 static void run_job(const char *path, int n, int by_cols, uint64_t first, uint64_t last,
                     int fail_rank, uint64_t fail_step, const char *policy) {
-  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0};
+  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0};
   atomic_store(&rank_fails, 0);
   tc_run(n, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -429,6 +433,31 @@ static void test_missing_rank_file_names_the_rank_and_tensor(void) {
   amber_global_reader_close(g);
 }
 
+static void test_prune_keeps_what_the_kept_steps_need(void) {
+  const char *p = tu_tmpdir();
+  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2}; /* full at 1 and 4 */
+  atomic_store(&rank_fails, 0);
+  tc_run(4, rank_main, &jb);
+  CHECK(atomic_load(&rank_fails) == 0);
+  size_t removed = 0;
+  CHECK_OK(amber_global_prune(p, 2, &removed));
+  CHECK(removed == 4);
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 2 && info[0].step == 5);
+  amber_free(info);
+  check_read(p, 5, 5, 3, 1, 0);
+  check_read(p, 6, 6, 1, 0, 0);
+  char f[4200];
+  for (int s = 1; s <= 4; s++) {
+    snprintf(f, sizeof f, "%s/rank-00001/ckpt-%020d.amber", p, s);
+    CHECK((access(f, F_OK) == 0) == (s == 4)); /* 4 is the full that 5 and 6 need */
+  }
+  CHECK(tu_system("%s prune %s --keep-last 1 > /dev/null", AMBER_CLI, p) == 0);
+  check_read(p, 6, 6, 2, 0, 0);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -444,5 +473,6 @@ int main(void) {
   TEST_RUN(test_golden_multi_rank_stores_load);
   TEST_RUN(test_one_rank_through_amber_comm_self);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
+  TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
   return tu_finish();
 }

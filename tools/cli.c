@@ -1051,6 +1051,14 @@ static int cmd_compact(const args *a) {
 }
 
 static int cmd_prune(const args *a) {
+  if (amber_global_is_store(a->pos[0])) {
+    size_t removed = 0;
+    int rc = amber_global_prune(a->pos[0], a->keep_last, &removed);
+    if (rc) return fail(rc, NULL, "cannot prune %s", a->pos[0]), 1;
+    if (a->json) return print_json(json_pack("{s:o}", "removed", ju64(removed)));
+    printf("removed %zu global step%s\n", removed, removed == 1 ? "" : "s");
+    return 0;
+  }
   amber_store *st = NULL;
   if (open_store_rw(a->pos[0], &st)) return 1;
   size_t removed = 0;
