@@ -173,6 +173,12 @@ class Writer(StorageWriter, AsyncStager):
         self._abort()
         self._drop()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
     def __del__(self):
         try:
             self.close()
