@@ -30,11 +30,15 @@
 
 #include "ckpt.h"
 #include "codec.h"
+#include "format.h"
 #include "internal.h"
+#include "io.h"
 #include "names.h"
 #include "policy.h"
 #include "pool.h"
+#include "save_stats.h"
 #include "scan.h"
+#include "store.h"
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
