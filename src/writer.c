@@ -28,6 +28,7 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
 #include <xxhash.h>
 
+#include "cadence.h"
 #include "ckpt.h"
 #include "codec.h"
 #include "format.h"
@@ -88,9 +89,7 @@ struct amber_writer {
   /* the store as this writer knows it */
   int have_latest;
   uint64_t latest_step, latest_state;
-  uint64_t deltas_since_full, bytes_since_full, last_full_bytes;
-  uint32_t dense_backoff, fulls_to_go; /* dense deltas: fulls before the next try */
-  int cadence_known;
+  amber__cadence cadence;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
   amber__save_stats stats; /* of the last save */
   int prune_rc;             /* the prune after the last commit (keep_last) */
@@ -163,6 +162,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
   if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
+  amber__cadence_init(&w->cadence, w->opts.full_every, w->opts.full_share);
   pthread_mutex_init(&w->amu, NULL);
   pthread_cond_init(&w->acv, NULL);
   st->writers++;
@@ -752,22 +752,22 @@ static int same_tensors(amber_writer *w, amber_reader *r) {
 static void load_cadence(amber_writer *w) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
-  w->deltas_since_full = w->bytes_since_full = w->last_full_bytes = 0;
+  uint64_t full_bytes = 0, deltas = 0, delta_bytes = 0;
   if (amber__store_list(w->st, NULL, &info, &n) == 0) {
     uint64_t want = w->latest_step;
     for (size_t i = n; i-- > 0;) {
       if (info[i].step != want) continue;
       if (info[i].kind == AMBER_KIND_FULL) {
-        w->last_full_bytes = info[i].bytes;
+        full_bytes = info[i].bytes;
         break;
       }
-      w->deltas_since_full++;
-      w->bytes_since_full += info[i].bytes;
+      deltas++;
+      delta_bytes += info[i].bytes;
       want = info[i].parent;
     }
   }
   amber_free(info);
-  w->cadence_known = 1;
+  amber__cadence_learn(&w->cadence, full_bytes, deltas, delta_bytes);
 }
 
 /* Makes the reference equal to the latest checkpoint's restore; 1 if it could
@@ -859,12 +859,8 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
 
 static int want_full(amber_writer *w, uint32_t flags) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
-  if (!w->cadence_known) load_cadence(w);
-  if (w->opts.full_every != UINT32_MAX && w->deltas_since_full >= w->opts.full_every) return 1;
-  if (w->fulls_to_go) return 1; /* backing off after a dense delta */
-  if (w->opts.full_share > 0 && w->last_full_bytes &&
-      (double)w->bytes_since_full >= w->opts.full_share * (double)w->last_full_bytes)
-    return 1;
+  if (!w->cadence.known) load_cadence(w);
+  if (amber__cadence_decide(&w->cadence)) return 1;
   if (!w->ref_valid) w->ref_valid = load_reference(w);
   return !w->ref_valid;
 }
@@ -931,24 +927,7 @@ static int run_save(amber_writer *w, uint64_t step) {
   w->have_latest = 1;
   w->latest_step = step;
   w->latest_state = state;
-  if (w->delta) {
-    w->deltas_since_full++;
-    w->bytes_since_full += bytes;
-    /* A delta that alone reaches full_share of a full costs about as much to write
-     * and more to restore: write fulls for a while, twice as long each time. */
-    if (w->opts.full_share > 0 && w->last_full_bytes &&
-        (double)bytes >= w->opts.full_share * (double)w->last_full_bytes) {
-      w->dense_backoff = w->dense_backoff ? (w->dense_backoff >= 16 ? 32 : 2 * w->dense_backoff) : 1;
-      w->fulls_to_go = w->dense_backoff;
-    } else {
-      w->dense_backoff = 0;
-    }
-  } else {
-    w->deltas_since_full = w->bytes_since_full = 0;
-    w->last_full_bytes = bytes;
-    if (w->fulls_to_go) w->fulls_to_go--;
-  }
-  w->cadence_known = 1;
+  amber__cadence_record(&w->cadence, w->delta, bytes);
   if (w->opts.keep_last) prune(w);
   return 0;
 }
