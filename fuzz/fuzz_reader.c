@@ -27,7 +27,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "format.h"
 #include "internal.h"
+#include "io.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -23,7 +23,10 @@
 #include <xxhash.h>
 
 #include "ckpt.h"
+#include "format.h"
 #include "internal.h"
+#include "io.h"
+#include "store.h"
 
 /* ---- writing ---- */
 

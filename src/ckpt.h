@@ -12,6 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "format.h"
 #include "internal.h"
 
 /* The staging ring of a checkpoint file being written, unless the writer's

@@ -10,8 +10,8 @@
 
 #include <zstd.h>
 
-#include "internal.h"
 #include "codec.h"
+#include "internal.h"
 
 void amber__shuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t width) {
   if (width == 1) {

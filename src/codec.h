@@ -9,6 +9,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* Byte shuffle by element width (FORMAT.md "Encodings"). */
+void amber__shuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t width);
+void amber__unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t width);
+
 size_t amber__zstd_bound(size_t n);
 /* Compresses `n` bytes into dst (capacity `cap`, >= amber__zstd_bound(n)) as one
  * frame that declares its content size. */

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "format.h"
 #include "internal.h"
 
 static const uint8_t header_magic[8] = {0x89, 'A', 'M', 'B', 'R', '\r', '\n', 0x1a};

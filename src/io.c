@@ -25,6 +25,7 @@
 #include <xxhash.h>
 
 #include "internal.h"
+#include "io.h"
 
 /* Several writes in flight: virtual disks here complete two or more concurrent
  * large writes faster than one at a time. */

@@ -15,7 +15,10 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#include "format.h"
 #include "internal.h"
+#include "io.h"
+#include "store.h"
 
 /* Writes the full file for the reader's step, with state id `state_id`, into a
  * new temporary file next to `dst`, whose name goes to `tmp` (4200 bytes). */

@@ -17,9 +17,11 @@
 
 #include "ckpt.h"
 #include "codec.h"
+#include "format.h"
 #include "internal.h"
 #include "names.h"
 #include "pool.h"
+#include "store.h"
 
 /* What one worker needs to load and decode chunks. */
 typedef struct rctx {

@@ -5,6 +5,7 @@
  * change with the writer, so the fields are copied one by one.
  */
 #include "internal.h"
+#include "save_stats.h"
 
 int amber_writer_save_stats(const amber_writer *w, amber_save_stats *out) {
   if (!w || !out)

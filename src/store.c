@@ -15,7 +15,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "format.h"
 #include "internal.h"
+#include "io.h"
+#include "store.h"
 
 void amber_store_opts_init(amber_store_opts *opts) {
   memset(opts, 0, sizeof *opts);

@@ -28,13 +28,19 @@
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
 #include <xxhash.h>
 
+#include "cadence.h"
 #include "ckpt.h"
 #include "codec.h"
+#include "format.h"
 #include "internal.h"
+#include "io.h"
 #include "names.h"
 #include "policy.h"
 #include "pool.h"
+#include "save_stats.h"
+#include "saver.h"
 #include "scan.h"
+#include "store.h"
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
@@ -84,33 +90,15 @@ struct amber_writer {
   /* the store as this writer knows it */
   int have_latest;
   uint64_t latest_step, latest_state;
-  uint64_t deltas_since_full, bytes_since_full, last_full_bytes;
-  uint32_t dense_backoff, fulls_to_go; /* dense deltas: fulls before the next try */
-  int cadence_known;
+  amber__cadence cadence;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
   amber__save_stats stats; /* of the last save */
   int prune_rc;             /* the prune after the last commit (keep_last) */
   size_t pruned;            /* files it removed */
   amber__err prune_err;     /* its message when it failed */
-  /* the asynchronous save (amber_writer_begin / fence / wait) */
-  pthread_mutex_t amu;
-  pthread_cond_t acv;
-  pthread_t saver;
-  int saver_on, stop;
-  int job;      /* a save was begun and not yet reported by wait/begin */
-  int running;  /* the save thread has the job */
-  int scanned;  /* the save no longer reads the tensors' memory */
-  int done;     /* the save finished; result holds its status */
-  int result;
   int two_phase; /* full save: copy all of live first, so the fence comes early */
-  uint64_t job_step;
-  int cancel; /* amber_writer_cancel: stop the save before it commits */
-  int gate;   /* AMBER_SAVE_CONFIRM: GATE_* (read by workers atomically) */
-  char why[AMBER__ERRLEN]; /* the veto's reason */
+  amber__saver saver; /* the asynchronous save (amber_writer_begin / fence / wait) */
 };
-
-/* The commit gate of a save begun with AMBER_SAVE_CONFIRM. */
-enum { GATE_NONE = 0, GATE_PENDING, GATE_OK, GATE_VETO };
 
 void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
   *out = w->stats;
@@ -119,6 +107,8 @@ void amber__writer_stats(const amber_writer *w, amber__save_stats *out) {
 void amber_writer_opts_init(amber_writer_opts *opts) {
   memset(opts, 0, sizeof *opts);
 }
+
+static int run_begun(void *ctx, uint64_t step);
 
 static int online_cpus(void) {
   long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -159,8 +149,8 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
   if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
-  pthread_mutex_init(&w->amu, NULL);
-  pthread_cond_init(&w->acv, NULL);
+  amber__cadence_init(&w->cadence, w->opts.full_every, w->opts.full_share);
+  amber__saver_init(&w->saver, run_begun, w);
   st->writers++;
   /* A damaged store (LATEST lost) is refused: saving into it would make its
    * checkpoints look uncommitted, and the next writer would remove them. */
@@ -187,12 +177,10 @@ static void free_scratch(scratch *s) {
   amber__zstd_cctx_free(s->cctx);
 }
 
-static void stop_saver(amber_writer *w);
-
 void amber_writer_close(amber_writer *w) {
   if (!w) return;
   amber_writer_wait(w);
-  stop_saver(w);
+  amber__saver_destroy(&w->saver);
   for (size_t i = 0; i < w->n; i++) {
     free(w->tensors[i].name);
     if (w->ref) amber__big_free(w->ref[i], (size_t)w->tensors[i].nbytes);
@@ -211,8 +199,6 @@ void amber_writer_close(amber_writer *w) {
   free(w->owner);
   amber__pool_destroy(w->pool);
   amber__ckpt_out_destroy(w->out);
-  pthread_mutex_destroy(&w->amu);
-  pthread_cond_destroy(&w->acv);
   w->st->writers--;
   free(w);
 }
@@ -286,10 +272,7 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
 
 /* Declarations, pointers, rules and metadata are read by a save in progress. */
 static int busy(amber_writer *w, const char *what) {
-  pthread_mutex_lock(&w->amu);
-  int b = w->job && !w->done;
-  pthread_mutex_unlock(&w->amu);
-  return b ? amber__fail(&w->err, AMBER_EBUSY, "%s: a save is in progress (wait for it first)",
+  return amber__saver_busy(&w->saver) ? amber__fail(&w->err, AMBER_EBUSY, "%s: a save is in progress (wait for it first)",
                          what)
            : 0;
 }
@@ -590,9 +573,7 @@ static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, siz
 
 /* A failure, a cancel or a veto: the rest of the save's work is wasted. */
 static int stopping(amber_writer *w) {
-  return amber__ckpt_failed(w->out) ||
-         __atomic_load_n(&w->cancel, __ATOMIC_RELAXED) ||
-         __atomic_load_n(&w->gate, __ATOMIC_RELAXED) == GATE_VETO;
+  return amber__ckpt_failed(w->out) || amber__saver_stopping(&w->saver);
 }
 
 /* Two-phase full save, phase 1: copy a chunk of live into the reference and
@@ -625,14 +606,6 @@ static void append_job(void *ctx, int worker, size_t j) {
        (size_t)amber__chunk_n(t, jj) * isz);
 }
 
-/* The tensors' memory is no longer read: let a fence return. */
-static void mark_scanned(amber_writer *w) {
-  pthread_mutex_lock(&w->amu);
-  w->scanned = 1;
-  pthread_cond_broadcast(&w->acv);
-  pthread_mutex_unlock(&w->amu);
-}
-
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   if (stopping(w)) return;
@@ -643,28 +616,6 @@ static void chunk_job(void *ctx, int worker, size_t j) {
     delta_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
   else
     full_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
-}
-
-/* 0, or the failure of a save that was canceled or vetoed. */
-static int check_stop(amber_writer *w, uint64_t step) {
-  if (__atomic_load_n(&w->cancel, __ATOMIC_SEQ_CST))
-    return amber__fail(&w->err, AMBER_ECANCELED, "the save of step %" PRIu64 " was canceled",
-                       step);
-  if (__atomic_load_n(&w->gate, __ATOMIC_SEQ_CST) != GATE_VETO) return 0;
-  pthread_mutex_lock(&w->amu);
-  int rc = amber__fail(&w->err, AMBER_ECHANGED, "step %" PRIu64 " not committed: %s", step,
-                       w->why);
-  pthread_mutex_unlock(&w->amu);
-  return rc;
-}
-
-/* The commit gate: a save begun with AMBER_SAVE_CONFIRM commits only once the
- * caller's verdict is in (amber_writer_confirm, or a refusal by wait/close). */
-static int await_verdict(amber_writer *w, uint64_t step) {
-  pthread_mutex_lock(&w->amu);
-  while (w->gate == GATE_PENDING && !w->cancel) pthread_cond_wait(&w->acv, &w->amu);
-  pthread_mutex_unlock(&w->amu);
-  return check_stop(w, step);
 }
 
 /* Writes header, chunks, index, footer to a new temporary file next to `dst`
@@ -680,12 +631,12 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   double t0 = now_s();
   if (!w->delta && w->two_phase && w->keep_ref && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
     amber__pool_for(w->pool, (size_t)w->n_chunks, copy_job, w);
-    mark_scanned(w);
+    amber__saver_scanned(&w->saver);
     amber__pool_for(w->pool, (size_t)w->n_chunks, append_job, w);
   } else {
     amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
   }
-  mark_scanned(w);
+  amber__saver_scanned(&w->saver);
   w->stats.chunks_s = now_s() - t0;
   for (int i = 0; i < nw; i++) {
     w->stats.scan_cpu_s += w->ws[i].scan_s;
@@ -693,7 +644,7 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   }
   w->stats.workers = nw;
   rc = amber__ckpt_failed(w->out);
-  if (!rc) rc = check_stop(w, step);
+  if (!rc) rc = amber__saver_check_stop(&w->saver, &w->err, step);
   if (rc) {
     amber__ckpt_abort(w->out);
     return rc;
@@ -748,22 +699,22 @@ static int same_tensors(amber_writer *w, amber_reader *r) {
 static void load_cadence(amber_writer *w) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
-  w->deltas_since_full = w->bytes_since_full = w->last_full_bytes = 0;
+  uint64_t full_bytes = 0, deltas = 0, delta_bytes = 0;
   if (amber__store_list(w->st, NULL, &info, &n) == 0) {
     uint64_t want = w->latest_step;
     for (size_t i = n; i-- > 0;) {
       if (info[i].step != want) continue;
       if (info[i].kind == AMBER_KIND_FULL) {
-        w->last_full_bytes = info[i].bytes;
+        full_bytes = info[i].bytes;
         break;
       }
-      w->deltas_since_full++;
-      w->bytes_since_full += info[i].bytes;
+      deltas++;
+      delta_bytes += info[i].bytes;
       want = info[i].parent;
     }
   }
   amber_free(info);
-  w->cadence_known = 1;
+  amber__cadence_learn(&w->cadence, full_bytes, deltas, delta_bytes);
 }
 
 /* Makes the reference equal to the latest checkpoint's restore; 1 if it could
@@ -804,14 +755,11 @@ static void seed_job(void *ctx, int worker, size_t j) {
 
 int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_seed_reference: NULL writer");
-  pthread_mutex_lock(&w->amu);
-  int job = w->job;
-  pthread_mutex_unlock(&w->amu);
-  if (job)
+  if (amber__saver_state(&w->saver) != AMBER__SAVE_IDLE)
     return amber__fail(&w->err, AMBER_EBUSY,
                        "amber_writer_seed_reference: the save of step %" PRIu64
                        " is not reported yet (call amber_writer_wait first)",
-                       w->job_step);
+                       w->saver.step);
   for (size_t i = 0; i < w->n; i++)
     if (w->tensors[i].nbytes && !w->data[i])
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
@@ -855,12 +803,8 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
 
 static int want_full(amber_writer *w, uint32_t flags) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
-  if (!w->cadence_known) load_cadence(w);
-  if (w->opts.full_every != UINT32_MAX && w->deltas_since_full >= w->opts.full_every) return 1;
-  if (w->fulls_to_go) return 1; /* backing off after a dense delta */
-  if (w->opts.full_share > 0 && w->last_full_bytes &&
-      (double)w->bytes_since_full >= w->opts.full_share * (double)w->last_full_bytes)
-    return 1;
+  if (!w->cadence.known) load_cadence(w);
+  if (amber__cadence_decide(&w->cadence)) return 1;
   if (!w->ref_valid) w->ref_valid = load_reference(w);
   return !w->ref_valid;
 }
@@ -884,13 +828,11 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if (rc) return rc;
   resolve_policies(w);
   w->delta = !want_full(w, flags);
-  __atomic_store_n(&w->cancel, 0, __ATOMIC_SEQ_CST);
-  __atomic_store_n(&w->gate, GATE_NONE, __ATOMIC_SEQ_CST);
+  amber__saver_arm(&w->saver);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
   if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w, 0)) != 0)
     return rc;
-  w->scanned = 0;
   return 0;
 }
 
@@ -912,8 +854,8 @@ static int run_save(amber_writer *w, uint64_t step) {
   w->ref_valid = 0;
   w->stats.prepare_s = now_s() - t_start;
   int rc = write_file(w, dst, tmp, step, &state, &bytes);
-  mark_scanned(w); /* also when write_file failed early */
-  if (!rc && (rc = await_verdict(w, step)) != 0) unlink(tmp); /* durable, never visible */
+  amber__saver_scanned(&w->saver); /* also when write_file failed early */
+  if (!rc && (rc = amber__saver_await_verdict(&w->saver, &w->err, step)) != 0) unlink(tmp); /* durable, never visible */
   double t_commit = now_s();
   if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
   if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
@@ -927,24 +869,7 @@ static int run_save(amber_writer *w, uint64_t step) {
   w->have_latest = 1;
   w->latest_step = step;
   w->latest_state = state;
-  if (w->delta) {
-    w->deltas_since_full++;
-    w->bytes_since_full += bytes;
-    /* A delta that alone reaches full_share of a full costs about as much to write
-     * and more to restore: write fulls for a while, twice as long each time. */
-    if (w->opts.full_share > 0 && w->last_full_bytes &&
-        (double)bytes >= w->opts.full_share * (double)w->last_full_bytes) {
-      w->dense_backoff = w->dense_backoff ? (w->dense_backoff >= 16 ? 32 : 2 * w->dense_backoff) : 1;
-      w->fulls_to_go = w->dense_backoff;
-    } else {
-      w->dense_backoff = 0;
-    }
-  } else {
-    w->deltas_since_full = w->bytes_since_full = 0;
-    w->last_full_bytes = bytes;
-    if (w->fulls_to_go) w->fulls_to_go--;
-  }
-  w->cadence_known = 1;
+  amber__cadence_record(&w->cadence, w->delta, bytes);
   if (w->opts.keep_last) prune(w);
   return 0;
 }
@@ -969,107 +894,48 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   return run_save(w, step);
 }
 
-/* ---- the save thread ---- */
+/* ---- the asynchronous save (saver.c runs its life cycle) ---- */
 
-static void *saver_main(void *arg) {
-  amber_writer *w = arg;
-  pthread_mutex_lock(&w->amu);
-  for (;;) {
-    while (!w->stop && !(w->job && !w->running && !w->done)) pthread_cond_wait(&w->acv, &w->amu);
-    if (w->stop) break;
-    w->running = 1;
-    uint64_t step = w->job_step;
-    pthread_mutex_unlock(&w->amu);
-    int rc = run_save(w, step);
-    pthread_mutex_lock(&w->amu);
-    w->result = rc;
-    w->done = 1;
-    w->running = 0;
-    w->scanned = 1;
-    pthread_cond_broadcast(&w->acv);
-  }
-  pthread_mutex_unlock(&w->amu);
-  return NULL;
-}
-
-static void stop_saver(amber_writer *w) {
-  if (!w->saver_on) return;
-  pthread_mutex_lock(&w->amu);
-  w->stop = 1;
-  pthread_cond_broadcast(&w->acv);
-  pthread_mutex_unlock(&w->amu);
-  pthread_join(w->saver, NULL);
-  w->saver_on = 0;
+/* The save thread's work: the save that begin set up. */
+static int run_begun(void *ctx, uint64_t step) {
+  return run_save(ctx, step);
 }
 
 int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_begin: NULL writer");
-  pthread_mutex_lock(&w->amu);
-  int in_progress = w->job && !w->done, finished = w->job && w->done;
-  pthread_mutex_unlock(&w->amu);
-  if (in_progress)
+  amber__save_state state = amber__saver_state(&w->saver);
+  if (state != AMBER__SAVE_IDLE && state != AMBER__SAVE_DONE)
     return amber__fail(&w->err, AMBER_EBUSY,
                        "step %" PRIu64 ": the save of step %" PRIu64
                        " is still in progress (call amber_writer_wait first)",
-                       step, w->job_step);
-  if (finished) { /* an unreported result: a failure is returned and nothing starts */
+                       step, w->saver.step);
+  if (state == AMBER__SAVE_DONE) { /* an unreported result: a failure is returned and nothing starts */
     int rc = amber_writer_wait(w);
     if (rc) return rc;
   }
-  if (!w->saver_on) {
-    if (pthread_create(&w->saver, NULL, saver_main, w) != 0)
-      return amber__fail(&w->err, AMBER_ENOMEM, "cannot start the save thread");
-    w->saver_on = 1;
-  }
-  int rc = start_save(w, step, flags);
+  int rc = amber__saver_start(&w->saver, &w->err);
+  if (!rc) rc = start_save(w, step, flags);
   if (rc) return rc;
-  pthread_mutex_lock(&w->amu);
   w->two_phase = 1;
-  w->job_step = step;
-  w->done = 0;
-  w->result = 0;
-  w->job = 1;
-  __atomic_store_n(&w->gate, (flags & AMBER_SAVE_CONFIRM) ? GATE_PENDING : GATE_NONE,
-                   __ATOMIC_SEQ_CST);
-  pthread_cond_broadcast(&w->acv);
-  pthread_mutex_unlock(&w->amu);
+  amber__saver_submit(&w->saver, step, (flags & AMBER_SAVE_CONFIRM) != 0);
   return 0;
 }
 
 int amber_writer_cancel(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_cancel: NULL writer");
-  pthread_mutex_lock(&w->amu); /* wakes a save waiting at its commit gate */
-  __atomic_store_n(&w->cancel, 1, __ATOMIC_SEQ_CST);
-  pthread_cond_broadcast(&w->acv);
-  pthread_mutex_unlock(&w->amu);
+  amber__saver_cancel(&w->saver);
   return amber_writer_wait(w);
-}
-
-/* Records the verdict on a gated save; called with amu held. */
-static void give_verdict(amber_writer *w, int ok, const char *why) {
-  if (!ok) snprintf(w->why, sizeof w->why, "%s", why);
-  __atomic_store_n(&w->gate, ok ? GATE_OK : GATE_VETO, __ATOMIC_SEQ_CST);
-  pthread_cond_broadcast(&w->acv);
 }
 
 int amber_writer_confirm(amber_writer *w, int ok, const char *why) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_confirm: NULL writer");
-  pthread_mutex_lock(&w->amu);
-  /* the verdict covers the whole scan: wait for it as a fence does */
-  while (w->job && !w->done && !w->scanned && w->gate == GATE_PENDING)
-    pthread_cond_wait(&w->acv, &w->amu);
-  int pending = w->job && w->gate == GATE_PENDING;
-  if (pending)
-    give_verdict(w, ok, why && *why ? why : "vetoed by amber_writer_confirm");
-  uint64_t step = w->job_step;
-  int job = w->job;
-  pthread_mutex_unlock(&w->amu);
-  if (!pending)
+  int job;
+  if (!amber__saver_confirm(&w->saver, ok, why, &job))
     return job ? amber__fail(&w->err, AMBER_EINVAL,
                              "amber_writer_confirm: the save of step %" PRIu64
                              " awaits no verdict (begun without AMBER_SAVE_CONFIRM, or "
                              "already confirmed)",
-                             step)
+                             w->saver.step)
                : amber__fail(&w->err, AMBER_EINVAL,
                              "amber_writer_confirm: no save is in progress");
   return 0;
@@ -1077,23 +943,13 @@ int amber_writer_confirm(amber_writer *w, int ok, const char *why) {
 
 int amber_writer_fence(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_fence: NULL writer");
-  pthread_mutex_lock(&w->amu);
-  while (w->job && !w->done && !w->scanned) pthread_cond_wait(&w->acv, &w->amu);
-  pthread_mutex_unlock(&w->amu);
+  amber__saver_fence(&w->saver);
   return 0;
 }
 
 int amber_writer_wait(amber_writer *w) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_wait: NULL writer");
-  pthread_mutex_lock(&w->amu);
-  if (w->job && w->gate == GATE_PENDING) /* nobody will confirm it now: refuse, not hang */
-    give_verdict(w, 0, "not confirmed (amber_writer_wait or amber_writer_close came before "
-                       "amber_writer_confirm)");
-  while (w->job && !w->done) pthread_cond_wait(&w->acv, &w->amu);
-  int rc = w->job ? w->result : 0;
-  w->job = 0;
-  w->done = 0;
-  pthread_mutex_unlock(&w->amu);
+  int rc = amber__saver_wait(&w->saver);
   if (rc) /* the message was written by the save thread: give it to this thread too */
     amber__fail(&w->err, rc, "%s", w->err.msg);
   return rc;

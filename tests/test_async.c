@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "io.h"
 #include "testutil.h"
 
 #define N 300000 /* over several chunks of 65536 */

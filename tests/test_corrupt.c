@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "codec.h"
+#include "format.h"
 #include "internal.h"
 #include "testutil.h"
 

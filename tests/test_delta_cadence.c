@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "ckpt.h"
+#include "format.h"
 #include "internal.h"
 #include "trajectory.h"
 

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "codec.h"
+#include "format.h"
 #include "internal.h"
 #include "scan.h"
 #include "trajectory.h"

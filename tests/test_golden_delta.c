@@ -29,6 +29,7 @@
 #include <zstd.h>
 
 #include "ckpt.h"
+#include "format.h"
 #include "internal.h"
 #include "scan.h"
 #include "testutil.h"

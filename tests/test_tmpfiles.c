@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "io.h"
 #include "testutil.h"
 
 #define N 200000

@@ -3,6 +3,7 @@
  * (tests/test_delta_*.c) share, and the small one-tensor store of the cadence and
  * corruption tests (see trajectory.h).
  */
+#include "format.h"
 #include "trajectory.h"
 
 #include <inttypes.h>

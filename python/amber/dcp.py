@@ -1,0 +1,536 @@
+"""amber.dcp - an amber store as the storage of PyTorch Distributed Checkpoint (DCP).
+
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer, Reader
+    writer = Writer(policy="exact")     # one per run: it keeps the reference between saves
+    dcp.save(state_dict, storage_writer=writer, checkpoint_id="runs/x/step-10")
+    dcp.async_save(state_dict, storage_writer=writer, checkpoint_id="runs/x/step-11")
+    dcp.load(state_dict, storage_reader=Reader(), checkpoint_id="runs/x/step-10")
+    dcp.load(state_dict, storage_reader=Reader(), checkpoint_id="runs/x")  # latest
+    writer.close()
+
+checkpoint_id: "STORE/step-N" names store STORE and step N (torchtitan's ids);
+"STORE" alone is the latest step for a load and the step after it for a save.
+
+The Writer is long-lived, like amber.torch's Checkpointer: it keeps its reference
+state between saves, so each DCP save is a full or a delta checkpoint under the
+same policies, presets ("exact", "lossy") and cadence (full_every, full_share).
+Tensors are named by their path in the state dict, joined by "/" (an optimizer
+state from get_state_dict is "optim/state/<FQN>/exp_avg"), so the Checkpointer's
+patterns such as "*/exp_avg_sq" apply; optimizer step counters stay exact.
+
+What is stored: the tensors as amber tensors, and, in the checkpoint's JSON
+metadata, which DCP key each tensor is and the non-tensor values (DCP's "bytes"
+items: param_groups, counters, ...) encoded as amber.torch encodes plain data.
+No pickle is ever written: a non-tensor value that is not plain data (numbers,
+strings, None, lists, tuples, dicts, dtypes, small numpy arrays) is refused with a
+TypeError before anything is written. DCP's Metadata is rebuilt from that JSON
+and the store's tensor table on load.
+
+Commit: a save is written and made durable, but becomes visible only in finish(),
+DCP's last step; a save that fails anywhere before makes nothing visible.
+
+Async saves (dcp.async_save, thread-based): the Writer is DCP's AsyncStager.
+stage() starts amber's scan of the live tensors (no copy of the bulk: contiguous
+CPU tensors are read in place) and returns a Future that completes at amber's
+fence, when the scan no longer reads them; async_save's `staging_completion`
+is that Future. Do not change the tensors before it completes. The upload
+(encode, write, commit) runs in DCP's thread. AsyncCheckpointerType.PROCESS is
+refused: it pickles the Writer, whose reference cannot cross processes.
+
+One process only for now: with torch.distributed initialized at a world size
+above 1, the Writer and the Reader raise NotImplementedError (multi-rank comes
+with amber's distributed core).
+"""
+
+import io
+import json
+import os
+import re
+import sys
+import threading
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+    TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import WriteItemType, LoadItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+import amber as _amber
+from amber import AmberError, Store
+from amber import torch as _at
+
+__all__ = ["Writer", "Reader", "parse_checkpoint_id"]
+
+_FORMAT = "amber.dcp/1"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def parse_checkpoint_id(checkpoint_id):
+    """(store path, step or None) of a checkpoint_id "STORE/step-N" or "STORE"."""
+    if checkpoint_id is None:
+        raise ValueError("amber.dcp needs a checkpoint_id: \"STORE/step-N\" or \"STORE\"")
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_id must be a str or os.PathLike, not "
+                        f"{type(checkpoint_id).__name__}")
+    path = os.fspath(checkpoint_id).rstrip("/")
+    if not path:
+        raise ValueError(f"checkpoint_id {checkpoint_id!r} names no store")
+    head, base = os.path.split(path)
+    m = _STEP.match(base)
+    if m:
+        if not head:
+            raise ValueError(f"checkpoint_id {checkpoint_id!r}: \"step-N\" needs a store "
+                             "before it (\"STORE/step-N\")")
+        return head, int(m.group(1))
+    if base.startswith("step-"):
+        raise ValueError(f"checkpoint_id {checkpoint_id!r}: \"{base}\" is not \"step-N\" "
+                         "with N a non-negative integer")
+    return path, None
+
+
+def _one_rank(what):
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError(
+            f"amber.dcp.{what}: world size {dist.get_world_size()}: multi-rank saves and "
+            "loads come with amber's distributed core; for now amber.dcp runs in one process")
+
+
+def _name(path):
+    return "/".join(str(p) for p in path)
+
+
+def _async_save_args():
+    """The checkpoint_id and async_checkpointer_type that dcp.async_save received:
+    it calls stage() before it hands the id to the writer (reset())."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "async_save" and "checkpoint_id" in f.f_locals:
+            return f.f_locals.get("checkpoint_id"), f.f_locals.get("async_checkpointer_type")
+        f = f.f_back
+    return None, None
+
+
+class Writer(StorageWriter, AsyncStager):
+    """DCP StorageWriter (and AsyncStager) into an amber store.
+
+    Writer(checkpoint_id=None, policy=None, full_every=None, full_share=None,
+           threads=0, chunk_elems=0)
+      policy, full_every, full_share, threads, chunk_elems: as for
+      amber.torch.Checkpointer ("exact" by default, "lossy", rules...).
+      checkpoint_id: optional default id; DCP's checkpoint_id= overrides it.
+    Keep one Writer for the run and close() it at the end (it holds the store's
+    lock while open). Not thread-safe beyond what DCP does with it."""
+
+    _synchronize_after_execute = False  # staging completes with stage()'s Future
+
+    def __init__(self, checkpoint_id=None, policy=None, full_every=None, full_share=None,
+                 threads=0, chunk_elems=0):
+        super().__init__()
+        self._rules = _at._rules(policy) + ["*/state/*/step=exact"]
+        self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
+                       "full_share": float(full_share or 0.0)}
+        self._threads = threads
+        self._store = None
+        self._w = None
+        self._sig = None
+        self._ptrs = []
+        self._bufs = {}
+        self._id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._target = None   # (store path, step) of the save in progress
+        self._begun = None    # {fqn: name}, objects of a save whose scan has started
+        self._staged = None   # Future of the fence of a staged save
+        self._pinned = None
+        if self._id is not None:
+            parse_checkpoint_id(self._id)
+
+    # -- the store and its writer --
+    def _open(self, path):
+        path = os.path.abspath(path)
+        if self._store is not None and self._store.path == path:
+            return
+        self._drop()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._store = Store(path, threads=self._threads)
+
+    def _drop(self):
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self._sig = None
+
+    def close(self):
+        """Releases the store (a save in progress that was not finished is dropped,
+        uncommitted)."""
+        self._abort()
+        self._drop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __reduce__(self):
+        raise TypeError("amber.dcp.Writer cannot be pickled: it keeps its reference state in "
+                        "this process (AsyncCheckpointerType.PROCESS is not supported; use the "
+                        "default THREAD)")
+
+    # -- StorageWriter --
+    def reset(self, checkpoint_id=None):
+        _one_rank("Writer")
+        cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
+        path, step = parse_checkpoint_id(cid)
+        if self._begun is not None:
+            if self._target[0] != os.path.abspath(path) or \
+                    (step is not None and step != self._target[1]):
+                self._abort()
+                raise ValueError(f"amber.dcp.Writer: the staged save is {self._target}, "
+                                 f"not {cid!r}")
+            return
+        self._open(path)
+        if step is None:
+            latest = self._store.latest()
+            step = 0 if latest is None else latest + 1
+        self._target = (self._store.path, step)
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+        _one_rank("Writer")
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def storage_meta(self):
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        try:
+            parse_checkpoint_id(checkpoint_id)
+            return True
+        except (TypeError, ValueError):
+            return False
+
+    def write_data(self, plan, planner):
+        fut = torch.futures.Future()
+        try:
+            if self._begun is None:  # dcp.save: scan the planner's data now
+                self._begin_plan(plan, planner)
+            names, _ = self._begun
+            if self._staged is not None:
+                self._staged.result()
+            else:
+                self._fence()
+            results = []
+            for item in plan.items:
+                fqn = item.index.fqn
+                if fqn not in names:
+                    raise ValueError(f"amber.dcp.Writer: {fqn}: not in the staged state")
+                size = 0
+                if item.type != WriteItemType.BYTE_IO:
+                    size = item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+                results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                           storage_data=names[fqn]))
+            fut.set_result(results)
+        except BaseException as e:
+            self._abort()
+            fut.set_exception(e)
+        return fut
+
+    def finish(self, metadata, results):
+        """The commit point: the step becomes visible here, or nothing does."""
+        if self._begun is None:
+            raise RuntimeError("amber.dcp.Writer.finish: no save in progress")
+        try:
+            self._w.confirm(True)
+            self._w.wait()
+        except BaseException:
+            self._abort()
+            raise
+        self._begun = None
+        self._staged = None
+
+    # -- AsyncStager --
+    def stage(self, state_dict):
+        """Starts the scan of `state_dict` and returns a Future that completes at
+        amber's fence, when the live tensors may change again."""
+        _one_rank("Writer")
+        cid, kind = _async_save_args()
+        if kind is not None and getattr(kind, "name", str(kind)).upper().endswith("PROCESS"):
+            raise ValueError("amber.dcp.Writer does not support AsyncCheckpointerType.PROCESS: "
+                             "that pickles the writer into another process, where its reference "
+                             "state (what makes saves deltas) does not exist; use the default "
+                             "AsyncCheckpointerType.THREAD")
+        if cid is None and self._id is None:
+            raise ValueError("amber.dcp.Writer.stage: pass checkpoint_id=\"STORE/step-N\" to "
+                             "dcp.async_save (or to Writer())")
+        self._abort()
+        self.reset(cid)
+        flat, mappings = flatten_state_dict(state_dict)
+        tensors, objects, names = [], {}, {}
+        for fqn, v in flat.items():
+            name = _name(mappings.get(fqn, (fqn,)))
+            if isinstance(v, torch.Tensor):
+                tensors.append((name, v))
+            else:
+                objects[name] = v
+            names[fqn] = name
+        self._begin(tensors, objects, names)
+        fut = Future()
+        self._staged = fut
+
+        def fence():
+            try:
+                self._fence()
+                fut.set_result(state_dict)
+            except BaseException as e:
+                fut.set_exception(e)
+        threading.Thread(target=fence, name="amber-dcp-fence", daemon=True).start()
+        return fut
+
+    def synchronize_staging(self):
+        if self._staged is not None:
+            self._staged.result()
+
+    # -- the save --
+    def _begin_plan(self, plan, planner):
+        mappings = getattr(planner, "mappings", None) or {}
+        state = getattr(planner, "state_dict", None) or {}
+        tensors, objects, names = [], {}, {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            name = _name(mappings.get(fqn, (fqn,)))
+            if item.type == WriteItemType.BYTE_IO:
+                if fqn not in state:
+                    raise TypeError(f"amber.dcp.Writer: {fqn}: a non-tensor value that the "
+                                    "planner gives only as bytes; amber stores no pickles")
+                objects[name] = state[fqn]
+            else:
+                t = planner.resolve_data(item)
+                full = item.tensor_data.size
+                if tuple(item.tensor_data.chunk.sizes) != tuple(full):
+                    raise NotImplementedError(f"amber.dcp.Writer: {fqn}: a shard of a tensor; "
+                                              "sharded tensors come with the distributed core")
+                tensors.append((name, t))
+            names[fqn] = name
+        self._begin(tensors, objects, names)
+
+    def _begin(self, tensors, objects, names):
+        enc = _at._Flat()
+        meta_objects = {}
+        for name, v in objects.items():
+            e = enc.enc(v, name)
+            if enc.tensors:
+                raise TypeError(f"amber.dcp.Writer: {name}: tensors inside a non-tensor value")
+            meta_objects[name] = e
+        meta = {"format": _FORMAT, "step": self._target[1],
+                "keys": {fqn: n for fqn, n in names.items()}, "objects": meta_objects}
+        flat = _at._Flat()
+        for name, t in tensors:
+            flat.tensor(name, t)
+        sig = [(n, _at._DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
+        ptrs, pinned = [], []
+        with torch.no_grad():
+            for name, t in flat.tensors:
+                if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() \
+                        and not t.is_neg():
+                    src = t
+                else:
+                    src = self._bufs.get(name)
+                    if src is None or src.shape != t.shape or src.dtype != t.dtype:
+                        src = self._bufs[name] = torch.empty(t.shape, dtype=t.dtype)
+                    src.copy_(t.resolve_conj().resolve_neg())
+                pinned.append(src)
+                ptrs.append(src.data_ptr() if src.numel() else 0)
+        if self._w is None or sig != self._sig:
+            if self._w is not None:
+                self._w.close()
+                self._w = None
+            w = self._store.writer(**self._wopts)
+            try:
+                for (name, t), p in zip(flat.tensors, ptrs):
+                    w.add(name, _at._DTYPES[t.dtype], t.shape, p)
+                for r in self._rules:
+                    w.add_policy(r)
+            except BaseException:
+                w.close()
+                raise
+            self._w, self._sig, self._ptrs = w, sig, list(ptrs)
+        else:
+            for i, p in enumerate(ptrs):
+                if p != self._ptrs[i]:
+                    self._w.set_data(i, p)
+                    self._ptrs[i] = p
+        self._w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
+        self._pinned = pinned
+        self._w.begin(self._target[1], confirm=True)
+        self._begun = (names, meta_objects)
+
+    def _fence(self):
+        try:
+            self._w.fence()
+        finally:
+            self._pinned = None
+
+    def _abort(self):
+        """Drops the save in progress uncommitted."""
+        if self._begun is None:
+            return
+        self._begun = None
+        staged, self._staged = self._staged, None
+        try:
+            if staged is not None:
+                try:
+                    staged.result()
+                except BaseException:
+                    pass
+            self._w.confirm(False, "the DCP save failed before finish()")
+        except AmberError:
+            pass
+        try:
+            self._w.wait()
+        except AmberError:
+            pass
+        self._pinned = None
+
+
+class Reader(StorageReader):
+    """DCP StorageReader of an amber store: checkpoint_id "STORE/step-N" or "STORE"
+    (latest). Reads each requested region after every checksum of the tensors it
+    needs has been checked, so a damaged step raises before the live state changes."""
+
+    def __init__(self, checkpoint_id=None):
+        super().__init__()
+        self._id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._path = self._step = None
+        self._meta = None
+
+    def reset(self, checkpoint_id=None):
+        _one_rank("Reader")
+        cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
+        path, step = parse_checkpoint_id(cid)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"amber.dcp.Reader: no amber store at {path!r} "
+                                    f"(checkpoint_id {cid!r})")
+        self._path, self._step, self._meta = path, step, None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return Writer.validate_checkpoint_id(checkpoint_id)
+
+    def _reader(self, store):
+        if self._step is None and store.latest() is None:
+            raise FileNotFoundError(f"amber.dcp.Reader: the store {self._path!r} holds no "
+                                    "checkpoint")
+        return store.reader(self._step)
+
+    def read_metadata(self, *args, **kwargs):
+        if self._path is None:
+            self.reset()
+        with Store(self._path, readonly=True, create=False) as st, self._reader(st) as r:
+            self._step = r.step
+            raw = r.meta()
+            try:
+                meta = json.loads(raw) if raw else None
+            except ValueError:
+                meta = None
+            if not isinstance(meta, dict) or meta.get("format") != _FORMAT or \
+                    not isinstance(meta.get("keys"), dict) or \
+                    not isinstance(meta.get("objects"), dict):
+                raise AmberError(_amber.EFORMAT, f"step {r.step} of {self._path} was not "
+                                 "written by amber.dcp (no amber.dcp metadata)",
+                                 name="AMBER_EFORMAT")
+            infos = {i.name: i for i in r.tensors()}
+            sd_meta, storage = {}, {}
+            for fqn, name in meta["keys"].items():
+                if name in meta["objects"]:
+                    sd_meta[fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(fqn)] = name
+                    continue
+                info = infos.get(name)
+                if info is None:
+                    raise AmberError(_amber.EFORMAT, f"step {r.step} of {self._path}: "
+                                     f"tensor {name!r} of {fqn!r} is missing",
+                                     name="AMBER_EFORMAT")
+                dt = _at._TORCH.get(info.dtype)
+                size = torch.Size(info.shape)
+                zero = torch.Size([0] * len(size))
+                sd_meta[fqn] = TensorStorageMetadata(
+                    TensorProperties(dtype=dt), size, [ChunkStorageMetadata(zero, size)])
+                storage[MetadataIndex(fqn, zero)] = name
+        self._meta = meta
+        return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        _one_rank("Reader")
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner):
+        if self._meta is None:
+            self.read_metadata()
+        objects = self._meta["objects"]
+        with Store(self._path, readonly=True, create=False) as st, st.reader(self._step) as r:
+            # everything first (checksums checked), then into the live state
+            loaded, jobs = {}, []
+            for req in plan.items:
+                name = self._storage[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO or name in loaded:
+                    continue
+                i = r.find(name)
+                if i is None:
+                    raise AmberError(_amber.EFORMAT, f"step {r.step} of {self._path}: no "
+                                     f"tensor {name!r}", name="AMBER_EFORMAT")
+                info = r.info(i)
+                t = torch.empty(tuple(info.shape), dtype=_at._TORCH[info.dtype])
+                loaded[name] = t
+                jobs.append((i, t.data_ptr() if t.numel() else 0, info.nbytes))
+            r.read_many(jobs)
+            ld = _at._Load(r, True, r.step)
+            values = {}
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    name = self._storage[req.storage_index]
+                    if name not in objects:
+                        raise AmberError(_amber.EFORMAT, f"step {r.step}: no value {name!r}",
+                                         name="AMBER_EFORMAT")
+                    values[name] = ld.dec(objects[name], name)
+        for req in plan.items:
+            name = self._storage[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(values[name], buf)  # in memory only: what load_bytes expects
+                buf.seek(0)
+                planner.load_bytes(req, buf)
+                continue
+            src = loaded[name]
+            for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, off, n)
+            dst = planner.resolve_tensor(req).detach()
+            dst.copy_(src)
+            planner.commit_tensor(req, dst)
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut

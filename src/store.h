@@ -1,0 +1,50 @@
+/*
+ * store.h - internal: the store directory (src/store.c): the handle, checkpoint
+ * paths, LATEST, commit, listing and prune; and the index of a reader's step.
+ */
+#ifndef AMBER_STORE_H
+#define AMBER_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "format.h"
+#include "internal.h"
+
+struct amber_store {
+  amber__err err;
+  char *path;
+  int dirfd;
+  int lockfd; /* -1 when read-only */
+  uint32_t flags;
+  uint32_t threads;
+  int writers;     /* open writers (at most 1) */
+};
+
+/* Builds "<store>/ckpt-<step>.amber" (or with suffix) into buf. */
+void amber__ckpt_path(const amber_store *st, uint64_t step, const char *suffix,
+                      char *buf, size_t len);
+/* The store's internal operations report failures into `e`, the error of the
+ * handle on whose behalf they run (a reader, a writer's background work, or the
+ * store itself; NULL: the thread's message only), so that handles used from
+ * separate threads never write one message buffer. */
+
+/* Reads LATEST: 0 and step/state, AMBER_ENOENT when absent, ECORRUPT if malformed. */
+int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state);
+/* Atomically points LATEST at (step, state): tmp, fsync, rename, fsync dir. */
+int amber__write_latest(amber_store *st, amber__err *e, uint64_t step, uint64_t state);
+/* The committed state: 0 and LATEST's step and state id; AMBER_ENOENT when the
+ * store is empty (no LATEST and at most the one file of an unfinished first
+ * commit); AMBER_ECORRUPT when LATEST is malformed, or missing while two or
+ * more checkpoint files exist. */
+int amber__store_state(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state);
+/* Commits a finished temporary file `tmp` as checkpoint `step`. */
+int amber__commit_file(amber_store *st, amber__err *e, const char *tmp, uint64_t step);
+/* amber_store_list and amber_store_prune, reporting into `e`. */
+int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, size_t *count);
+int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_t *removed);
+
+/* The index of the step a reader opened (for compaction). */
+amber__index *amber__reader_index(amber_reader *r);
+
+#endif /* AMBER_STORE_H */
