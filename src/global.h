@@ -8,6 +8,8 @@
 #define AMBER_GLOBAL_H
 
 #include "internal.h"
+#include "io.h"
+#include "store.h"
 
 /* ---- collectives (src/comm.c) ---- */
 
