@@ -91,7 +91,8 @@ AMBER_API const char *amber_strerror(int code);
 AMBER_API const char *amber_err_name(int code);
 
 /* Returns the detailed message of the last failure on `handle`, which may be an
- * amber_store*, amber_writer* or amber_reader*. With NULL, returns the calling
+ * amber_store*, amber_writer*, amber_reader*, amber_global_writer* or
+ * amber_global_reader*. With NULL, returns the calling
  * thread's most recent failure of any call (useful when an _open failed and no
  * handle exists). Never NULL; "" when there was none. Valid until the next call on
  * the same handle or thread. */
@@ -650,9 +651,14 @@ typedef struct amber_global_tensor {
  * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged). */
 AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,
                                        uint64_t step);
+/* Closes the reader and the rank stores it opened. Accepts NULL. Thread safety: a
+ * reader is used by one thread at a time; separate readers are independent. */
 AMBER_API void amber_global_reader_close(amber_global_reader *g);
+/* The step opened, and the world size that wrote it. */
 AMBER_API uint64_t amber_global_reader_step(const amber_global_reader *g);
 AMBER_API uint32_t amber_global_reader_world_size(const amber_global_reader *g);
+/* The global tensor table: count, entry `index` (0 .. count-1; AMBER_ERANGE
+ * otherwise; strings owned by the reader) and lookup by name (AMBER_ENOENT). */
 AMBER_API size_t amber_global_reader_count(const amber_global_reader *g);
 AMBER_API int amber_global_reader_tensor(const amber_global_reader *g, size_t index,
                                          amber_global_tensor *out);
