@@ -589,9 +589,9 @@ AMBER_API int amber_global_writer_add(amber_global_writer *gw, const char *name,
 AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule);
 /* Saves global step `step` and commits it. Collective. When it returns 0 on one
  * rank it returns 0 on all, and the step is durable and the store's latest. If any
- * rank fails, every rank returns an error (the failing rank's code, or
- * AMBER_EIO for another rank's failure) whose message names the failing rank and
- * its reason; nothing of the step is visible, every rank's own files of the step
+ * rank fails, every rank returns the same error (the code of the lowest failing
+ * rank; AMBER_EMISMATCH when the ranks' declarations disagree or their shards do
+ * not tile a tensor) whose message names the failing rank and its reason; nothing of the step is visible, every rank's own files of the step
  * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL. */
 AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t flags);
 /* The split save. begin and fence act on this rank's files only and call no
