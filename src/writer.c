@@ -295,14 +295,29 @@ static const char *index_name(const void *ctx, size_t pos, size_t *len) {
   return ix->tensors[pos].name;
 }
 
+/* The latest checkpoint, opened at most once per save however many parts of the
+ * writer need it: on resuming, one reader gives the chunking, the cadence and
+ * the reference (one pass over the store, not one per part). */
+typedef struct latest_view {
+  amber_reader *r;
+  int tried;
+} latest_view;
+
+static amber_reader *latest_reader(amber_writer *w, latest_view *l) {
+  if (!l || l->tried || !w->have_latest) return l ? l->r : NULL;
+  l->tried = 1;
+  if (amber_reader_open(&l->r, w->st, w->latest_step, NULL) != 0) l->r = NULL;
+  return l->r;
+}
+
 /* A delta needs the latest checkpoint's chunking: unless the caller chose one,
  * tensors that the latest checkpoint (index `ix`; NULL: read it) also holds take
  * its chunk size. */
-static void adopt_chunking(amber_writer *w, const amber__index *ix) {
-  amber_reader *r = NULL;
+static void adopt_chunking(amber_writer *w, const amber__index *ix, latest_view *l) {
   if (w->chunk_given || !w->have_latest) return;
   if (!ix) {
-    if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return;
+    amber_reader *r = latest_reader(w, l);
+    if (!r) return;
     ix = amber__reader_index(r);
   }
   amber__names names = {0};
@@ -321,14 +336,13 @@ static void adopt_chunking(amber_writer *w, const amber__index *ix) {
     w->n_chunks += t->n_chunks;
   }
   amber__names_free(&names);
-  amber_reader_close(r);
 }
 
 /* Sizes the chunk table for the declared tensors (first save only); `ix` as
  * for adopt_chunking. */
-static int prepare(amber_writer *w, const amber__index *ix) {
+static int prepare(amber_writer *w, const amber__index *ix, latest_view *l) {
   if (w->frozen) return 0;
-  adopt_chunking(w, ix);
+  adopt_chunking(w, ix, l);
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
   w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
   w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
@@ -510,12 +524,16 @@ static int same_tensors(amber_writer *w, amber_reader *r) {
   return match_tensors(w, NULL, amber__reader_index(r), "") == 0;
 }
 
-/* Learns the cadence counters from the chain of the latest checkpoint. */
-static void load_cadence(amber_writer *w) {
+/* Learns the cadence counters from the chain of the latest checkpoint: from its
+ * reader when it opens, else from the store's listing. */
+static void load_cadence(amber_writer *w, latest_view *l) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
   uint64_t full_bytes = 0, deltas = 0, delta_bytes = 0;
-  if (amber__store_list(w->st, NULL, &info, &n) == 0) {
+  amber_reader *r = latest_reader(w, l);
+  if (r) {
+    amber__reader_chain_bytes(r, &full_bytes, &deltas, &delta_bytes);
+  } else if (amber__store_list(w->st, NULL, &info, &n) == 0) {
     uint64_t want = w->latest_step;
     for (size_t i = n; i-- > 0;) {
       if (info[i].step != want) continue;
@@ -534,10 +552,10 @@ static void load_cadence(amber_writer *w) {
 
 /* Makes the reference equal to the latest checkpoint's restore; 1 if it could
  * (same tensors and intact), 0 if the next save must be full. */
-static int load_reference(amber_writer *w) {
-  amber_reader *r = NULL;
+static int load_reference(amber_writer *w, latest_view *l) {
   if (ensure_ref(w) != 0) return 0;
-  if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return 0;
+  amber_reader *r = latest_reader(w, l);
+  if (!r) return 0;
   int ok = same_tensors(w, r);
   size_t *idx = ok ? malloc((w->n ? w->n : 1) * sizeof *idx) : NULL;
   void **bufs = ok ? malloc((w->n ? w->n : 1) * sizeof *bufs) : NULL;
@@ -553,7 +571,6 @@ static int load_reference(amber_writer *w) {
   free(idx);
   free(bufs);
   free(sizes);
-  amber_reader_close(r);
   return ok;
 }
 
@@ -602,13 +619,13 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
     rc = amber__fail(&w->err, AMBER_ECORRUPT,
                      "%s: state id %016" PRIx64 " is not LATEST's %016" PRIx64, c.path,
                      c.ftr.state_id, state);
-  if (!rc) rc = prepare(w, &c.ix);
+  if (!rc) rc = prepare(w, &c.ix, NULL);
   if (!rc) rc = match_tensors(w, &w->err, &c.ix, c.path);
   amber__ckpt_close(&c);
   if (!rc) rc = ensure_ref(w);
   if (!rc) rc = ensure_scratch(w, 1); /* the first delta needs it: fault it in here */
   if (rc) return rc;
-  load_cadence(w);
+  load_cadence(w, NULL);
   /* Every page of the reference is written here, by the pool's threads: the
    * page faults of a fresh reference happen now, not in the next save. */
   amber__pool_for(w->pool, (size_t)w->n_chunks, seed_job, w);
@@ -616,11 +633,11 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
   return 0;
 }
 
-static int want_full(amber_writer *w, uint32_t flags) {
+static int want_full(amber_writer *w, uint32_t flags, latest_view *l) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
-  if (!w->cadence.known) load_cadence(w);
+  if (!w->cadence.known) load_cadence(w, l);
   if (amber__cadence_decide(&w->cadence)) return 1;
-  if (!w->ref_valid) w->ref_valid = load_reference(w);
+  if (!w->ref_valid) w->ref_valid = load_reference(w, l);
   return !w->ref_valid;
 }
 
@@ -639,10 +656,14 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
   memset(&w->stats, 0, sizeof w->stats);
   w->stats.total_s = now_s(); /* start time until run_save ends */
-  int rc = prepare(w, NULL);
+  latest_view l = {0}; /* the store is read once, whatever this save must learn from it */
+  int rc = prepare(w, NULL, &l);
+  if (!rc) {
+    resolve_policies(w);
+    w->delta = !want_full(w, flags, &l);
+  }
+  amber_reader_close(l.r);
   if (rc) return rc;
-  resolve_policies(w);
-  w->delta = !want_full(w, flags);
   amber__saver_arm(&w->saver);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
