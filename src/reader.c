@@ -247,6 +247,14 @@ amber__index *amber__reader_index(amber_reader *r) {
   return &r->chain[r->nchain - 1].ix;
 }
 
+void amber__reader_chain_bytes(amber_reader *r, uint64_t *full_bytes, uint64_t *deltas,
+                               uint64_t *delta_bytes) {
+  *full_bytes = r->chain[0].size;
+  *deltas = r->nchain - 1;
+  *delta_bytes = 0;
+  for (size_t k = 1; k < r->nchain; k++) *delta_bytes += r->chain[k].size;
+}
+
 uint64_t amber_reader_step(const amber_reader *r) {
   return target(r)->hdr.step;
 }

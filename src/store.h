@@ -1,6 +1,7 @@
 /*
  * store.h - internal: the store directory (src/store.c): the handle, checkpoint
- * paths, LATEST, commit, listing and prune; and the index of a reader's step.
+ * paths, LATEST, commit, listing and prune; and what the writer and compaction
+ * learn from a reader of a step (its index, its chain's sizes).
  */
 #ifndef AMBER_STORE_H
 #define AMBER_STORE_H
@@ -46,5 +47,9 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
 
 /* The index of the step a reader opened (for compaction). */
 amber__index *amber__reader_index(amber_reader *r);
+/* The sizes of the files of a reader's chain: its full checkpoint's, and the
+ * number and total size of the deltas after it (for the writer's cadence). */
+void amber__reader_chain_bytes(amber_reader *r, uint64_t *full_bytes, uint64_t *deltas,
+                               uint64_t *delta_bytes);
 
 #endif /* AMBER_STORE_H */

@@ -15,22 +15,17 @@
  * fsync) and committed: rename, fsync of the directory, LATEST. Buffers are sized at the first save and
  * reused; nothing is allocated per save after that.
  */
-#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
-#include <xxhash.h>
-
 #include "cadence.h"
+#include "chunk.h"
 #include "ckpt.h"
-#include "codec.h"
 #include "format.h"
 #include "internal.h"
 #include "io.h"
@@ -39,22 +34,11 @@
 #include "pool.h"
 #include "save_stats.h"
 #include "saver.h"
-#include "scan.h"
 #include "store.h"
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
 #define DEFAULT_FULL_SHARE 0.5
-#define SLICE (256u << 10)
-
-typedef struct scratch {
-  uint8_t *mem; /* one allocation that the buffers below point into */
-  size_t mem_size;
-  uint8_t *vals, *body, *zbuf, *xbuf, *zx;
-  uint32_t *keys, *idx;
-  void *cctx;
-  double scan_s, encode_s; /* this save's time in each phase */
-} scratch;
 
 static double now_s(void) {
   struct timespec ts;
@@ -81,7 +65,7 @@ struct amber_writer {
   uint8_t **ref;        /* reference state per tensor */
   int ref_valid;        /* ref equals the restore of the latest checkpoint */
   amber__pool *pool;
-  scratch *ws;          /* one per pool worker */
+  amber__scratch *ws;   /* one per pool worker */
   size_t max_chunk_bytes, max_chunk_elems;
   int have_ref, have_scratch; /* allocated (lazily: a full-only writer needs neither) */
   int keep_ref;               /* this save updates the reference state */
@@ -172,11 +156,6 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   return 0;
 }
 
-static void free_scratch(scratch *s) {
-  amber__big_free(s->mem, s->mem_size);
-  amber__zstd_cctx_free(s->cctx);
-}
-
 void amber_writer_close(amber_writer *w) {
   if (!w) return;
   amber_writer_wait(w);
@@ -186,7 +165,7 @@ void amber_writer_close(amber_writer *w) {
     if (w->ref) amber__big_free(w->ref[i], (size_t)w->tensors[i].nbytes);
   }
   if (w->ws)
-    for (int i = 0; i < amber__pool_size(w->pool); i++) free_scratch(&w->ws[i]);
+    for (int i = 0; i < amber__pool_size(w->pool); i++) amber__scratch_free(&w->ws[i]);
   free(w->ws);
   free(w->ref);
   free(w->tensors);
@@ -316,14 +295,29 @@ static const char *index_name(const void *ctx, size_t pos, size_t *len) {
   return ix->tensors[pos].name;
 }
 
+/* The latest checkpoint, opened at most once per save however many parts of the
+ * writer need it: on resuming, one reader gives the chunking, the cadence and
+ * the reference (one pass over the store, not one per part). */
+typedef struct latest_view {
+  amber_reader *r;
+  int tried;
+} latest_view;
+
+static amber_reader *latest_reader(amber_writer *w, latest_view *l) {
+  if (!l || l->tried || !w->have_latest) return l ? l->r : NULL;
+  l->tried = 1;
+  if (amber_reader_open(&l->r, w->st, w->latest_step, NULL) != 0) l->r = NULL;
+  return l->r;
+}
+
 /* A delta needs the latest checkpoint's chunking: unless the caller chose one,
  * tensors that the latest checkpoint (index `ix`; NULL: read it) also holds take
  * its chunk size. */
-static void adopt_chunking(amber_writer *w, const amber__index *ix) {
-  amber_reader *r = NULL;
+static void adopt_chunking(amber_writer *w, const amber__index *ix, latest_view *l) {
   if (w->chunk_given || !w->have_latest) return;
   if (!ix) {
-    if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return;
+    amber_reader *r = latest_reader(w, l);
+    if (!r) return;
     ix = amber__reader_index(r);
   }
   amber__names names = {0};
@@ -342,14 +336,13 @@ static void adopt_chunking(amber_writer *w, const amber__index *ix) {
     w->n_chunks += t->n_chunks;
   }
   amber__names_free(&names);
-  amber_reader_close(r);
 }
 
 /* Sizes the chunk table for the declared tensors (first save only); `ix` as
  * for adopt_chunking. */
-static int prepare(amber_writer *w, const amber__index *ix) {
+static int prepare(amber_writer *w, const amber__index *ix, latest_view *l) {
   if (w->frozen) return 0;
-  adopt_chunking(w, ix);
+  adopt_chunking(w, ix, l);
   w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
   w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
   w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
@@ -385,31 +378,9 @@ static int ensure_ref(amber_writer *w) {
  * their pages are faulted in now rather than by the first delta's scan. */
 static int ensure_scratch(amber_writer *w, int prefault) {
   if (w->have_scratch) return 0;
-  size_t mb = w->max_chunk_bytes ? w->max_chunk_bytes : 1, zb = amber__zstd_bound(mb + 16);
-  size_t ib = w->max_chunk_elems * sizeof(uint32_t);
-  size_t sizes[7] = {ib, ib, mb, mb + 16, zb, mb, zb}, total = 0;
-  for (int k = 0; k < 7; k++) total += (sizes[k] + 63) & ~(size_t)63;
-  for (int i = 0; i < amber__pool_size(w->pool); i++) {
-    scratch *s = &w->ws[i];
-    s->mem = amber__big_alloc(total);
-    s->cctx = amber__zstd_cctx();
-    if (!s->mem || !s->cctx)
+  for (int i = 0; i < amber__pool_size(w->pool); i++)
+    if (amber__scratch_init(&w->ws[i], w->max_chunk_bytes, w->max_chunk_elems, prefault))
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
-    s->mem_size = total;
-    if (prefault) amber__big_prefault(s->mem, total);
-    uint8_t *p = s->mem, *at[7];
-    for (int k = 0; k < 7; k++) {
-      at[k] = p;
-      p += (sizes[k] + 63) & ~(size_t)63;
-    }
-    s->keys = (uint32_t *)at[0];
-    s->idx = (uint32_t *)at[1];
-    s->vals = at[2];
-    s->body = at[3];
-    s->zbuf = at[4];
-    s->xbuf = at[5];
-    s->zx = at[6];
-  }
   w->have_scratch = 1;
   return 0;
 }
@@ -421,154 +392,6 @@ static void resolve_policies(amber_writer *w) {
     w->rule[i] = amber__rules_match(&w->rules, t->name, t->dtype);
     t->policy = w->rule[i] ? w->rule[i]->spec : (char *)"exact";
   }
-}
-
-static void emit(amber_writer *w, amber__chunk *c, const uint8_t *p, size_t len) {
-  amber__ckpt_append(w->out, c, p, len);
-}
-
-static void fail_save(amber_writer *w, int rc, const char *tensor) {
-  char why[AMBER__ERRLEN];
-  snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", tensor);
-  amber__ckpt_fail(w->out, rc, why);
-}
-
-/* Copies live into the reference and returns the copy's checksum, hashing each
- * slice while it is in cache: the live memory is read once. */
-static uint64_t copy_hashed(uint8_t *ref, const uint8_t *src, size_t bytes) {
-  XXH3_state_t hs;
-  XXH3_INITSTATE(&hs);
-  XXH3_64bits_reset(&hs);
-  for (size_t o = 0; o < bytes; o += SLICE) {
-    size_t k = bytes - o < SLICE ? bytes - o : SLICE;
-    memcpy(ref + o, src + o, k);
-    XXH3_64bits_update(&hs, ref + o, k);
-  }
-  return XXH3_64bits_digest(&hs);
-}
-
-/* Full chunk: copy live into the reference (hashing the copy while it is in
- * cache), then append it, raw or shuffled+zstd. */
-static void full_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size_t ti,
-                       uint64_t j, amber__chunk *c) {
-  size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
-  size_t off = (size_t)(j * t->chunk_elems * isz);
-  const uint8_t *src = w->data[ti] + off;
-  c->stored = n;
-  if (!w->keep_ref) { /* a one-off full save: straight from the caller's memory */
-    c->encoding = AMBER__ENC_RAW;
-    amber__ckpt_append_hashed(w->out, c, src, bytes);
-    return;
-  }
-  uint8_t *ref = w->ref[ti] + off;
-  if (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) {
-    size_t zlen;
-    memcpy(ref, src, bytes);
-    amber__shuffle(s->body, ref, n, isz);
-    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zbuf, amber__zstd_bound(bytes),
-                             s->body, bytes, &zlen) == 0 &&
-        zlen < bytes) {
-      c->encoding = AMBER__ENC_SHUF_ZSTD;
-      c->checksum = amber__xxh3(s->zbuf, zlen);
-      emit(w, c, s->zbuf, zlen);
-      return;
-    }
-  } else {
-    c->encoding = AMBER__ENC_RAW;
-    c->checksum = copy_hashed(ref, src, bytes);
-    emit(w, c, ref, bytes);
-    return;
-  }
-  c->encoding = AMBER__ENC_RAW;
-  c->checksum = amber__xxh3(ref, bytes);
-  emit(w, c, ref, bytes);
-}
-
-/* Delta chunk: scan under the tensor's policy, then store nothing (UNCHANGED),
- * the selected elements (SPARSE), the XOR with the reference (exact policy, when
- * smaller), or the whole chunk (RAW, when denser than sparse pays). */
-static void delta_chunk(amber_writer *w, scratch *s, const amber__tensor *t, size_t ti,
-                        uint64_t j, amber__chunk *c) {
-  size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
-  size_t off = (size_t)(j * t->chunk_elems * isz);
-  const amber__rule *rule = w->rule[ti];
-  amber__scan_args a = {.kind = AMBER__SCAN_EXACT, .dtype = t->dtype, .n = n,
-                        .live = w->data[ti] + off, .ref = w->ref[ti] + off, .keys = s->keys,
-                        .idx = s->idx, .vals = s->vals, .olds = s->xbuf};
-  if (rule && rule->policy.kind == AMBER__POL_THRESHOLD) {
-    a.kind = AMBER__SCAN_THRESHOLD;
-    a.abs = rule->policy.abs;
-    a.rel = rule->policy.rel;
-  } else if (rule && rule->policy.kind == AMBER__POL_BUDGET) {
-    a.kind = AMBER__SCAN_BUDGET;
-    a.cap = rule->policy.cap;
-    a.budget = (size_t)(rule->policy.frac * (double)n);
-    /* A chunk smaller than 1/FRAC elements (a small tensor, a tail chunk) still
-     * moves one element per save: without a CAP it would otherwise never move. */
-    if (!a.budget && rule->policy.frac > 0) a.budget = 1;
-  }
-  double t0 = now_s();
-  size_t k = amber__scan(&a);
-  double t1 = now_s();
-  s->scan_s += t1 - t0;
-  c->stored = k;
-  if (k == 0) {
-    c->encoding = AMBER__ENC_UNCHANGED;
-    c->checksum = 0;
-    emit(w, c, NULL, 0);
-    s->encode_s += now_s() - t1;
-    return;
-  }
-  /* Exact policy with dense changes: also try the XOR with the old reference,
-   * rebuilt from the selected elements' old and new values. */
-  size_t xlen = 0;
-  if (a.kind == AMBER__SCAN_EXACT && k * 4 > n) {
-    memset(s->body, 0, bytes);
-    for (size_t i = 0; i < k; i++)
-      for (size_t b = 0; b < isz; b++)
-        s->body[(size_t)s->idx[i] * isz + b] = s->vals[i * isz + b] ^ s->xbuf[i * isz + b];
-    amber__shuffle(s->zx, s->body, n, isz); /* zx is free until compression */
-    memcpy(s->body, s->zx, bytes);
-    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zx, amber__zstd_bound(bytes),
-                             s->body, bytes, &xlen) != 0)
-      xlen = 0;
-  }
-  const uint8_t *payload;
-  size_t plen;
-  size_t bitmap = (n + 7) / 8;
-  if (1 + bitmap + k * isz >= bytes) {
-    /* Dense: the whole chunk, and the reference takes every live value. */
-    memcpy(a.ref, a.live, bytes);
-    c->stored = n;
-    if (xlen && xlen < bytes) {
-      c->encoding = AMBER__ENC_XOR_ZSTD;
-      c->stored = k;
-      payload = s->zx;
-      plen = xlen;
-    } else {
-      c->encoding = AMBER__ENC_RAW;
-      payload = a.ref;
-      plen = bytes;
-    }
-  } else {
-    /* the body is at most 1 + bitmap + k * isz < bytes: it fits s->body */
-    size_t blen = amber__sparse_encode(s->body, s->idx, s->vals, k, n, isz);
-    if (amber__zstd_compress(s->cctx, w->opts.zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
-                             s->body, blen, &plen) != 0) {
-      fail_save(w, AMBER_ENOMEM, t->name);
-      return;
-    }
-    c->encoding = AMBER__ENC_SPARSE;
-    payload = s->zbuf;
-    if (xlen && xlen < plen) {
-      c->encoding = AMBER__ENC_XOR_ZSTD;
-      payload = s->zx;
-      plen = xlen;
-    }
-  }
-  c->checksum = amber__xxh3(payload, plen);
-  emit(w, c, payload, plen);
-  s->encode_s += now_s() - t1;
 }
 
 /* A failure, a cancel or a veto: the rest of the save's work is wasted. */
@@ -591,7 +414,7 @@ static void copy_job(void *ctx, int worker, size_t j) {
   amber__chunk *c = &w->chunks[j];
   c->encoding = AMBER__ENC_RAW;
   c->stored = amber__chunk_n(t, jj);
-  c->checksum = copy_hashed(ref, src, bytes);
+  c->checksum = amber__copy_hashed(ref, src, bytes);
 }
 
 static void append_job(void *ctx, int worker, size_t j) {
@@ -602,7 +425,7 @@ static void append_job(void *ctx, int worker, size_t j) {
   const amber__tensor *t = &w->tensors[ti];
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype);
-  emit(w, &w->chunks[j], w->ref[ti] + (size_t)(jj * t->chunk_elems * isz),
+  amber__ckpt_append(w->out, &w->chunks[j], w->ref[ti] + (size_t)(jj * t->chunk_elems * isz),
        (size_t)amber__chunk_n(t, jj) * isz);
 }
 
@@ -611,11 +434,17 @@ static void chunk_job(void *ctx, int worker, size_t j) {
   if (stopping(w)) return;
   size_t ti = w->owner[j];
   const amber__tensor *t = &w->tensors[ti];
-  amber__chunk *c = &w->chunks[j];
+  uint64_t jj = j - t->first_chunk;
+  size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
+  amber__chunk_src src = {.out = w->out, .name = t->name, .dtype = t->dtype,
+                          .n = (size_t)amber__chunk_n(t, jj), .live = w->data[ti] + off,
+                          .ref = w->keep_ref ? w->ref[ti] + off : NULL, .rule = w->rule[ti],
+                          .zstd_level = w->opts.zstd_level,
+                          .compress = (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) != 0};
   if (w->delta)
-    delta_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
+    amber__chunk_delta(&w->ws[worker], &src, &w->chunks[j]);
   else
-    full_chunk(w, &w->ws[worker], t, ti, j - t->first_chunk, c);
+    amber__chunk_full(&w->ws[worker], &src, &w->chunks[j]);
 }
 
 /* Writes header, chunks, index, footer to a new temporary file next to `dst`
@@ -695,12 +524,16 @@ static int same_tensors(amber_writer *w, amber_reader *r) {
   return match_tensors(w, NULL, amber__reader_index(r), "") == 0;
 }
 
-/* Learns the cadence counters from the chain of the latest checkpoint. */
-static void load_cadence(amber_writer *w) {
+/* Learns the cadence counters from the chain of the latest checkpoint: from its
+ * reader when it opens, else from the store's listing. */
+static void load_cadence(amber_writer *w, latest_view *l) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
   uint64_t full_bytes = 0, deltas = 0, delta_bytes = 0;
-  if (amber__store_list(w->st, NULL, &info, &n) == 0) {
+  amber_reader *r = latest_reader(w, l);
+  if (r) {
+    amber__reader_chain_bytes(r, &full_bytes, &deltas, &delta_bytes);
+  } else if (amber__store_list(w->st, NULL, &info, &n) == 0) {
     uint64_t want = w->latest_step;
     for (size_t i = n; i-- > 0;) {
       if (info[i].step != want) continue;
@@ -719,10 +552,10 @@ static void load_cadence(amber_writer *w) {
 
 /* Makes the reference equal to the latest checkpoint's restore; 1 if it could
  * (same tensors and intact), 0 if the next save must be full. */
-static int load_reference(amber_writer *w) {
-  amber_reader *r = NULL;
+static int load_reference(amber_writer *w, latest_view *l) {
   if (ensure_ref(w) != 0) return 0;
-  if (amber_reader_open(&r, w->st, w->latest_step, NULL) != 0) return 0;
+  amber_reader *r = latest_reader(w, l);
+  if (!r) return 0;
   int ok = same_tensors(w, r);
   size_t *idx = ok ? malloc((w->n ? w->n : 1) * sizeof *idx) : NULL;
   void **bufs = ok ? malloc((w->n ? w->n : 1) * sizeof *bufs) : NULL;
@@ -738,7 +571,6 @@ static int load_reference(amber_writer *w) {
   free(idx);
   free(bufs);
   free(sizes);
-  amber_reader_close(r);
   return ok;
 }
 
@@ -787,13 +619,13 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
     rc = amber__fail(&w->err, AMBER_ECORRUPT,
                      "%s: state id %016" PRIx64 " is not LATEST's %016" PRIx64, c.path,
                      c.ftr.state_id, state);
-  if (!rc) rc = prepare(w, &c.ix);
+  if (!rc) rc = prepare(w, &c.ix, NULL);
   if (!rc) rc = match_tensors(w, &w->err, &c.ix, c.path);
   amber__ckpt_close(&c);
   if (!rc) rc = ensure_ref(w);
   if (!rc) rc = ensure_scratch(w, 1); /* the first delta needs it: fault it in here */
   if (rc) return rc;
-  load_cadence(w);
+  load_cadence(w, NULL);
   /* Every page of the reference is written here, by the pool's threads: the
    * page faults of a fresh reference happen now, not in the next save. */
   amber__pool_for(w->pool, (size_t)w->n_chunks, seed_job, w);
@@ -801,11 +633,11 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
   return 0;
 }
 
-static int want_full(amber_writer *w, uint32_t flags) {
+static int want_full(amber_writer *w, uint32_t flags, latest_view *l) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
-  if (!w->cadence.known) load_cadence(w);
+  if (!w->cadence.known) load_cadence(w, l);
   if (amber__cadence_decide(&w->cadence)) return 1;
-  if (!w->ref_valid) w->ref_valid = load_reference(w);
+  if (!w->ref_valid) w->ref_valid = load_reference(w, l);
   return !w->ref_valid;
 }
 
@@ -824,10 +656,14 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
   memset(&w->stats, 0, sizeof w->stats);
   w->stats.total_s = now_s(); /* start time until run_save ends */
-  int rc = prepare(w, NULL);
+  latest_view l = {0}; /* the store is read once, whatever this save must learn from it */
+  int rc = prepare(w, NULL, &l);
+  if (!rc) {
+    resolve_policies(w);
+    w->delta = !want_full(w, flags, &l);
+  }
+  amber_reader_close(l.r);
   if (rc) return rc;
-  resolve_policies(w);
-  w->delta = !want_full(w, flags);
   amber__saver_arm(&w->saver);
   w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
   if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
