@@ -80,6 +80,8 @@ POLICIES = {
     "v1-M5e-5": rules("budget:0.02:2e-3", "budget:0.02:5e-5", "threshold:0:0.5"),
     "v1-V0.1": rules("budget:0.02:2e-3", "budget:0.02:2e-4", "threshold:0:0.1"),
     "v1-small-exact": rules("budget:0.02:2e-3", "budget:0.02:2e-4", "threshold:0:0.5", *SMALL),
+    # every class tighter: between lossy-v1 and tight-30pct
+    "mid": rules("budget:0.04:5e-4", "budget:0.04:5e-5", "threshold:0:0.2"),
     # the candidate that kept fidelity in an earlier, unreviewed sweep (deltas ~30%)
     "tight-30pct": rules("budget:0.08:1.25e-4", "budget:0.08:1.25e-5", "threshold:0:0.15"),
 }
@@ -203,7 +205,7 @@ def segment(wfd, a, name, seed, k, store, data, resume):
 def run(a, name, seed, k, data):
     """One training run of policy `name` (None: no checkpoints), killed every k
     steps (0: never). Returns its record."""
-    store = os.path.join(a.out, "store")
+    store = os.path.join(a.out, f"store-{os.getpid()}")  # two sweeps may share OUT
     shutil.rmtree(store, ignore_errors=True)
     kills, resume = [], False
     while True:
