@@ -9,7 +9,7 @@ CMAKE_FLAGS ?=
 # The tests that drive the threads (save thread, workers, I/O threads) run under TSan.
 TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_delta_(policy|cadence|corrupt|kernels)
 
-.PHONY: all build setup test test-long test-c test-asan test-tsan test-python demo bench install clean format fuzz vecreport
+.PHONY: all build setup test test-long test-c test-asan test-tsan test-python demo demo-full bench install clean format fuzz vecreport
 
 all: build
 
@@ -41,6 +41,10 @@ test-tsan:
 
 demo: setup build
 	@scripts/demo
+
+# The demo with more failure rates: SIGKILLed every 20, 10 and 50 steps.
+demo-full: setup build
+	@DEMO_KILL_EVERY=$${DEMO_KILL_EVERY:-20,10,50} scripts/demo
 
 bench: build
 	@$(BUILD)/amber bench --full

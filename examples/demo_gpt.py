@@ -1,27 +1,28 @@
 #!/usr/bin/env python3
 """demo_gpt.py - amber's main demo: train a small GPT, checkpoint every step, SIGKILL
-the run mid-way, resume it from amber in a new process, and compare.
+the run again and again, resume it from amber each time in a new process, and compare.
 
 A byte-level GPT (4 layers, d=256, context 128: about 3.3M parameters) trains on
 CPU on real text the machine has, the Python standard library's sources, with
 AdamW and a warm-up + cosine schedule; data batches are a function of the step, so
-a resumed run sees what the uninterrupted one saw. Four training processes:
+a resumed run sees what the uninterrupted one saw. Three runs:
 
   1. reference: uninterrupted, saving every step with the "lossy" preset; on every
      5th step it also waits for durability, and on every 10th it writes the same
      state with torch.save + fsync, to compare times and sizes in the same run;
-  2. crash: the same run saving every step into two stores ("exact" and "lossy"),
-     SIGKILLed by this script mid-way, whatever it is doing then;
-  3. resume-exact: a new process restores the exact store's latest step and trains
-     to the end (it also measures the exact policy's save times);
-  4. resume-lossy: likewise from the lossy store.
+  2. repeated failures, exact: the same run saving every step with the "exact"
+     policy, SIGKILLed by this script every K steps (K = 20: 9 kills in 200 steps,
+     whatever the process is doing then), each time resumed by a new process from
+     the store the killed one was writing; it also measures the exact policy's
+     save times;
+  3. repeated failures, lossy: likewise with the "lossy" preset.
 
 Then it prints a table (save-to-durable time, training stall and bytes of amber's
 checkpoints against torch.save + fsync; final-loss differences of the resumed runs
 against the uninterrupted one) and writes PNG plots to OUT (loss curves;
 checkpoint bytes and times per step).
 
-    demo_gpt.py [--out demo-out] [--steps 200] [--kill-at 100]
+    demo_gpt.py [--out demo-out] [--steps 200] [--kill-every 20[,10...]]
     demo_gpt.py train ...        (one training process; used by the above)
 """
 import argparse
@@ -123,10 +124,10 @@ def build(steps):
     return model, opt, sched
 
 
-def eval_loss(model, held):
-    """Mean loss on EVAL_SEQS held-out sequences (the same ones for every run)."""
+def eval_loss(model, held, n=EVAL_SEQS):
+    """Mean loss on n held-out sequences (the same ones for every run)."""
     model.eval()
-    x, y = batch(held, 12345, EVAL_SEQS)
+    x, y = batch(held, 12345, n)
     with torch.no_grad():
         loss = sum(loss_of(model, x[i:i + 32], y[i:i + 32]).item() * len(x[i:i + 32])
                    for i in range(0, len(x), 32)) / len(x)
@@ -205,7 +206,7 @@ def train(a):
 
 def child(out, tag, args, kill_at=0):
     """Runs one training process, echoing its progress; SIGKILLs it after it
-    reports step `kill_at`. Returns its log records."""
+    reports step `kill_at`. Returns True when it finished, False when killed."""
     log = os.path.join(out, f"{tag}.jsonl")
     cmd = [sys.executable, os.path.abspath(__file__), "train", "--tag", tag, "--log", log] + args
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -214,13 +215,23 @@ def child(out, tag, args, kill_at=0):
             if kill_at and int(line.split()[1]) >= kill_at:
                 os.kill(p.pid, signal.SIGKILL)
                 print(f"[{tag}] SIGKILL after step {line.split()[1]} began saving", flush=True)
-                break
+                p.wait()
+                return False
             continue
         print(line, end="", flush=True)
     rc = p.wait()
-    if not kill_at and rc != 0:
+    if rc != 0:
         sys.exit(f"demo: training process {tag} failed ({rc})")
-    return [json.loads(x) for x in open(log)]
+    return True
+
+
+def repeated(out, tag, args, steps, every):
+    """Trains to `steps`, SIGKILLing the process after it reports each multiple of
+    `every` (0: never) and resuming it in a new one. Returns the log records."""
+    kill_at, resume = every, []
+    while not child(out, tag, args + resume, kill_at if every and kill_at < steps else 0):
+        kill_at, resume = kill_at + every, ["--resume"]
+    return [json.loads(x) for x in open(os.path.join(out, f"{tag}.jsonl"))]
 
 
 def median(xs):
@@ -234,17 +245,17 @@ def store_sizes(path):
         return {c.step: (c.kind, c.bytes) for c in st.list()}
 
 
-def report(out, logs, stores, steps, kill_at):
-    ref, crash, rex, rlo = (logs[k] for k in ("reference", "crash", "resume-exact", "resume-lossy"))
+def report(out, logs, stores, steps, kills):
+    ref, rex = logs["reference"], logs[f"exact-k{kills[0]}"]
     recs = lambda log: [r for r in log if "step" in r]  # noqa: E731
-    exact_sizes, lossy_sizes = store_sizes(stores["exact"]), store_sizes(stores["ref"])
+    exact_sizes, lossy_sizes = store_sizes(stores[f"exact-k{kills[0]}"]), store_sizes(stores["ref"])
 
     def rows(log, sizes):
         """(kind, durable, stall, bytes) per step; stall = save() + next fence."""
         rs = recs(log)
         out = []
         for i, r in enumerate(rs):
-            nxt = rs[i + 1]["fence_s"] if i + 1 < len(rs) else 0.0
+            nxt = rs[i + 1]["fence_s"] if i + 1 < len(rs) and rs[i + 1]["step"] > r["step"] else 0.0
             kind, nbytes = sizes.get(r["step"], ("?", 0))
             out.append((r["step"], kind, r.get("durable_s"), r["save_s"] + nxt, nbytes,
                         "durable_s" in r))
@@ -281,54 +292,58 @@ def report(out, logs, stores, steps, kill_at):
     print("   'vs torch' = torch.save+fsync time / amber stall)")
 
     fin = lambda log: next(r for r in log if "final_eval" in r)  # noqa: E731
-    start = lambda log: next(r["start"] for r in log if "start" in r)  # noqa: E731
     base = fin(ref)
     print()
-    print(f"== fidelity: SIGKILL at step {kill_at}, resume in a new process, train to step {steps} ==")
-    print(f"{'run':28}{'resumed from':>14}{'final eval loss':>17}{'vs uninterrupted':>18}"
+    print(f"== fidelity: SIGKILLed every K steps, each time resumed in a new process from the "
+          f"store, trained to step {steps} ==")
+    print(f"{'run':32}{'resumes':>8}{'final eval loss':>17}{'vs uninterrupted':>18}"
           f"{'last train loss':>17}")
     print(f"  (eval loss: {EVAL_SEQS} held-out sequences of {CTX} bytes)")
-    print(f"{'uninterrupted (reference)':28}{'-':>14}{base['final_eval']:17.6f}{'':>18}"
+    print(f"{'uninterrupted (reference)':32}{'-':>8}{base['final_eval']:17.6f}{'':>18}"
           f"{base['final_loss']:17.6f}")
     result = {}
-    for label, log, sizes in (("resumed, exact", rex, exact_sizes),
-                              ("resumed, lossy preset", rlo, store_sizes(stores["lossy"]))):
-        f = fin(log)
-        d = 100 * (f["final_eval"] - base["final_eval"]) / base["final_eval"]
-        same = f["final_eval"] == base["final_eval"] and f["final_loss"] == base["final_loss"]
-        result[label] = d
-        s = start(log)
-        fulls = [k for k, (kind, _) in sizes.items() if kind == "full" and k <= s]
-        how = ("a full checkpoint" if s in fulls else
-               f"a delta, {s - max(fulls)} after a full" if fulls else "?")
-        print(f"{label:28}{f'step {s}':>14}{f['final_eval']:17.6f}{d:+17.4f}%"
-              f"{f['final_loss']:17.6f}   ({how})" + ("; bit-identical" if same else ""))
-    plots(out, logs, exact_sizes, lossy_sizes, ts, kill_at)
+    for k in kills:
+        for policy in ("exact", "lossy"):
+            log = logs[f"{policy}-k{k}"]
+            f = fin(log)
+            d = 100 * (f["final_eval"] - base["final_eval"]) / base["final_eval"]
+            same = f["final_eval"] == base["final_eval"] and f["final_loss"] == base["final_loss"]
+            label = f"every {k} steps, {policy}" + (" preset" if policy == "lossy" else "")
+            result[label] = d
+            starts = [r["start"] for r in log if "start" in r][1:]
+            print(f"{label:32}{len(starts):>8}{f['final_eval']:17.6f}{d:+17.4f}%"
+                  f"{f['final_loss']:17.6f}" + ("   bit-identical" if same else ""))
+    froms = ", ".join(str(r["start"]) for r in rex if "start" in r and r["start"])
+    print(f"  (the exact run with K={kills[0]} resumed from steps {froms}: a kill while a step's"
+          f" save is in flight resumes from the step before)")
+    plots(out, logs, exact_sizes, lossy_sizes, ts, kills[0])
     return result
 
 
-def plots(out, logs, exact_sizes, lossy_sizes, ts, kill_at):
+def plots(out, logs, exact_sizes, lossy_sizes, ts, every):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
                                  gridspec_kw={"height_ratios": [2, 1]})
-    styles = {"reference": ("uninterrupted", "k", 2.5), "crash": ("killed run", "tab:red", 1),
-              "resume-exact": ("resumed, exact", "tab:blue", 1),
-              "resume-lossy": ("resumed, lossy preset", "tab:orange", 1)}
+    styles = {"reference": ("uninterrupted", "k", 2.5),
+              f"exact-k{every}": (f"killed every {every} steps, exact", "tab:blue", 1),
+              f"lossy-k{every}": (f"killed every {every} steps, lossy preset", "tab:orange", 1)}
     for tag, (label, color, width) in styles.items():
-        rs = [r for r in logs[tag] if "step" in r]
-        ax.plot([r["step"] for r in rs], [r["loss"] for r in rs], color=color, lw=width,
-                label=label, alpha=0.8)
+        rs = {r["step"]: r["loss"] for r in logs[tag] if "step" in r}  # the last of a redone step
+        ax.plot(sorted(rs), [rs[s] for s in sorted(rs)], color=color, lw=width, label=label,
+                alpha=0.8)
     ref = {r["step"]: r["loss"] for r in logs["reference"] if "step" in r}
-    for tag in ("resume-exact", "resume-lossy"):
+    for tag in list(styles)[1:]:
         label, color, _ = styles[tag]
-        rs = [r for r in logs[tag] if "step" in r and r["step"] in ref]
-        dx.plot([r["step"] for r in rs], [r["loss"] - ref[r["step"]] for r in rs], color=color,
-                lw=1, label=label)
+        rs = {r["step"]: r["loss"] for r in logs[tag] if "step" in r and r["step"] in ref}
+        dx.plot(sorted(rs), [rs[s] - ref[s] for s in sorted(rs)], color=color, lw=1, label=label)
+    starts = [r["start"] for r in logs[f"lossy-k{every}"] if "start" in r][1:]
     for a in (ax, dx):
-        a.axvline(kill_at, color="gray", ls="--", lw=1)
-    ax.text(kill_at, ax.get_ylim()[1], " SIGKILL", va="top", color="gray")
+        for s in starts:
+            a.axvline(s, color="gray", ls="--", lw=0.6)
+    ax.text(starts[0] if starts else 0, ax.get_ylim()[1], " SIGKILL + resume", va="top",
+            color="gray", fontsize=8)
     dx.set_xlabel("step")
     dx.set_ylabel("loss - uninterrupted")
     dx.legend(fontsize=8)
@@ -351,7 +366,7 @@ def plots(out, logs, exact_sizes, lossy_sizes, ts, kill_at):
     a1.set_ylabel("checkpoint size (MB)")
     a1.legend()
     for tag, label, color in (("reference", "lossy preset", "tab:orange"),
-                              ("resume-exact", "exact", "tab:blue")):
+                              (f"exact-k{every}", "exact", "tab:blue")):
         rs = [r for r in logs[tag] if "step" in r]
         stall = [(r["step"], 1e3 * (r["save_s"] + (rs[i + 1]["fence_s"] if i + 1 < len(rs) else 0)))
                  for i, r in enumerate(rs) if "durable_s" not in r]
@@ -389,14 +404,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "demo-out"))
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--kill-at", type=int, default=100)
+    ap.add_argument("--kill-every", default="20",
+                    help="K[,K...]: a repeated-failure run per K and policy (the first K is plotted)")
     a = ap.parse_args()
+    kills = [int(k) for k in a.kill_every.split(",") if k]
     t0 = time.time()
     out = os.path.abspath(a.out)
-    for name in ("ref", "exact", "lossy", "torch"):
-        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    for f in glob.glob(os.path.join(out, "*.jsonl")):
-        os.remove(f)
+    for name in os.listdir(out) if os.path.isdir(out) else ():
+        if name.endswith(".jsonl") or name in ("ref", "exact", "lossy", "torch") or \
+                name.startswith(("exact-k", "lossy-k")):
+            p = os.path.join(out, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
     os.makedirs(os.path.join(out, "torch"), exist_ok=True)
     train_data, held, nfiles = corpus()
     nparams = sum(p.numel() for p in GPT().parameters())
@@ -404,24 +422,28 @@ def main():
           f"to train, {len(held) / 1e6:.2f} MB held out")
     print(f"model: byte-level GPT, {LAYERS} layers, d={D}, context {CTX}, {nparams / 1e6:.2f}M "
           f"parameters; AdamW; batch {BATCH}; {a.steps} steps; a checkpoint every step")
-    stores = {k: os.path.join(out, k) for k in ("ref", "exact", "lossy")}
+    # the first K's stores are the ones scripts/demo's CLI part works on
+    stores = {"ref": os.path.join(out, "ref")}
+    for i, k in enumerate(kills):
+        for policy in ("exact", "lossy"):
+            stores[f"{policy}-k{k}"] = os.path.join(out, policy if i == 0 else f"{policy}-k{k}")
     n = ["--steps", str(a.steps)]
     logs = {}
     print("\n== 1. uninterrupted reference run (lossy preset; torch.save+fsync every 10th step) ==")
-    logs["reference"] = child(out, "reference", n + ["--store", stores["ref"], "--policy", "lossy",
-                                                    "--measure", "--torch-save",
-                                                    os.path.join(out, "torch")])
-    print(f"\n== 2. the same run into an exact and a lossy store, SIGKILLed at step {a.kill_at} ==")
-    logs["crash"] = child(out, "crash", n + ["--store", stores["exact"], "--policy", "exact",
-                                            "--store", stores["lossy"], "--policy", "lossy"],
-                          kill_at=a.kill_at)
-    print("\n== 3. resume from the exact store in a new process ==")
-    logs["resume-exact"] = child(out, "resume-exact", n + ["--store", stores["exact"], "--policy",
-                                                          "exact", "--resume", "--measure"])
-    print("\n== 4. resume from the lossy store in a new process ==")
-    logs["resume-lossy"] = child(out, "resume-lossy", n + ["--store", stores["lossy"], "--policy",
-                                                          "lossy", "--resume"])
-    report(out, logs, stores, a.steps, a.kill_at)
+    logs["reference"] = repeated(out, "reference", n + ["--store", stores["ref"], "--policy",
+                                                        "lossy", "--measure", "--torch-save",
+                                                        os.path.join(out, "torch")], a.steps, 0)
+    run = 2
+    for k in kills:
+        for policy in ("exact", "lossy"):
+            tag = f"{policy}-k{k}"
+            print(f"\n== {run}. the same run with the {policy} policy, SIGKILLed every {k} steps "
+                  f"and resumed from its store in a new process ==")
+            run += 1
+            extra = ["--measure"] if policy == "exact" and k == kills[0] else []
+            logs[tag] = repeated(out, tag, n + ["--store", stores[tag], "--policy", policy] + extra,
+                                 a.steps, k)
+    report(out, logs, stores, a.steps, kills)
     shutil.rmtree(os.path.join(out, "torch"), ignore_errors=True)
     print(f"\ndemo training finished in {time.time() - t0:.0f} s")
 
