@@ -33,6 +33,7 @@ every cached run that the command line selects.
     fidelity.py [--steps 200] [--seeds 3] [--ks 10,20,50] [--policies exact,lossy,...]
                 [--out bench-out/fidelity] [--json docs/fidelity.json]
                 [--png docs/fidelity.png] [--threads 2] [--eval-seqs 256] [--list]
+                [--report]
 """
 import argparse
 import hashlib
@@ -285,6 +286,7 @@ def plot(summary, path, steps):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker below
     u = summary["uninterrupted"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     if u["sd_pct"] == u["sd_pct"]:
@@ -300,13 +302,17 @@ def plot(summary, path, steps):
         for k, s in p["K"].items():
             diffs = [x["diff_pct"] for x in p["runs"][k]]
             m = s["mean_diff_pct"]
-            ax.errorbar([p["delta_pct"]], [m], yerr=[[m - min(diffs)], [max(diffs) - m]],
+            bars = [[max(0, m - min(diffs))], [max(0, max(diffs) - m)]]
+            ax.errorbar([p["delta_pct"]], [m], yerr=bars,
                         marker=marks.get(k, "s"), ms=6, color=f"C{i % 10}", capsize=2,
                         lw=0.8, label=name if k == min(p["K"], key=int) else None)
     ax.set_xscale("log")
+    ax.set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("mean delta checkpoint size (% of a full checkpoint)")
     ax.set_ylabel("final eval loss, resumed - uninterrupted (% of it)")
-    ax.set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps "
+    ax.set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps\n"
                  f"(▼ K=10, ● K=20, ▲ K=50; bars: min-max over seeds)", fontsize=9)
     ax.axhline(0, color="k", lw=0.5)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -327,6 +333,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-seqs", type=int, default=demo.EVAL_SEQS)
     ap.add_argument("--list", action="store_true", help="print the policies and exit")
+    ap.add_argument("--report", action="store_true",
+                    help="train nothing: JSON and plot from the runs cached in OUT")
     a = ap.parse_args()
     if a.list:
         for name, rs in POLICIES.items():
@@ -355,6 +363,8 @@ def main():
             with open(cache) as f:
                 rows.append(json.load(f))
             continue
+        if a.report:
+            continue
         t1 = time.time()
         r = run(a, name, seed, k, (train_data, held))
         r.update(policy=name, seed=seed, k=k, steps=a.steps, seconds=time.time() - t1)
@@ -376,7 +386,7 @@ def main():
     u = summary["uninterrupted"]
     print(f"\nuninterrupted: final eval {u['mean']:.5f} (mean of {len(u['final_eval'])} seeds), "
           f"sd {u['sd']:.5f} = {u['sd_pct']:.3f}%")
-    print(f"{'policy':18}{'delta':>8}{'K':>4}{'mean diff':>11}{'worst':>9}{'in sd':>7}"
+    print(f"{'policy':18}{'delta':>8}{'K':>4}{'seeds':>6}{'mean diff':>11}{'worst':>9}{'in sd':>7}"
           f"{'fidelity':>10}   resume error: W/lr, dM/sqrtV, log V (mean, rms)")
     for name, p in summary["policies"].items():
         for k, s in p["K"].items():
@@ -384,7 +394,8 @@ def main():
             err = (f"{e['W_rms_lr']:.3f} {e['M_rms_update']:.3f} {e['V_log_mean']:+.3f} "
                    f"{e['V_log_rms']:.3f}" if e else "")
             sds = f"{s['mean_diff_sd']:+.2f}" if s["mean_diff_sd"] is not None else "-"
-            print(f"{name:18}{p['delta_pct']:7.2f}%{k:>4}{s['mean_diff_pct']:+10.3f}%"
+            print(f"{name:18}{p['delta_pct']:7.2f}%{k:>4}{s['seeds']:>6}"
+                  f"{s['mean_diff_pct']:+10.3f}%"
                   f"{s['worst_diff_pct']:8.3f}%{sds:>7}"
                   f"{'yes' if s['fidelity'] else 'no':>10}   {err}")
     print(f"wrote {a.json}, {a.png}")

@@ -35,7 +35,7 @@ Bounds, measured in the same run: a delta's floor = reading live and reference o
 (both arrays summed at memory speed) + writing the delta's bytes at the disk's
 O_DIRECT pace (a full checkpoint's size written with O_DIRECT + fsync).
 
-    torch_bench.py [--repeat 3] [--policy lossy] [--deltas 4] [--quick]
+    torch_bench.py [--repeat 3] [--policy lossy-compact] [--deltas 4] [--quick]
                    [--json FILE] [--markdown] [--out DIR]
 """
 import argparse
@@ -518,7 +518,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.getcwd(), "bench-out"),
                     help="scratch directory (removed at the end)")
-    ap.add_argument("--policy", default="lossy", help=f"amber's policy (presets: {', '.join(PRESETS)})")
+    ap.add_argument("--policy", default="lossy-compact",
+                    help=f"amber's policy (presets: {', '.join(PRESETS)})")
     ap.add_argument("--deltas", type=int, default=4, help="synchronous and overlapped deltas per round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (the spread is over them)")
     ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")

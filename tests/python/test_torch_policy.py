@@ -1,12 +1,13 @@
 """Policies through the Checkpointer: every restored element is within the bound
 of a threshold or budget policy at every step of a delta chain; rules apply to the
-tensor names by pattern; the "lossy" preset keeps its bounds; optimizer step
+tensor names by pattern; the "lossy" presets keep their bounds; optimizer step
 counters stay exact whatever the rules say."""
 import fnmatch
 
+import pytest
 import torch
 
-from amber.torch import LOSSY, Checkpointer
+from amber.torch import PRESETS, Checkpointer
 
 
 def within(restored, true, abs_bound, rel_bound):
@@ -15,12 +16,12 @@ def within(restored, true, abs_bound, rel_bound):
     return bool((err <= bound * (1 + 1e-6) + 1e-12).all()), float(err.max())
 
 
-def run(store, policy, steps=12, lr=1e-2):
+def run(store, policy, steps=12, lr=1e-2, full_share=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     truth = {}
-    with Checkpointer(store, policy=policy, rng=False) as ck:
+    with Checkpointer(store, policy=policy, rng=False, full_share=full_share) as ck:
         for step in range(1, steps + 1):
             model(torch.randn(32, 64)).pow(2).mean().backward()
             opt.step()
@@ -75,10 +76,10 @@ def test_rules_by_pattern_and_their_bounds(store):
             assert torch.equal(s["step"], osd[n]["step"])
 
 
-def preset_bound(name):
-    """(ABS, REL) bound of tensor `name` under LOSSY: the last matching rule's."""
+def preset_bound(name, preset="lossy"):
+    """(ABS, REL) bound of tensor `name` under a preset: the last matching rule's."""
     bound = (0.0, 0.0)
-    for rule in LOSSY:
+    for rule in PRESETS[preset]:
         pattern, _, spec = rule.rpartition("=")
         if pattern and not fnmatch.fnmatchcase(name, pattern):
             continue
@@ -92,20 +93,23 @@ def preset_bound(name):
     return bound
 
 
-def test_lossy_preset_keeps_its_bounds_and_exact_step_counters(store):
-    _, _, truth, kinds = run(store, "lossy", lr=1e-3)
+@pytest.mark.parametrize("preset", ["lossy", "lossy-compact"])
+def test_lossy_presets_keep_their_bounds_and_exact_step_counters(store, preset):
+    # full_share off: a chain of deltas even where the preset's deltas are dense
+    _, _, truth, kinds = run(store, preset, lr=1e-3, full_share=-1)
     assert kinds.count("delta") >= 5
     for step in (4, 12):
         model, opt = restored(store, step)
         msd, osd = truth[step]
         for k, v in model.state_dict().items():
-            assert within(v, msd[k], *preset_bound(f"model/{k}"))[0], (step, k)
+            assert within(v, msd[k], *preset_bound(f"model/{k}", preset))[0], (step, k)
         for n, p in model.named_parameters():
             for k, v in opt.state[p].items():
                 if k == "step":
                     assert torch.equal(v, osd[n][k])
                 else:
-                    assert within(v, osd[n][k], *preset_bound(f"optim/{n}/{k}"))[0], (step, n, k)
+                    assert within(v, osd[n][k], *preset_bound(f"optim/{n}/{k}", preset))[0], \
+                        (step, n, k)
 
 
 def test_step_counters_stay_exact_under_a_loose_global_rule(store):
