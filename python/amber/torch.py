@@ -177,8 +177,9 @@ LOSSY = (
 #   budget:0.02:2e-3, M budget:0.02:2e-4, V threshold:0:0.5. Deltas 3.2% of a full
 #   checkpoint on the demo (1.7% on GPT-2 small in mid-training, bench/torch_bench.py).
 #   One resume costs about +0.3%, but the error compounds: SIGKILLed every 20 steps
-#   the demo ends +2.0% and +2.1% (two seeds) above the uninterrupted run, 8 sd. For
-#   runs that are rarely resumed, or checkpoints that are exported rather than resumed.
+#   the demo ends +2.0%, +2.1% and +2.4% (three seeds; mean +2.2% = 8.8 sd) above the
+#   uninterrupted run. For runs that are rarely resumed, or checkpoints that are
+#   exported rather than resumed from.
 #   Its earlier single-resume measurements (restored at step K, trained on to step N;
 #   median delta size):
 #   W budget:0.02:1e-3, M budget:0.02:1e-4, V threshold:0:0.05  N240 K120 +0.05%  16.3%
