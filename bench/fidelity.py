@@ -309,7 +309,8 @@ def plot(summary, path, steps):
             bars = [[max(0, m - min(diffs))], [max(0, max(diffs) - m)]]
             ax.errorbar([p["delta_pct"]], [m], yerr=bars,
                         marker=marks.get(k, "s"), ms=6, color=f"C{i % 10}", capsize=2,
-                        lw=0.8, label=name if k == min(p["K"], key=int) else None)
+                        lw=0.8, label=f"{name} ({s['seeds']} seed{'s' * (s['seeds'] > 1)})"
+                        if k == min(p["K"], key=int) else None)
     ax.set_xscale("log")
     ax.set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
@@ -321,7 +322,7 @@ def plot(summary, path, steps):
     ax.axhline(0, color="k", lw=0.5)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
 
 
