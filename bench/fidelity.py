@@ -303,14 +303,15 @@ def plot(summary, path, steps):
     names = sorted(summary["policies"])
     for i, name in enumerate(names):
         p = summary["policies"][name]
+        label = f"{name} (seeds: " + ", ".join(f"{s['seeds']} at K={k}"
+                                                for k, s in p["K"].items()) + ")"
         for k, s in p["K"].items():
             diffs = [x["diff_pct"] for x in p["runs"][k]]
             m = s["mean_diff_pct"]
             bars = [[max(0, m - min(diffs))], [max(0, max(diffs) - m)]]
             ax.errorbar([p["delta_pct"]], [m], yerr=bars,
                         marker=marks.get(k, "s"), ms=6, color=f"C{i % 10}", capsize=2,
-                        lw=0.8, label=f"{name} ({s['seeds']} seed{'s' * (s['seeds'] > 1)})"
-                        if k == min(p["K"], key=int) else None)
+                        lw=0.8, label=label if k == min(p["K"], key=int) else None)
     ax.set_xscale("log")
     ax.set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))

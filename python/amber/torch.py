@@ -161,11 +161,11 @@ __all__ = ["Checkpointer", "StateMismatchError", "EXACT", "LOSSY", "LOSSY_COMPAC
 # "lossy": W budget:0.08:1.25e-4, M budget:0.08:1.25e-5, V threshold:0:0.15.
 #   Deltas 30.8% of a full checkpoint on the demo. SIGKILLed every 20 steps, the demo
 #   ends +0.18%, +0.07% and +0.11% above the uninterrupted run (three seeds; mean
-#   +0.12% = 0.48 sd): within 2 sd and within 0.5%. The smallest policy measured that
-#   keeps fidelity under repeated resumes; none of 3% did (see the README). At a
-#   resume the weights are within about 0.16 steps' update (rms, in units of lr) of
-#   the true ones, Adam's update from the first moment within 0.08, and the step
-#   size from V within a few percent.
+#   +0.12% = 0.48 sd): within 2 sd and within 0.5%; every 10 steps +0.29% (seed 0,
+#   19 resumes). The smallest policy measured that keeps fidelity under repeated
+#   resumes; none of 3% did (see the README). At a resume the weights are off by
+#   about 0.16 of a step's update (rms, in units of lr), Adam's update from the first
+#   moment by 0.08, and the step size from V by a few percent (rms of log V 0.08).
 LOSSY = (
     "budget:0.08:1.25e-4",
     "*/exp_avg=budget:0.08:1.25e-5",
@@ -178,8 +178,8 @@ LOSSY = (
 #   checkpoint on the demo (1.7% on GPT-2 small in mid-training, bench/torch_bench.py).
 #   One resume costs about +0.3%, but the error compounds: SIGKILLed every 20 steps
 #   the demo ends +2.0%, +2.1% and +2.4% (three seeds; mean +2.2% = 8.8 sd) above the
-#   uninterrupted run. For runs that are rarely resumed, or checkpoints that are
-#   exported rather than resumed from.
+#   uninterrupted run; every 10 steps +4.5% (seed 0). For runs that are rarely
+#   resumed, or checkpoints that are exported rather than resumed from.
 #   Its earlier single-resume measurements (restored at step K, trained on to step N;
 #   median delta size):
 #   W budget:0.02:1e-3, M budget:0.02:1e-4, V threshold:0:0.05  N240 K120 +0.05%  16.3%
