@@ -405,7 +405,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "demo-out"))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--kill-every", default="20",
-                    help="K[,K...]: a repeated-failure run per K and policy (the first K is plotted)")
+                    help="K[,K...]: a repeated-failure run per K and policy "
+                         "(the first K is plotted)")
     a = ap.parse_args()
     kills = [int(k) for k in a.kill_every.split(",") if k]
     t0 = time.time()
