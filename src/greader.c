@@ -115,7 +115,12 @@ static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
   if (rc < 0)
     return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
   rc = amber_reader_open(&g->rd[r], g->st[r], g->m.ranks[r].step, NULL);
-  if (rc < 0) return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+  if (rc < 0) {
+    rc = amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+    amber_store_close(g->st[r]); /* a later read opens it again */
+    g->st[r] = NULL;
+    return rc;
+  }
   amber_ckpt_info ci;
   rc = amber_reader_ckpt_info(g->rd[r], &ci);
   if (rc == 0 && ci.hash != g->m.ranks[r].hash)
@@ -127,6 +132,8 @@ static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
   if (rc < 0) {
     amber_reader_close(g->rd[r]);
     g->rd[r] = NULL;
+    amber_store_close(g->st[r]);
+    g->st[r] = NULL;
     return rc;
   }
   return *out = g->rd[r], 0;
