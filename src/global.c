@@ -114,7 +114,10 @@ static int remove_leftovers(amber_global_writer *gw) {
   return rank_rollback(gw, keep, state);
 }
 
-/* Delta steps since the last full one, from the manifests. */
+/* Delta steps since the last full one, from the manifests. When the latest step
+ * was written at another world size (a job resumed at another rank count), the
+ * ranks' own stores hold other shards than they will write now, so the next step
+ * must be full everywhere: that is returned as UINT32_MAX. */
 static uint32_t count_deltas(amber_global_writer *gw) {
   uint32_t n = 0;
   uint64_t s = gw->latest;
@@ -122,6 +125,10 @@ static uint32_t count_deltas(amber_global_writer *gw) {
     amber__manifest m;
     if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) break;
     uint32_t kind = m.kind;
+    if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
+      amber__manifest_free(&m);
+      return UINT32_MAX;
+    }
     s = m.parent;
     amber__manifest_free(&m);
     if (kind == AMBER_KIND_FULL) break;
