@@ -258,7 +258,30 @@ static void test_delta_chain_across_ranks_and_world_size_change(void) {
   CHECK_OK(amber_global_list(p, &info, &n));
   CHECK(n == 8);
   if (n == 8) CHECK(info[5].world_size == 4 && info[7].world_size == 3);
+  /* The first step at another world size is full on every rank, the next a delta. */
+  if (n == 8) CHECK(info[6].kind == AMBER_KIND_FULL && info[7].kind == AMBER_KIND_DELTA);
   amber_free(info);
+}
+
+/* Back at a world size seen before (4 -> 2 -> 4): ranks 2 and 3 find their own
+ * stores as the 4-rank job left them, with shards of the same shape, yet the first
+ * step is full on every rank, so that no chain reaches back past the steps that
+ * another world size wrote. */
+static void test_first_step_after_a_world_size_change_is_full(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 3, -1, 0, NULL);
+  run_job(p, 2, 0, 4, 5, -1, 0, NULL);
+  run_job(p, 4, 0, 6, 7, -1, 0, NULL);
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 7);
+  if (n == 7)
+    CHECK(info[3].kind == AMBER_KIND_FULL && info[4].kind == AMBER_KIND_DELTA &&
+          info[5].kind == AMBER_KIND_FULL && info[5].parent == AMBER_NO_STEP &&
+          info[6].kind == AMBER_KIND_DELTA);
+  amber_free(info);
+  for (uint64_t s = 1; s <= 7; s++) check_read(p, s, s, 3, 1, 0);
 }
 
 static void test_lossy_policy_resharded_within_bound(void) {
@@ -466,6 +489,7 @@ int main(void) {
   TEST_RUN(test_reshard_4_to_1_and_3_and_columns);
   TEST_RUN(test_reshard_1_to_4_and_columns_to_rows);
   TEST_RUN(test_delta_chain_across_ranks_and_world_size_change);
+  TEST_RUN(test_first_step_after_a_world_size_change_is_full);
   TEST_RUN(test_lossy_policy_resharded_within_bound);
   TEST_RUN(test_region_outside_or_wrong_size_is_refused);
   TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);
