@@ -40,12 +40,15 @@ struct amber_global_writer {
   size_t nt;
   char **pol;
   size_t npol;
+  char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
+  size_t meta_len;
+  int has_meta;
   int saved;                 /* a save was begun: declarations are fixed */
   uint64_t latest;           /* the last global commit, AMBER_NO_STEP for none */
   uint32_t deltas;           /* delta steps since the last full step */
   int force_full;            /* after a failed step */
   /* the save in progress */
-  int busy, begin_rc, present, full;
+  int busy, begin_rc, present, full, gated;
   uint64_t step;
   uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
   char begin_msg[256];
@@ -191,8 +194,36 @@ void amber_global_writer_close(amber_global_writer *gw) {
   for (size_t i = 0; i < gw->npol; i++) free(gw->pol[i]);
   free(gw->t);
   free(gw->pol);
+  free(gw->meta);
   free(gw->path);
   free(gw);
+}
+
+int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const void *data) {
+  if (index >= gw->nt)
+    return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
+                       index, gw->nt);
+  if (gw->busy && gw->present && !gw->begin_rc)
+    return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
+                       gw->t[index].name);
+  gw->t[index].data = data;
+  if (!gw->w || !gw->t[index].local) return 0;
+  size_t li = 0; /* its index in the rank writer: local tensors in declaration order */
+  for (size_t i = 0; i < index; i++) li += gw->t[i].local != 0;
+  int rc = amber_writer_set_data(gw->w, li, data);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
+}
+
+int amber_global_writer_set_meta(amber_global_writer *gw, const char *json, size_t len) {
+  if (len && !json) return amber__fail(&gw->err, AMBER_EINVAL, "set_meta: NULL metadata");
+  char *m = NULL;
+  if (len) {
+    if (!(m = malloc(len))) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+    memcpy(m, json, len);
+  }
+  free(gw->meta);
+  gw->meta = m, gw->meta_len = len, gw->has_meta = len != 0;
+  return 0;
 }
 
 int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
@@ -271,15 +302,18 @@ static int ensure_writer(amber_global_writer *gw) {
   return rc;
 }
 
+/* Whether this rank writes a file for the step: it holds a tensor of its own, or
+ * metadata (a rank's RNG state and counters are its own even when every tensor
+ * it holds is replicated). */
 static int any_local(const amber_global_writer *gw) {
   for (size_t i = 0; i < gw->nt; i++)
     if (gw->t[i].local) return 1;
-  return 0;
+  return gw->has_meta;
 }
 
 int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
-  if (flags & ~(uint32_t)AMBER_SAVE_FULL)
+  if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
     return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
     return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
@@ -296,12 +330,19 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
   gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
   gw->present = any_local(gw);
+  gw->gated = 0;
   if (!gw->present) return 0;
   rc = amber__store_state(gw->st, &gw->err, &gw->prev_step, &gw->prev_state);
   if (rc == AMBER_ENOENT) gw->prev_step = AMBER_NO_STEP, rc = 0;
   if (rc == 0) rc = ensure_writer(gw);
   if (rc == 0) {
-    rc = amber_writer_begin(gw->w, step, gw->full ? AMBER_SAVE_FULL : 0);
+    rc = amber_writer_set_meta(gw->w, gw->has_meta ? gw->meta : NULL, gw->meta_len);
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  }
+  if (rc == 0) {
+    uint32_t wf = (gw->full ? AMBER_SAVE_FULL : 0u) | (flags & AMBER_SAVE_CONFIRM);
+    rc = amber_writer_begin(gw->w, step, wf);
+    gw->gated = rc == 0 && (flags & AMBER_SAVE_CONFIRM);
     if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
   }
   if (rc < 0) {
@@ -314,6 +355,14 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
 int amber_global_writer_fence(amber_global_writer *gw) {
   if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
   return amber_writer_fence(gw->w);
+}
+
+int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {
+  if (!gw->busy) return amber__fail(&gw->err, AMBER_EINVAL, "confirm: no save is in progress");
+  if (!gw->gated) return 0; /* this rank writes nothing, or its begin failed: its vote says so */
+  gw->gated = 0;
+  int rc = amber_writer_confirm(gw->w, ok, why);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
 /* One rank's vote: i32 rc, u32 kind, u64 hash, u64 bytes, u32 present, u16 msg len,
@@ -468,6 +517,10 @@ int amber_global_writer_wait(amber_global_writer *gw) {
   uint32_t kind = 0;
   uint64_t hash = 0, bytes = 0, s;
   if (gw->present && rc == 0) {
+    if (gw->gated) { /* begun with AMBER_SAVE_CONFIRM and never confirmed */
+      gw->gated = 0;
+      amber_writer_confirm(gw->w, 0, "amber_global_writer_wait without a confirm");
+    }
     rc = amber_writer_wait(gw->w);
     if (rc < 0) snprintf(msg, sizeof msg, "%s", amber_last_error(gw->w));
     amber_save_stats st;

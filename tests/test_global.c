@@ -481,6 +481,77 @@ static void test_prune_keeps_what_the_kept_steps_need(void) {
   check_read(p, 6, 6, 2, 0, 0);
 }
 
+/* Per-rank metadata, set_data and the confirm verdict: each rank's metadata comes
+ * back as that rank's (rank 1 holds only a replicated tensor and still gets its
+ * own); a repointed tensor is saved from its new memory; a rank that refuses its
+ * part (confirm 0) fails the step on every rank, naming it. */
+static void meta_main(const amber_comm *c, void *arg) {
+  const char *path = arg;
+  amber_global_writer *gw;
+  RCHECK(amber_global_writer_open(&gw, path, c, NULL) == 0);
+  if (!gw) return;
+  int64_t n = 6, bn = BIAS;
+  float w1[6], b[BIAS];
+  for (int i = 0; i < 6; i++) w1[i] = -1.0f;
+  for (int i = 0; i < BIAS; i++) b[i] = (float)i;
+  /* rank 0 holds "w" whole; rank 1 only the replicated "b" */
+  int64_t wl = c->rank == 0 ? n : 0;
+  RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, &bn, NULL, NULL, b,
+                                 AMBER_SHARD_REPLICATED) == 0);
+  int64_t z = 0;
+  float whole[6];
+  for (int i = 0; i < 6; i++) whole[i] = (float)i * 2.0f;
+  if (c->rank == 0) RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 1, &n, &z, &wl, w1, 0) == 0);
+  char m[64];
+  int ml = snprintf(m, sizeof m, "{\"rank\":%d}", c->rank);
+  RCHECK(amber_global_writer_set_meta(gw, m, (size_t)ml) == 0);
+  if (c->rank == 0) RCHECK(amber_global_writer_set_data(gw, 1, whole) == 0);
+  RCHECK(amber_global_writer_set_data(gw, 7, whole) == AMBER_ERANGE);
+  RCHECK(amber_global_writer_save(gw, 1, 0) == 0);
+  /* step 2: rank 1 refuses its part */
+  RCHECK(amber_global_writer_begin(gw, 2, AMBER_SAVE_CONFIRM) == 0);
+  RCHECK(amber_global_writer_confirm(gw, c->rank != 1, "torn on purpose") == 0);
+  int rc = amber_global_writer_wait(gw);
+  RCHECK(rc == AMBER_ECHANGED);
+  RCHECK(strstr(amber_last_error(gw), "rank 1 failed") != NULL);
+  RCHECK(strstr(amber_last_error(gw), "torn on purpose") != NULL);
+  /* step 3 confirmed everywhere */
+  RCHECK(amber_global_writer_begin(gw, 3, AMBER_SAVE_CONFIRM) == 0);
+  RCHECK(amber_global_writer_confirm(gw, 1, NULL) == 0);
+  RCHECK(amber_global_writer_wait(gw) == 0);
+  amber_global_writer_close(gw);
+}
+
+static void test_rank_metadata_set_data_and_confirm(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  tc_run(2, meta_main, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_reader *g;
+  CHECK_OK(amber_global_reader_open(&g, p, AMBER_LATEST));
+  if (!g) return;
+  CHECK(amber_global_reader_step(g) == 3);
+  for (uint32_t r = 0; r < 2; r++) {
+    const char *json;
+    size_t len;
+    char want[64];
+    snprintf(want, sizeof want, "{\"rank\":%u}", r);
+    CHECK_OK(amber_global_reader_meta(g, r, &json, &len));
+    CHECK(json && len == strlen(want) && !memcmp(json, want, len));
+  }
+  const char *json;
+  size_t len;
+  CHECK_RC(amber_global_reader_meta(g, 2, &json, &len), AMBER_ERANGE);
+  size_t wi;
+  float w[6];
+  int64_t o = 0, n = 6;
+  CHECK_OK(amber_global_reader_find(g, "w", &wi));
+  CHECK_OK(amber_global_reader_read(g, wi, &o, &n, w, sizeof w));
+  for (int i = 0; i < 6; i++) CHECK(w[i] == (float)i * 2.0f);
+  amber_global_reader_close(g);
+  CHECK_RC(amber_global_reader_open(&g, p, 2), AMBER_ENOENT);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -498,5 +569,6 @@ int main(void) {
   TEST_RUN(test_one_rank_through_amber_comm_self);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
+  TEST_RUN(test_rank_metadata_set_data_and_confirm);
   return tu_finish();
 }
