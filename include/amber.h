@@ -622,6 +622,28 @@ AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
  * ending with `why`), and so the step on every rank, naming this rank. A rank that
  * writes nothing of the step ignores it. Not collective. */
 AMBER_API int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why);
+/* Where the time of the global writer's last save went on this rank: for
+ * profiling, and what `amber bench --ranks` prints. Wall-clock seconds. */
+typedef struct amber_global_save_stats {
+  amber_save_stats part;  /* this rank's own file, as amber_writer_save_stats (all
+                             zero when the rank wrote nothing of the step) */
+  double part_s;          /* begin until this rank's part was durable and committed in
+                             its own store (for a split save: until wait saw it so) */
+  double vote_s;          /* the allgather of every rank's outcome: includes waiting for
+                             the ranks that finish their parts later */
+  double manifest_s;      /* rank 0: checking the votes, writing the manifest durably
+                             and moving GLOBAL; 0 on the other ranks */
+  double outcome_s;       /* the broadcast of rank 0's outcome */
+  double commit_s;        /* vote_s + manifest_s + outcome_s: the global commit */
+  double total_s;         /* begin until the step was committed */
+  uint64_t reserved[4];   /* zero */
+} amber_global_save_stats;
+
+/* Fills `out` with the figures of this rank's last save (call it after
+ * amber_global_writer_save or _wait returned 0; after a failed save the figures
+ * are unspecified). Not collective. Returns 0, or AMBER_EINVAL for a NULL argument. */
+AMBER_API int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                             amber_global_save_stats *out);
 /* Closes the writer (waiting for a save in progress, whose result is lost: call
  * wait first). Not collective. Accepts NULL. */
 AMBER_API void amber_global_writer_close(amber_global_writer *gw);

@@ -52,6 +52,8 @@ struct amber_global_writer {
   uint64_t step;
   uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
   char begin_msg[256];
+  double t_begin;               /* when the save in progress began */
+  amber_global_save_stats stats; /* of the last save */
 };
 
 /* ---- small helpers ---- */
@@ -318,6 +320,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
     return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
                        (unsigned long long)step, (unsigned long long)gw->latest);
+  double t0 = amber__now();
   /* Full or delta for the whole step: one byte per rank. */
   uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
                  gw->deltas >= gw->full_every;
@@ -329,6 +332,8 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   free(all);
   if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
   gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
+  gw->t_begin = t0;
+  memset(&gw->stats, 0, sizeof gw->stats);
   gw->present = any_local(gw);
   gw->gated = 0;
   if (!gw->present) return 0;
@@ -523,11 +528,12 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     }
     rc = amber_writer_wait(gw->w);
     if (rc < 0) snprintf(msg, sizeof msg, "%s", amber_last_error(gw->w));
-    amber_save_stats st;
-    if (rc == 0 && amber_writer_save_stats(gw->w, &st) == 0) kind = st.kind, bytes = st.bytes;
+    amber_save_stats *st = &gw->stats.part;
+    if (rc == 0 && amber_writer_save_stats(gw->w, st) == 0) kind = st->kind, bytes = st->bytes;
     if (rc == 0) rc = amber__store_state(gw->st, &gw->err, &s, &hash);
     if (rc == 0 && s != gw->step) rc = AMBER_EIO;
   }
+  double t_part = amber__now();
   size_t vl;
   uint8_t *vote = encode_vote(gw, rc, kind, hash, bytes, msg, &vl);
   uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
@@ -536,6 +542,7 @@ int amber_global_writer_wait(amber_global_writer *gw) {
   if (crc == 0) crc = amber__comm_allgatherv(&gw->comm, &gw->err, vote, vl, &all, lens,
                                              lens + gw->comm.size);
   free(vote);
+  double t_vote = amber__now(), t_manifest = t_vote;
   if (crc < 0) { /* the collective itself failed: nobody can know the outcome */
     free(lens);
     fail_local(gw);
@@ -564,6 +571,7 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
+    t_manifest = amber__now();
   }
   free(all);
   free(lens);
@@ -585,9 +593,25 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
                        (unsigned long long)gw->step, bad, amber_strerror(brc), why);
   }
+  amber_global_save_stats *gs = &gw->stats;
+  double t_end = amber__now();
+  gs->part_s = t_part - gw->t_begin;
+  gs->vote_s = t_vote - t_part;
+  gs->manifest_s = t_manifest - t_vote;
+  gs->outcome_s = t_end - t_manifest;
+  gs->commit_s = t_end - t_part;
+  gs->total_s = t_end - gw->t_begin;
   gw->latest = gw->step;
   gw->force_full = 0;
   gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  return 0;
+}
+
+int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                   amber_global_save_stats *out) {
+  if (!gw || !out)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_save_stats: NULL argument");
+  *out = gw->stats;
   return 0;
 }
 

@@ -406,6 +406,43 @@ static void test_golden_multi_rank_stores_load(void) {
   }
 }
 
+/* Each rank saves two steps (a full, a split delta) and checks its figures. */
+static void stats_main(const amber_comm *c, void *arg) {
+  amber_global_writer *gw = NULL;
+  RCHECK(amber_global_writer_open(&gw, arg, c, NULL) == 0);
+  if (!gw) return;
+  int64_t g[2] = {ROWS, COLS}, off[2], sh[2];
+  part(c->rank, c->size, 0, off, sh);
+  float w[ROWS * COLS];
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+  amber_global_save_stats st;
+  for (uint64_t s = 1; s <= 2; s++) {
+    fill_w(w, off, sh, s);
+    if (s == 1) {
+      RCHECK(amber_global_writer_save(gw, s, 0) == 0);
+    } else {
+      RCHECK(amber_global_writer_begin(gw, s, 0) == 0);
+      RCHECK(amber_global_writer_fence(gw) == 0);
+      RCHECK(amber_global_writer_wait(gw) == 0);
+    }
+    RCHECK(amber_global_writer_save_stats(gw, &st) == 0);
+    RCHECK(st.part.kind == (s == 1 ? AMBER_KIND_FULL : AMBER_KIND_DELTA) && st.part.bytes > 0);
+    RCHECK(st.part_s >= st.part.total_s && st.vote_s >= 0 && st.outcome_s >= 0);
+    /* Only rank 0 writes the manifest. */
+    RCHECK(c->rank == 0 ? st.manifest_s > 0 : st.manifest_s == 0);
+    RCHECK(fabs(st.commit_s - (st.vote_s + st.manifest_s + st.outcome_s)) < 1e-9);
+    RCHECK(fabs(st.total_s - (st.part_s + st.commit_s)) < 1e-9);
+  }
+  RCHECK(amber_global_writer_save_stats(gw, NULL) == AMBER_EINVAL);
+  amber_global_writer_close(gw);
+}
+
+static void test_save_stats_split_a_rank_part_from_the_global_commit(void) {
+  atomic_store(&rank_fails, 0);
+  tc_run(3, stats_main, (void *)tu_tmpdir());
+  CHECK(atomic_load(&rank_fails) == 0);
+}
+
 static void self_main(const char *p, uint64_t step) {
   amber_global_writer *gw = NULL;
   CHECK_OK(amber_global_writer_open(&gw, p, amber_comm_self(), NULL));
@@ -567,6 +604,7 @@ int main(void) {
   TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
   TEST_RUN(test_golden_multi_rank_stores_load);
   TEST_RUN(test_one_rank_through_amber_comm_self);
+  TEST_RUN(test_save_stats_split_a_rank_part_from_the_global_commit);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
   TEST_RUN(test_rank_metadata_set_data_and_confirm);
