@@ -16,7 +16,10 @@
  *   manifest that rank 0 writes durably, with the manifest shown apart;
  * - a single-rank save of the same total bytes by rank 0 alone (the other ranks
  *   idle), the same trajectory and policy;
- * - the target: the commit adds at most 5% to a delta step's save-to-durable.
+ * - the target: the commit adds at most 5% to a delta step's save-to-durable;
+ * - split saves (begin, then "compute" twice as long as a delta part, fence,
+ *   wait): the commit's collectives run inside wait(), on the training thread,
+ *   so wait's duration is what the commit costs training there.
  *
  * The ranks share the machine: on a small machine N ranks contend for its cores
  * and its disk, which a job with a node per rank does not.
@@ -33,7 +36,10 @@
 #include "amber_mpi.h"
 #include "bench.h"
 
-enum { F_PART, F_VOTE, F_MANIFEST, F_OUTCOME, F_COMMIT, F_TOTAL, F_BYTES, NF };
+enum { F_PART, F_VOTE, F_MANIFEST, F_OUTCOME, F_COMMIT, F_TOTAL, F_BYTES, F_WAIT, NF };
+
+/* Split saves measured after the D deltas: begin, compute, fence, wait. */
+#define SPLIT_STEPS 5
 
 /* Waits for every rank without spinning, so that an idle rank leaves the cores to
  * the one that works (MPI_Barrier polls). */
@@ -54,8 +60,8 @@ static double max_of(const double *v, int n, int stride) {
   return m;
 }
 
-/* The global saves of this rank's shard: step 1 full, steps 2..D+1 deltas. f gets
- * NF figures per step. */
+/* The global saves of this rank's shard: step 1 full, steps 2..D+1 deltas, then
+ * SPLIT_STEPS split saves. f gets NF figures per step. */
 static int global_run(const bench_opts *o, const char *dir, int me, int n, double *f) {
   bench_state s = {0};
   float *gtab = amber__bench_gradients();
@@ -86,6 +92,30 @@ static int global_run(const bench_opts *o, const char *dir, int me, int n, doubl
     x[F_PART] = st.part_s, x[F_VOTE] = st.vote_s, x[F_MANIFEST] = st.manifest_s;
     x[F_OUTCOME] = st.outcome_s, x[F_COMMIT] = st.commit_s, x[F_TOTAL] = st.total_s;
     x[F_BYTES] = (double)st.part.bytes;
+  }
+  /* Split saves: the "compute" between begin and wait lasts twice the slowest
+   * rank's median delta part, so each part is durable before wait is called. */
+  if (o->deltas < 1) goto fail;
+  double *parts = malloc((size_t)(unsigned)o->deltas * sizeof *parts), comp = 0;
+  if (!parts) goto fail;
+  for (int k = 1; k <= o->deltas; k++) parts[k - 1] = f[(size_t)k * NF + F_PART];
+  double mine = 2 * amber__bench_median(parts, o->deltas);
+  free(parts);
+  MPI_Allreduce(&mine, &comp, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  for (int k = o->deltas + 1; k <= o->deltas + SPLIT_STEPS; k++) {
+    amber__bench_adam(&s, gtab, k + 1);
+    quiet_barrier();
+    if (amber_global_writer_begin(gw, (uint64_t)k + 1, 0)) goto fail;
+    struct timespec ts = {(time_t)comp, (long)((comp - (double)(time_t)comp) * 1e9)};
+    nanosleep(&ts, NULL);
+    if (amber_global_writer_fence(gw)) goto fail;
+    double t0 = amber__bench_now();
+    if (amber_global_writer_wait(gw)) goto fail;
+    double *x = f + (size_t)k * NF;
+    x[F_WAIT] = amber__bench_now() - t0;
+    amber_global_save_stats st;
+    amber_global_writer_save_stats(gw, &st);
+    x[F_COMMIT] = st.commit_s, x[F_MANIFEST] = st.manifest_s;
   }
   rc = 0;
 fail:
@@ -141,7 +171,7 @@ static void row(const char *what, double *v, int n, const char *unit_note) {
 }
 
 static void report(const bench_opts *o, int n, const double *all, const double *single) {
-  int D = o->deltas, S = D + 1;
+  int D = o->deltas, S = D + 1 + SPLIT_STEPS;
   double *v = malloc((size_t)(D > 0 ? D : 1) * 4 * sizeof *v);
   double *durable = v + D, *overhead = v + 2 * D, *one = v + 3 * D;
   if (!v) return;
@@ -152,7 +182,7 @@ static void report(const bench_opts *o, int n, const double *all, const double *
   for (int r = 0; r < n; r++) {
     char what[64];
     double bytes = 0;
-    for (int k = 1; k < S; k++) {
+    for (int k = 1; k <= D; k++) {
       v[k - 1] = all[((size_t)r * S + (size_t)k) * NF + F_PART];
       bytes += all[((size_t)r * S + (size_t)k) * NF + F_BYTES];
     }
@@ -161,7 +191,7 @@ static void report(const bench_opts *o, int n, const double *all, const double *
     snprintf(note, sizeof note, "  %.2f MB per delta", bytes / D / 1e6);
     row(what, v, D, note);
   }
-  for (int k = 1; k < S; k++) {
+  for (int k = 1; k <= D; k++) {
     /* The step is durable when the last rank's save returns (they began together). */
     double parts = max_of(&all[(size_t)k * NF + F_PART], n, S * NF);
     durable[k - 1] = max_of(&all[(size_t)k * NF + F_TOTAL], n, S * NF);
@@ -171,7 +201,7 @@ static void report(const bench_opts *o, int n, const double *all, const double *
   }
   row("global commit's own cost (collectives+manifest)", overhead, D, NULL);
   row("  of which rank 0's manifest + GLOBAL (durable)", v, D, NULL);
-  for (int k = 1; k < S; k++) v[k - 1] = all[(size_t)k * NF + F_OUTCOME];
+  for (int k = 1; k <= D; k++) v[k - 1] = all[(size_t)k * NF + F_OUTCOME];
   row("  of which the outcome broadcast (rank 0)", v, D, NULL);
   row("global delta step: save to durable", durable, D, NULL);
   row("single rank, same total bytes: save to durable", one, D, NULL);
@@ -184,6 +214,14 @@ static void report(const bench_opts *o, int n, const double *all, const double *
          100 * share, share <= 0.05 ? "met" : "not met");
   printf(" global delta step / single-rank delta of the same bytes: %.2fx\n",
          med_dur / amber__bench_median(one, D));
+  printf(" split saves (begin, compute, fence, wait; median over %d):\n", SPLIT_STEPS);
+  double w[SPLIT_STEPS], wmax[SPLIT_STEPS];
+  for (int k = 0; k < SPLIT_STEPS; k++) {
+    w[k] = all[(size_t)(D + 1 + k) * NF + F_WAIT];
+    wmax[k] = max_of(&all[(size_t)(D + 1 + k) * NF + F_WAIT], n, S * NF);
+  }
+  row("wait() on the training thread, rank 0", w, SPLIT_STEPS, NULL);
+  row("wait() on the training thread, slowest rank", wmax, SPLIT_STEPS, NULL);
   free(v);
 }
 
@@ -203,7 +241,7 @@ int amber__bench_ranks(const bench_opts *o) {
   }
   MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
   if (!dir[0]) rc = 1;
-  size_t S = (size_t)o->deltas + 1;
+  size_t S = (size_t)o->deltas + 1 + SPLIT_STEPS;
   double *f = calloc(S * NF, sizeof *f), *all = calloc(S * NF * (size_t)n, sizeof *all);
   double *single = calloc(S, sizeof *single);
   char gdir[4200], sdir[4200];
