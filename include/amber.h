@@ -667,10 +667,19 @@ AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
 
 /* Keeps the newest `keep_last` (>= 1) global steps of store `path` and removes the
  * others' manifests, then prunes each rank's store so that it keeps every file the
- * kept steps need (as amber_store_prune does, per rank). Takes each rank store's
- * writer lock in turn: AMBER_ELOCKED while a global writer is open. *removed (may
+ * kept steps need (as amber_store_prune does, per rank). Takes every rank store's
+ * writer lock first: AMBER_ELOCKED, with nothing removed, while a global writer
+ * is open. *removed (may
  * be NULL) gets the number of global steps removed. */
 AMBER_API int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed);
+
+/* Makes global step `step` (AMBER_LATEST: the latest) of store `path` full on every
+ * rank: each rank's file of the step is rewritten as a full checkpoint with the same
+ * state id (as amber_store_compact, verified first), then the manifest says the
+ * step is full. Later steps stay valid. Takes every rank store's writer lock first:
+ * AMBER_ELOCKED while a global writer is open. *compacted (may be NULL) gets the
+ * number of rank files rewritten (0 when the step was full already). */
+AMBER_API int amber_global_compact(const char *path, uint64_t step, size_t *compacted);
 
 typedef struct amber_global_reader amber_global_reader;
 

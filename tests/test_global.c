@@ -518,6 +518,88 @@ static void test_prune_keeps_what_the_kept_steps_need(void) {
   check_read(p, 6, 6, 2, 0, 0);
 }
 
+/* The kind of every rank's file of global step `step` (-1 when a file is missing). */
+static int rank_files_kind(const char *p, int n, uint64_t step) {
+  int kind = AMBER_KIND_FULL;
+  for (int r = 0; r < n; r++) {
+    char d[4200];
+    snprintf(d, sizeof d, "%s/rank-%05d", p, r);
+    amber_store_opts so;
+    amber_store_opts_init(&so);
+    so.flags = AMBER_OPEN_READONLY;
+    amber_store *st = NULL;
+    amber_ckpt_info *info = NULL;
+    size_t k = 0;
+    int found = 0;
+    if (amber_store_open(&st, d, &so) == 0 && amber_store_list(st, &info, &k) == 0)
+      for (size_t i = 0; i < k; i++)
+        if (info[i].step == step) {
+          found = 1;
+          if (info[i].kind != AMBER_KIND_FULL) kind = (int)info[i].kind;
+        }
+    amber_free(info);
+    amber_store_close(st);
+    if (!found) return -1;
+  }
+  return kind;
+}
+
+static void test_compact_makes_a_global_step_full_on_every_rank(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 3, 0, 1, 5, -1, 0, NULL);
+  CHECK(rank_files_kind(p, 3, 3) == AMBER_KIND_DELTA);
+  CHECK(tu_system("%s compact %s --step 3 > /dev/null", AMBER_CLI, p) == 0);
+  CHECK(rank_files_kind(p, 3, 3) == AMBER_KIND_FULL);
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 5);
+  if (n == 5)
+    CHECK(info[2].kind == AMBER_KIND_FULL && info[2].parent == AMBER_NO_STEP &&
+          info[3].kind == AMBER_KIND_DELTA && info[4].kind == AMBER_KIND_DELTA);
+  amber_free(info);
+  /* Every step still restores bit-exactly, at another sharding too. */
+  for (uint64_t s = 1; s <= 5; s++) check_read(p, s, s, 2, 1, 0);
+  CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+  /* The latest: three rank files rewritten, then nothing left to do. */
+  size_t files = 9;
+  CHECK_OK(amber_global_compact(p, AMBER_LATEST, &files));
+  CHECK(files == 3);
+  CHECK_OK(amber_global_compact(p, AMBER_LATEST, &files));
+  CHECK(files == 0);
+  CHECK_RC(amber_global_compact(p, 9, NULL), AMBER_ENOENT);
+  /* Keeping only the latest (now full) step needs nothing older on any rank. */
+  CHECK_OK(amber_global_prune(p, 1, NULL));
+  char f[4200];
+  for (int s = 1; s <= 5; s++) {
+    snprintf(f, sizeof f, "%s/rank-00002/ckpt-%020d.amber", p, s);
+    CHECK((access(f, F_OK) == 0) == (s == 5));
+  }
+  check_read(p, 5, 5, 4, 0, 0);
+  /* A later global writer goes on from the compacted step with a delta. */
+  run_job(p, 3, 0, 6, 6, -1, 0, NULL);
+  CHECK(rank_files_kind(p, 3, 6) == AMBER_KIND_DELTA);
+  check_read(p, 6, 6, 1, 0, 0);
+}
+
+/* compact and prune take every rank's lock before they change anything. */
+static void test_compact_and_prune_refuse_while_a_global_writer_is_open(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 1, 0, 1, 3, -1, 0, NULL);
+  amber_global_writer *gw = NULL;
+  CHECK_OK(amber_global_writer_open(&gw, p, amber_comm_self(), NULL));
+  CHECK_RC(amber_global_compact(p, AMBER_LATEST, NULL), AMBER_ELOCKED);
+  CHECK_RC(amber_global_prune(p, 1, NULL), AMBER_ELOCKED);
+  CHECK(strstr(amber_last_error(NULL), "rank 0") != NULL);
+  amber_global_writer_close(gw);
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3); /* no manifest was removed */
+  amber_free(info);
+  CHECK(rank_files_kind(p, 1, 3) == AMBER_KIND_DELTA);
+}
+
 /* Per-rank metadata, set_data and the confirm verdict: each rank's metadata comes
  * back as that rank's (rank 1 holds only a replicated tensor and still gets its
  * own); a repointed tensor is saved from its new memory; a rank that refuses its
@@ -607,6 +689,8 @@ int main(void) {
   TEST_RUN(test_save_stats_split_a_rank_part_from_the_global_commit);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
+  TEST_RUN(test_compact_makes_a_global_step_full_on_every_rank);
+  TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
   TEST_RUN(test_rank_metadata_set_data_and_confirm);
   return tu_finish();
 }
