@@ -131,6 +131,16 @@ AMBER_API int amber_dtype_from_name(const char *name);
 /* Frees memory that the library handed to the caller (e.g. amber_store_list). */
 AMBER_API void amber_free(void *p);
 
+/* Progress of long operations, for programs that show it (the CLI on a terminal):
+ * fn(ctx, what, done, total) is called as the work advances, with `what` one of
+ * "save" (a checkpoint's chunks written), "verify" (amber_reader_verify: tensors
+ * checked) or "compact" (amber_store_compact: tensors rewritten), `done` of `total`
+ * bytes (done == total once at the end). It is called from the library's threads,
+ * possibly several at once, and must be quick and thread-safe; it must not call
+ * amber. Process-wide; NULL removes it. Set it while no operation runs. */
+typedef void (*amber_progress_fn)(void *ctx, const char *what, uint64_t done, uint64_t total);
+AMBER_API void amber_set_progress(amber_progress_fn fn, void *ctx);
+
 /* ---- Store -------------------------------------------------------------------- */
 
 typedef struct amber_store amber_store;
