@@ -10,6 +10,7 @@
  * full on every rank.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +54,11 @@ struct amber_global_writer {
   uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
   char begin_msg[256];
   double t_begin;               /* when the save in progress began */
+  /* With an AMBER_COMM_ANY_THREAD communicator: the commit of the save in progress
+   * runs on this thread, started by fence and joined by wait; until then the
+   * training thread touches nothing that it uses (w, st, the step's state). */
+  pthread_t committer;
+  int committing, commit_rc;
   amber_global_save_stats stats; /* of the last save */
 };
 
@@ -190,6 +196,7 @@ fail:
 
 void amber_global_writer_close(amber_global_writer *gw) {
   if (!gw) return;
+  if (gw->committing) pthread_join(gw->committer, NULL);
   amber_writer_close(gw->w);
   amber_store_close(gw->st);
   for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name);
@@ -205,7 +212,7 @@ int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const vo
   if (index >= gw->nt)
     return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
                        index, gw->nt);
-  if (gw->busy && gw->present && !gw->begin_rc)
+  if ((gw->busy && gw->present && !gw->begin_rc) || gw->committing)
     return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
                        gw->t[index].name);
   gw->t[index].data = data;
@@ -270,6 +277,8 @@ int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype
 }
 
 int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
+  if (gw->committing)
+    return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress (wait for it first)");
   char **np = realloc(gw->pol, (gw->npol + 1) * sizeof *np);
   if (!np) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   gw->pol = np;
@@ -357,13 +366,31 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   return 0; /* a failure here is this rank's vote, reported by wait on every rank */
 }
 
+static int commit(amber_global_writer *gw);
+
+static void *commit_main(void *arg) {
+  amber_global_writer *gw = arg;
+  gw->commit_rc = commit(gw);
+  return NULL;
+}
+
 int amber_global_writer_fence(amber_global_writer *gw) {
-  if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
-  return amber_writer_fence(gw->w);
+  if (!gw->busy || gw->committing) return 0;
+  int rc = 0;
+  if (gw->present && !gw->begin_rc && gw->w) rc = amber_writer_fence(gw->w);
+  /* The tensors are free again: the rest of the save and the global commit can go
+   * on without the training thread when the communicator allows it. A save that
+   * awaits a confirm keeps its commit in wait, after the verdict. A failed fence
+   * is this rank's vote, which the commit carries to every rank. */
+  if ((gw->comm.flags & AMBER_COMM_ANY_THREAD) && !gw->gated) {
+    gw->committing = pthread_create(&gw->committer, NULL, commit_main, gw) == 0;
+  }
+  return rc;
 }
 
 int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {
   if (!gw->busy) return amber__fail(&gw->err, AMBER_EINVAL, "confirm: no save is in progress");
+  if (gw->committing) return 0; /* begun without AMBER_SAVE_CONFIRM: nothing to confirm */
   if (!gw->gated) return 0; /* this rank writes nothing, or its begin failed: its vote says so */
   gw->gated = 0;
   int rc = amber_writer_confirm(gw->w, ok, why);
@@ -515,7 +542,20 @@ static void fail_local(amber_global_writer *gw) {
 
 int amber_global_writer_wait(amber_global_writer *gw) {
   if (!gw->busy) return 0;
+  if (gw->committing) { /* the commit ran (or runs) on its own thread */
+    pthread_join(gw->committer, NULL);
+    gw->committing = 0, gw->busy = 0;
+    /* its message becomes this thread's too (amber_last_error(NULL)) */
+    return gw->commit_rc < 0 ? amber__fail(&gw->err, gw->commit_rc, "%s", gw->err.msg) : 0;
+  }
   gw->busy = 0;
+  return commit(gw);
+}
+
+/* The rest of the save after the fence: this rank's part made durable, every rank's
+ * vote, rank 0's manifest, the outcome; rollback on failure. On the caller's thread
+ * (wait) or on the committer (fence). */
+static int commit(amber_global_writer *gw) {
   int rc = gw->begin_rc;
   char msg[512];
   snprintf(msg, sizeof msg, "%s", gw->begin_msg);
