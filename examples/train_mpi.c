@@ -26,8 +26,8 @@
  *
  * MPI is initialized with MPI_THREAD_MULTIPLE when the library provides it: the
  * communicator that libamber_mpi makes is then flagged AMBER_COMM_ANY_THREAD, and
- * each step's global commit runs on amber's own thread from the fence on, beside
- * this program's MPI_Allgather. With --funneled (MPI_THREAD_FUNNELED) it runs
+ * each step's global commit runs on amber's own thread from begin on, beside this
+ * program's MPI_Allgather. With --funneled (MPI_THREAD_FUNNELED) it runs
  * inside amber_global_writer_wait, on this thread.
  *
  * With --kill-rank R (-1: every rank) --kill-at S --kill-after-us U, rank R

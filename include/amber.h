@@ -573,7 +573,7 @@ typedef struct amber_comm {
 /* amber_comm.flags: the collectives may be called from a thread that amber starts,
  * while the program goes on using its own communicators on its threads (for MPI:
  * a duplicated communicator under MPI_THREAD_MULTIPLE, as libamber_mpi sets it).
- * A split save's global commit then runs in the background from the fence on,
+ * A split save's global commit then runs in the background from begin on,
  * instead of inside amber_global_writer_wait. */
 #define AMBER_COMM_ANY_THREAD (1u << 0)
 
@@ -632,11 +632,10 @@ AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, u
  * commit is not complete until every rank has called wait, and that wait spends the
  * commit's time (collectives and the manifest's fsyncs) on the caller's thread. With
  * a communicator flagged AMBER_COMM_ANY_THREAD they run instead on a thread that
- * fence starts (when the save was not begun with AMBER_SAVE_CONFIRM): the step
- * commits in the background once every rank has fenced, and wait only collects the
- * outcome. Until wait returns, the writer's functions other than wait and close
- * return AMBER_EBUSY. Ownership of the tensors' memory as for
- * amber_writer_begin/fence. */
+ * begin starts (unless the save is begun with AMBER_SAVE_CONFIRM): the step commits
+ * in the background as soon as every rank's part is durable, and wait only collects
+ * the outcome. Until wait returns, set_data, add_policy and begin return
+ * AMBER_EBUSY. Ownership of the tensors' memory as for amber_writer_begin/fence. */
 AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);

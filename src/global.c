@@ -59,6 +59,7 @@ struct amber_global_writer {
    * training thread touches nothing that it uses (w, st, the step's state). */
   pthread_t committer;
   int committing, commit_rc;
+  int drop_w; /* the rank writer is to be closed (after a failed step) */
   amber_global_save_stats stats; /* of the last save */
 };
 
@@ -77,7 +78,7 @@ static int mkdir_p(const char *path) {
 }
 
 /* Moves the rank store's LATEST back to `step` (state `state`; AMBER_NO_STEP:
- * empty) and removes its files of later steps. The writer must be closed. */
+ * empty) and removes its files of later steps. The rank writer must be idle. */
 static int rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
@@ -322,6 +323,25 @@ static int any_local(const amber_global_writer *gw) {
   return gw->has_meta;
 }
 
+static int commit(amber_global_writer *gw);
+
+static void *commit_main(void *arg) {
+  amber_global_writer *gw = arg;
+  gw->commit_rc = commit(gw);
+  return NULL;
+}
+
+/* With a communicator usable from any thread, the rest of the save (this rank's part
+ * durable, the vote, the manifest, the outcome) goes on a thread of its own from
+ * here, overlapping the training's next forward and backward pass; wait joins it.
+ * A save that awaits a confirm keeps its commit in wait, after the verdict. If the
+ * thread cannot start, wait commits as without the flag. */
+static int start_commit(amber_global_writer *gw) {
+  if ((gw->comm.flags & AMBER_COMM_ANY_THREAD) && !gw->gated)
+    gw->committing = pthread_create(&gw->committer, NULL, commit_main, gw) == 0;
+  return 0;
+}
+
 int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
   if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
@@ -345,7 +365,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   memset(&gw->stats, 0, sizeof gw->stats);
   gw->present = any_local(gw);
   gw->gated = 0;
-  if (!gw->present) return 0;
+  if (!gw->present) return start_commit(gw);
   rc = amber__store_state(gw->st, &gw->err, &gw->prev_step, &gw->prev_state);
   if (rc == AMBER_ENOENT) gw->prev_step = AMBER_NO_STEP, rc = 0;
   if (rc == 0) rc = ensure_writer(gw);
@@ -363,29 +383,15 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
     gw->begin_rc = rc;
     snprintf(gw->begin_msg, sizeof gw->begin_msg, "%.255s", gw->err.msg);
   }
-  return 0; /* a failure here is this rank's vote, reported by wait on every rank */
-}
-
-static int commit(amber_global_writer *gw);
-
-static void *commit_main(void *arg) {
-  amber_global_writer *gw = arg;
-  gw->commit_rc = commit(gw);
-  return NULL;
+  /* a failure here is this rank's vote, reported by wait on every rank */
+  return start_commit(gw);
 }
 
 int amber_global_writer_fence(amber_global_writer *gw) {
-  if (!gw->busy || gw->committing) return 0;
-  int rc = 0;
-  if (gw->present && !gw->begin_rc && gw->w) rc = amber_writer_fence(gw->w);
-  /* The tensors are free again: the rest of the save and the global commit can go
-   * on without the training thread when the communicator allows it. A save that
-   * awaits a confirm keeps its commit in wait, after the verdict. A failed fence
-   * is this rank's vote, which the commit carries to every rank. */
-  if ((gw->comm.flags & AMBER_COMM_ANY_THREAD) && !gw->gated) {
-    gw->committing = pthread_create(&gw->committer, NULL, commit_main, gw) == 0;
-  }
-  return rc;
+  /* The rank writer's fence and wait may run at once (its saver serializes them),
+   * and the committer never closes the rank writer (wait does, after the join). */
+  if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
+  return amber_writer_fence(gw->w);
 }
 
 int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {
@@ -529,9 +535,12 @@ static int publish(amber_global_writer *gw, const amber__manifest *m, char *why,
   return rc;
 }
 
+/* After a failed step: this rank's file of it is removed and its store's LATEST
+ * moved back (the rank writer is idle by now), and the rank writer is to be
+ * dropped (drop_writer: on the caller's thread, since a fence may still use it):
+ * its reference may hold state that no global step has. */
 static void fail_local(amber_global_writer *gw) {
-  amber_writer_close(gw->w);
-  gw->w = NULL;
+  gw->drop_w = 1;
   if (gw->present) {
     uint64_t l;
     if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
@@ -540,16 +549,27 @@ static void fail_local(amber_global_writer *gw) {
   gw->force_full = 1;
 }
 
+static void drop_writer(amber_global_writer *gw) {
+  if (!gw->drop_w) return;
+  amber_writer_close(gw->w);
+  gw->w = NULL, gw->drop_w = 0;
+}
+
 int amber_global_writer_wait(amber_global_writer *gw) {
   if (!gw->busy) return 0;
+  int rc;
   if (gw->committing) { /* the commit ran (or runs) on its own thread */
     pthread_join(gw->committer, NULL);
-    gw->committing = 0, gw->busy = 0;
+    gw->committing = 0;
+    rc = gw->commit_rc;
     /* its message becomes this thread's too (amber_last_error(NULL)) */
-    return gw->commit_rc < 0 ? amber__fail(&gw->err, gw->commit_rc, "%s", gw->err.msg) : 0;
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", gw->err.msg);
+  } else {
+    rc = commit(gw);
   }
   gw->busy = 0;
-  return commit(gw);
+  drop_writer(gw);
+  return rc;
 }
 
 /* The rest of the save after the fence: this rank's part made durable, every rank's

@@ -601,7 +601,7 @@ static void test_compact_and_prune_refuse_while_a_global_writer_is_open(void) {
 }
 
 /* With an AMBER_COMM_ANY_THREAD communicator the commit of a split save runs from
- * the fence on: the step is committed before any rank calls wait. */
+ * begin on: the step is committed before any rank calls wait. */
 static void background_main(const amber_comm *c, void *arg) {
   const char *p = arg;
   amber_global_writer *gw = NULL;
