@@ -231,6 +231,19 @@ def scenario_dcp(rank, world, d):
             else:
                 f = dcp.async_save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=cid)
                 (f.upload_completion if hasattr(f, "upload_completion") else f).result()
+        # a value rank 1 cannot store without pickle: the step fails on every rank,
+        # naming rank 1, and the store stays at step 4
+        bad = _dcp_state(model, opt)
+        bad["extra"] = {"note": object() if rank == 1 else "plain"}
+        try:
+            dcp.save(bad, storage_writer=w, checkpoint_id=f"{d}/x/step-5")
+            raise AssertionError("a save that rank 1 cannot store succeeded")
+        except AssertionError:
+            raise
+        except BaseException as e:  # DCP's CheckpointException (a BaseException): per rank
+            errs = [str(x) for x in getattr(e, "failures", {}).values()] or [str(e)]
+            assert errs and all("rank 1 failed" in x for x in errs), errs
+        assert [s.step for s in amber.global_steps(f"{d}/x")] == [1, 2, 3, 4]
     want = full_state(model, opt)
     if rank == 0:
         torch.save(want, f"{d}/x.pt")
