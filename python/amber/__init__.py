@@ -248,6 +248,18 @@ class AmberError(Exception):
         self.message = message
         super().__init__(f"{self.name}: {message}" if self.name else message)
 
+    def __reduce__(self):
+        # picklable (DCP gathers a rank's exception to the coordinator), with the
+        # attributes a plain Exception's pickle would lose
+        return (_rebuild_error, (type(self), self.code, self.message, self.name, self.__dict__))
+
+
+def _rebuild_error(cls, code, message, name, attrs):
+    e = AmberError.__new__(cls)
+    AmberError.__init__(e, code, message, name)
+    e.__dict__.update(attrs)
+    return e
+
 
 class PruneWarning(UserWarning):
     """A checkpoint was committed, but removing old ones (keep_last) failed."""

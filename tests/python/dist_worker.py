@@ -199,6 +199,76 @@ def scenario_reshard(rank, world, d):
             torch.save(want, f"{d}/{name}.pt")
 
 
+def _dcp_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "extra": {"note": "plain"}}
+
+
+def _dcp_load(model, opt, cid):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from amber.dcp import Reader
+    state = _dcp_state(model, opt)
+    dcp.load(state, storage_reader=Reader(), checkpoint_id=cid)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert state["extra"] == {"note": "plain"}, state["extra"]
+
+
+def scenario_dcp(rank, world, d):
+    """dcp.save and dcp.async_save through amber.dcp.Writer at every step, then
+    dcp.load of the latest step into a fresh model: bit-exact."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    torch.manual_seed(100 + rank)
+    model, opt = build(0)
+    with Writer(policy="exact") as w:
+        for step in range(1, 5):
+            train_step(model, opt)
+            cid = f"{d}/x/step-{step}"
+            if step < 4:
+                dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=cid)
+            else:
+                f = dcp.async_save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=cid)
+                (f.upload_completion if hasattr(f, "upload_completion") else f).result()
+        # a value rank 1 cannot store without pickle: the step fails on every rank,
+        # naming rank 1, and the store stays at step 4
+        bad = _dcp_state(model, opt)
+        bad["extra"] = {"note": object() if rank == 1 else "plain"}
+        try:
+            dcp.save(bad, storage_writer=w, checkpoint_id=f"{d}/x/step-5")
+            raise AssertionError("a save that rank 1 cannot store succeeded")
+        except AssertionError:
+            raise
+        except BaseException as e:  # DCP's CheckpointException (a BaseException): per rank
+            errs = [str(x) for x in getattr(e, "failures", {}).values()] or [str(e)]
+            assert errs and all("rank 1 failed" in x for x in errs), errs
+        assert [s.step for s in amber.global_steps(f"{d}/x")] == [1, 2, 3, 4]
+    want = full_state(model, opt)
+    if rank == 0:
+        torch.save(want, f"{d}/x.pt")
+    model, opt = build(3)
+    train_step(model, opt)
+    _dcp_load(model, opt, f"{d}/x")
+    got = full_state(model, opt)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after dcp.load"
+    _dcp_load(model, opt, f"{d}/x/step-2")  # an older step loads too (no check of values)
+
+
+def scenario_dcpload(rank, world, d):
+    """dcp.load, at this world size, of the store the dcp scenario wrote at another."""
+    want = torch.load(f"{d}/x.pt")
+    torch.manual_seed(5 + rank)
+    model, opt = build(11)
+    train_step(model, opt)
+    _dcp_load(model, opt, f"{d}/x")
+    got = full_state(model, opt)
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after dcp.load at {world} ranks"
+
+
 def main():
     scenario, rank, world, init, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         sys.argv[4], sys.argv[5]
