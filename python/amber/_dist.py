@@ -301,7 +301,7 @@ class DistCheckpointer(_at.Checkpointer):
             e.rank = bad
             raise e from err
         if any(v["reopen"] for v in votes):
-            self._redeclare(decl, sig)
+            self._redeclare(decl, sig, state)
         else:
             self._point(decl)
         w = self._gw
@@ -367,7 +367,7 @@ class DistCheckpointer(_at.Checkpointer):
             self._stage = {n: b for n, b in self._stage.items() if n in names}
         return out
 
-    def _redeclare(self, decl, sig):
+    def _redeclare(self, decl, sig, state):
         """A new global writer for a new set of tensors (collective: every rank
         reopens when any rank's declarations changed)."""
         if self._gw is not None:
@@ -375,6 +375,9 @@ class DistCheckpointer(_at.Checkpointer):
             self._gw = None
         self._open_writer()
         try:
+            for k, v in state.items():  # step counters are never lossy
+                if isinstance(v, torch.optim.Optimizer):
+                    self._gw.add_policy(f"{_at._glob_escape(k)}/*/step=exact")
             for name, dt, gshape, off, lshape, repl, addr, *_ in decl:
                 self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
