@@ -200,6 +200,41 @@ def scenario_reshard(rank, world, d):
             torch.save(want, f"{d}/{name}.pt")
 
 
+def scenario_killrun(rank, world, d):
+    """Trains and saves every step until it is killed (by the test); each rank notes
+    in DIR/progress-RANK the last step whose save() returned."""
+    model, opt = build(0)
+    with Checkpointer(f"{d}/k") as ck:
+        for step in range(1, 10000):
+            train_step(model, opt)
+            ck.save(step, {"model": model, "optim": opt, "extra": {"step": step}})
+            with open(f"{d}/progress-{rank}", "w") as f:
+                f.write(str(step))
+
+
+def scenario_killcheck(rank, world, d):
+    """After the kill: the store's latest global step loads, and holds exactly what
+    an uninterrupted run has at that step."""
+    model, opt = build(5)
+    train_step(model, opt)
+    state = {"model": model, "optim": opt, "extra": {}}
+    with Checkpointer(f"{d}/k") as ck:
+        step = ck.load(state)
+    if step is None:
+        assert not amber.global_steps(f"{d}/k")
+        return
+    assert state["extra"] == {"step": step}, (state["extra"], step)
+    got = full_state(model, opt)
+    model, opt = build(0)
+    for _ in range(step):
+        train_step(model, opt)
+    want = full_state(model, opt)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs from the uninterrupted run at step {step}"
+    if rank == 0:
+        json.dump({"step": step}, open(f"{d}/killcheck.json", "w"))
+
+
 def _dcp_state(model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)
@@ -278,8 +313,10 @@ def main():
         # the tiny model's tensors are below the size that save() copies: read them in
         # place, as a real model's are, so the fence and its version check are exercised
         amber.torch.CAPTURE_BYTES = 0
+    # a rank killed by the test must not leave the others waiting long
+    timeout = 15 if scenario == "killrun" else 60
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=timeout))
     try:
         globals()[f"scenario_{scenario}"](rank, world, d)
         dist.barrier()

@@ -9,30 +9,35 @@ the test fails with every rank's output.
 """
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
-import sys
+import time
 
 import pytest
 import torch
 
-from conftest import HERE, PYTHON
+from conftest import HERE, PYTHON, SEED, TRIALS
 
 WORKER = os.path.join(HERE, "dist_worker.py")
 TIMEOUT = 120
 
 
-def ranks(scenario, world, d, timeout=TIMEOUT):
-    """Runs `scenario` on `world` ranks; fails with their output if any fails."""
+def start(scenario, world, d):
     init = os.path.join(d, f"rdzv-{scenario}-{world}")
     if os.path.exists(init):
         os.unlink(init)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p))
-    procs = [subprocess.Popen([PYTHON, WORKER, scenario, str(r), str(world), init, d],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, start_new_session=True) for r in range(world)]
+    return [subprocess.Popen([PYTHON, WORKER, scenario, str(r), str(world), init, d],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=env, start_new_session=True) for r in range(world)]
+
+
+def ranks(scenario, world, d, timeout=TIMEOUT):
+    """Runs `scenario` on `world` ranks; fails with their output if any fails."""
+    procs = start(scenario, world, d)
     outs = []
     try:
         for p in procs:
@@ -102,3 +107,57 @@ def test_load_at_other_world_sizes_and_export(tmp_path):
     want = torch.load(f"{d}/s4.pt")
     model = {k: v for k, v in want.items() if k.startswith("model/")}
     assert model and all(torch.equal(got[k], v) for k, v in model.items())
+
+
+def _kill_trials(tmp_path, name, victims):
+    """Kills ranks of a 2-rank job that saves every step, at a random moment after a
+    random step (TRIALS // 2 times, at least once: each trial starts two jobs), then
+    verifies the store and loads its latest global step in a new job."""
+    n = max(1, TRIALS // 2)
+    print(f"{name}: {n} trials, AMBER_SEED={SEED} (seeds {SEED}..{SEED + n - 1})")
+    for seed in range(SEED, SEED + n):
+        rng = random.Random(seed)
+        d = str(tmp_path / f"kill-{seed}")
+        os.makedirs(d)
+        procs = start("killrun", 2, d)
+        try:
+            target = rng.randint(2, 8)
+            deadline = time.monotonic() + TIMEOUT
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                try:
+                    if int(open(f"{d}/progress-0").read() or 0) >= target:
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.05))  # somewhere in a save, a step or a commit
+            assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+            killed = victims(rng)
+            for r in killed:
+                os.killpg(procs[r].pid, signal.SIGKILL)
+            print(f"  seed {seed}: ranks {killed} killed after step {target}")
+            for p in procs:  # survivors fail (peer gone) or time out in a collective
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                p.stdout.close()
+        if os.path.exists(f"{d}/k/GLOBAL"):
+            v = cli("verify", f"{d}/k")
+            assert v.returncode == 0, v.stdout + v.stderr
+        ranks("killcheck", 2, d)
+        if os.path.exists(f"{d}/killcheck.json"):
+            print(f"  seed {seed}: restored step {json.load(open(f'{d}/killcheck.json'))['step']}")
+
+
+def test_sigkill_of_one_rank_leaves_the_last_global_step_restorable(tmp_path):
+    _kill_trials(tmp_path, "sigkill_one_rank", lambda rng: [rng.randint(0, 1)])
+
+
+def test_sigkill_of_all_ranks_leaves_the_last_global_step_restorable(tmp_path):
+    _kill_trials(tmp_path, "sigkill_all_ranks", lambda rng: [0, 1])
