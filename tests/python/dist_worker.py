@@ -200,6 +200,28 @@ def scenario_reshard(rank, world, d):
             torch.save(want, f"{d}/{name}.pt")
 
 
+def scenario_ddp(rank, world, d):
+    """DDP: replicated parameters and optimizer state, written once (by rank 0); a
+    restart loads them on every rank, bit-exact."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(GPT())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(f"{d}/ddp") as ck:
+        run(model, opt, ck, 1, 3)
+    want = {k: v.clone() for k, v in model.module.state_dict().items()}
+    want_opt = [s["exp_avg"].clone() for s in opt.state.values()]
+    torch.manual_seed(1)
+    model = DDP(GPT())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(f"{d}/ddp") as ck:
+        assert ck.load({"model": model, "optim": opt, "extra": {}}) == 3
+    for k, v in model.module.state_dict().items():
+        assert torch.equal(v, want[k]), f"{k} differs after the DDP load"
+    got_opt = [s["exp_avg"] for s in opt.state.values()]
+    assert len(got_opt) == len(want_opt) and all(map(torch.equal, got_opt, want_opt))
+
+
 def scenario_killrun(rank, world, d):
     """Trains and saves every step until it is killed (by the test); each rank notes
     in DIR/progress-RANK the last step whose save() returned."""

@@ -84,6 +84,19 @@ def test_a_failing_rank_fails_the_step_on_every_rank_and_the_store_keeps_its_las
     assert cli("verify", f"{d}/f").returncode == 0
 
 
+def test_ddp_replicated_state_is_written_once_and_loads_on_every_rank(tmp_path):
+    d = str(tmp_path)
+    ranks("ddp", 2, d)
+    # rank 1's files hold only its own metadata (RNG states, counters), no tensor
+    import amber
+    held = {}
+    for r in (0, 1):
+        with amber.Store(f"{d}/ddp/rank-0000{r}", readonly=True) as st, st.reader() as rd:
+            held[r] = len(rd)
+            assert rd.meta()
+    assert held[0] > 0 and held[1] == 0, held
+
+
 def test_load_at_other_world_sizes_and_export(tmp_path):
     """2 ranks save (exact and threshold), 4 load them (2->4) and save, then 3 and 2
     load the 4 ranks' step (4->3 uneven, 4->2); amber export of the 4 ranks' step
