@@ -205,6 +205,24 @@ class _DistLoad(_at._Load):
         return local, (off, lshape)
 
 
+def _from_dcp(g, state, step):
+    """The metadata of a step written through amber.dcp, as the Checkpointer's: every
+    rank's keys and values (each rank stored those of its own items)."""
+    keys, objects = {}, {}
+    for r in range(g.world_size):
+        raw = g.meta(r)
+        try:
+            m = json.loads(raw) if raw else {}
+        except ValueError:
+            m = None
+        if not isinstance(m, dict) or not isinstance(m.get("keys", {}), dict) or \
+                not isinstance(m.get("objects", {}), dict):
+            raise _at._format_error(step, f"rank {r}", "amber.dcp metadata that does not decode")
+        keys.update(m.get("keys", {}))
+        objects.update(m.get("objects", {}))
+    return {"format": _FORMAT, "entries": _at._dcp_entries(keys, objects, state, step)}
+
+
 # ---- the Checkpointer ------------------------------------------------------------
 
 class DistCheckpointer(_at.Checkpointer):
@@ -492,6 +510,8 @@ class DistCheckpointer(_at.Checkpointer):
                 meta = json.loads(raw) if raw else None
             except ValueError:
                 meta = None
+            if isinstance(meta, dict) and meta.get("format") == _at._DCP_FORMAT:
+                meta = _from_dcp(g, state, done)
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
                 raise AmberError(_amber.EFORMAT, f"global step {done} of {self.path} was not "
                                  "written by amber.torch's distributed Checkpointer",

@@ -73,7 +73,7 @@ from amber import torch as _at
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
 
-_FORMAT = "amber.dcp/1"
+_FORMAT = _at._DCP_FORMAT  # "amber.dcp/1"
 _STEP = re.compile(r"^step-(\d+)$")
 
 

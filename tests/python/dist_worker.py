@@ -321,6 +321,21 @@ def scenario_dcp(rank, world, d):
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs after dcp.load"
     _dcp_load(model, opt, f"{d}/x/step-2")  # an older step loads too (no check of values)
+    # the distributed Checkpointer loads the store written through DCP, at 2 ranks here
+    # and at 3 in scenario_dcpload
+    _checkpointer_load(model, opt, f"{d}/x", want)
+
+
+def _checkpointer_load(model, opt, path, want):
+    model, opt = build(13)
+    extra = {"note": ""}
+    with Checkpointer(path) as ck:
+        state = {"model": model, "optim": opt, "extra": extra}
+        assert ck.load(state) == 4
+    assert state["extra"] == {"note": "plain"}, state["extra"]
+    got = full_state(model, opt)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after the Checkpointer's load"
 
 
 def scenario_dcpload(rank, world, d):
@@ -334,6 +349,7 @@ def scenario_dcpload(rank, world, d):
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs after dcp.load at {world} ranks"
+    _checkpointer_load(model, opt, f"{d}/x", want)
 
 
 def main():

@@ -318,3 +318,20 @@ def test_reader_loads_a_store_written_by_the_checkpointer(tmp_path):
     equal(snapshot(m, opt), saved)
     assert sd["extra"] == {"epoch": 3, "name": "run"}
     assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_checkpointer_loads_a_store_written_through_dcp(tmp_path):
+    from amber.torch import Checkpointer
+    m, opt = make()
+    train(m, opt, 2)
+    saved = snapshot(m, opt)
+    with Writer() as w:
+        dcp.save(state(m, opt, extra={"epoch": 3, "name": "run"}), storage_writer=w,
+                 checkpoint_id=f"{tmp_path}/run/step-4")
+    train(m, opt, 2)
+    st = {"model": m, "optim": opt, "extra": {"epoch": 0, "name": ""}}
+    with Checkpointer(f"{tmp_path}/run", rng=False) as ck:
+        assert ck.load(st) == 4
+    equal(snapshot(m, opt), saved)
+    assert st["extra"] == {"epoch": 3, "name": "run"}
+    assert opt.param_groups[0]["lr"] == 1e-2
