@@ -33,6 +33,7 @@ stays at the last global commit.
 
 import base64
 import json
+import os
 import random
 import time
 import warnings
@@ -265,7 +266,6 @@ class DistCheckpointer(_at.Checkpointer):
 
     def _open_writer(self):
         if self.rank == 0:
-            import os
             os.makedirs(self.path, exist_ok=True)
         self._gw = GlobalWriter(self.path, self._comm, **self._wopts)
         self.store = self._gw  # "open" for the base class's checks
