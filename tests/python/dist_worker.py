@@ -203,8 +203,13 @@ def scenario_reshard(rank, world, d):
         with Checkpointer(f"{d}/{name}", policy=policy) as ck:
             run(model, opt, ck, 1, 3)
         want = full_state(model, opt)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        unsharded = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))  # what `amber export` must equal
         if rank == 0:
             torch.save(want, f"{d}/{name}.pt")
+            torch.save(unsharded, f"{d}/{name}-model.pt")
 
 
 def scenario_ddp(rank, world, d):

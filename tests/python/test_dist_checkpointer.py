@@ -98,15 +98,17 @@ def test_ddp_replicated_state_is_written_once_and_loads_on_every_rank(tmp_path):
 
 
 def test_load_at_other_world_sizes_and_export(tmp_path):
-    """2 ranks save (exact and threshold), 4 load them (2->4) and save, then 3 and 2
+    """2 ranks save (exact, threshold, budget), 4 load them (2->4) and save, then 3 and 2
     load the 4 ranks' step (4->3 uneven, 4->2); amber export of the 4 ranks' step
     equals the unsharded state, read back with safetensors."""
     d = str(tmp_path)
-    thr = "threshold:1e-3"
-    json.dump({"load": [], "saved_world": {}, "save": [["s2", "exact"], ["t2", thr]]},
+    thr, bud = "threshold:1e-3", "budget:0.1:2e-3"
+    json.dump({"load": [], "saved_world": {},
+               "save": [["s2", "exact"], ["t2", thr], ["b2", bud]]},
               open(f"{d}/reshard.json", "w"))
     ranks("reshard", 2, d)
-    json.dump({"load": [["s2", 0], ["t2", 1e-3]], "saved_world": {"s2": 2, "t2": 2},
+    json.dump({"load": [["s2", 0], ["t2", 1e-3], ["b2", 2e-3]],
+               "saved_world": {"s2": 2, "t2": 2, "b2": 2},
                "save": [["s4", "exact"]]}, open(f"{d}/reshard.json", "w"))
     ranks("reshard", 4, d)
     json.dump({"load": [["s4", 0]], "saved_world": {"s4": 4}}, open(f"{d}/reshard.json", "w"))
@@ -117,9 +119,10 @@ def test_load_at_other_world_sizes_and_export(tmp_path):
     assert ex.returncode == 0, ex.stderr
     from safetensors.torch import load_file
     got = load_file(out)
-    want = torch.load(f"{d}/s4.pt")
-    model = {k: v for k, v in want.items() if k.startswith("model/")}
-    assert model and all(torch.equal(got[k], v) for k, v in model.items())
+    want = torch.load(f"{d}/s4-model.pt")  # get_model_state_dict(full_state_dict=True)
+    assert want and all(torch.equal(got[f"model/{k}"], v) for k, v in want.items())
+    optim = {k: v for k, v in torch.load(f"{d}/s4.pt").items() if k.startswith("optim/")}
+    assert optim and all(torch.equal(got[k], v) for k, v in optim.items())
 
 
 def _kill_trials(tmp_path, name, victims):
