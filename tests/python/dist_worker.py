@@ -161,6 +161,24 @@ def scenario_failures(rank, world, d):
         assert ck.latest() == 2
         run(model, opt, ck, 5, 5)
         assert ck.latest() == 5
+        # a write that fails on rank 1 (its file's name is taken, as a full disk would
+        # fail it): the step fails on every rank naming rank 1, and training goes on
+        blocker = f"{d}/f/rank-00001/ckpt-{6:020d}.amber"
+        if rank == 1:
+            os.mkdir(blocker)
+        dist.barrier()
+        train_step(model, opt)
+        ck.save(6, {"model": model, "optim": opt, "extra": {"ok": 1}})
+        try:
+            ck.wait()
+            raise AssertionError("a step whose write failed on rank 1 committed")
+        except amber.AmberError as e:
+            assert "step 6 not committed: rank 1 failed" in e.message, e.message
+        if rank == 1:
+            os.rmdir(blocker)
+        assert ck.latest() == 5
+        run(model, opt, ck, 7, 7)
+        assert ck.latest() == 7
     want = full_state(model, opt)
     if rank == 0:
         torch.save(want, f"{d}/f.pt")
