@@ -357,14 +357,16 @@ class DistCheckpointer(_at.Checkpointer):
                     local, gshape, off, lshape, writes, repl = _box(t)
                 else:
                     local, gshape = t, tuple(t.shape)
-                    off, lshape, writes, repl = (0,) * t.dim(), gshape, self.rank == 0, True
+                    off, lshape, writes, repl = (0,) * t.dim(), gshape, True, True
                 if local.dtype not in _at._DTYPES:
                     raise TypeError(f"{name}: dtype {local.dtype} is not supported by amber")
-                if not writes:
-                    # declared (it is part of the step) but read from another rank
+                if repl and self.rank != 0:
+                    # declared replicated on every rank (the library takes rank 0's)
                     out.append((name, _at._DTYPES[local.dtype], gshape, off, lshape, repl, 0,
                                 local, False, False, t))
                     continue
+                if not writes:
+                    continue  # a replica of a shard that another rank writes
                 nbytes = local.numel() * local.element_size()
                 inplace = (local.device.type == "cpu" and local.is_contiguous() and
                            not local.is_conj() and not local.is_neg() and

@@ -97,10 +97,12 @@ def test_ddp_replicated_state_is_written_once_and_loads_on_every_rank(tmp_path):
     assert held[0] > 0 and held[1] == 0, held
 
 
-def test_load_at_other_world_sizes_and_export(tmp_path):
+def test_load_at_other_world_sizes_hsdp_and_export(tmp_path):
     """2 ranks save (exact, threshold, budget), 4 load them (2->4) and save, then 3 and 2
     load the 4 ranks' step (4->3 uneven, 4->2); amber export of the 4 ranks' step
-    equals the unsharded state, read back with safetensors."""
+    equals the unsharded state, read back with safetensors. The 4 ranks also save HSDP
+    state (a 2x2 mesh) and load it into HSDP and FSDP (scenario_hsdp): each shard is
+    written once, by the replica at coordinate 0."""
     d = str(tmp_path)
     thr, bud = "threshold:1e-3", "budget:0.1:2e-3"
     json.dump({"load": [], "saved_world": {},
@@ -109,8 +111,13 @@ def test_load_at_other_world_sizes_and_export(tmp_path):
     ranks("reshard", 2, d)
     json.dump({"load": [["s2", 0], ["t2", 1e-3], ["b2", 2e-3]],
                "saved_world": {"s2": 2, "t2": 2, "b2": 2},
-               "save": [["s4", "exact"]]}, open(f"{d}/reshard.json", "w"))
+               "save": [["s4", "exact"]], "hsdp": True}, open(f"{d}/reshard.json", "w"))
     ranks("reshard", 4, d)
+    # ranks 2 and 3 hold replicas of ranks 0 and 1's shards: their files hold no tensor
+    import amber
+    for r in range(4):
+        with amber.Store(f"{d}/h/rank-0000{r}", readonly=True) as st, st.reader() as rd:
+            assert (len(rd) > 0) == (r < 2), (r, len(rd))
     json.dump({"load": [["s4", 0]], "saved_world": {"s4": 4}}, open(f"{d}/reshard.json", "w"))
     ranks("reshard", 3, d)
     ranks("reshard", 2, d)
