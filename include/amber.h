@@ -449,6 +449,75 @@ typedef struct amber_save_stats {
  * first save. Returns 0, or AMBER_EINVAL when an argument is NULL. */
 AMBER_API int amber_writer_save_stats(const amber_writer *w, amber_save_stats *out);
 
+/* ---- Pre-selected tensors: the selection made by the caller ----
+ *
+ * For state that lives where amber cannot scan it (a GPU), the caller keeps the
+ * tensor's reference itself, selects on its own device under the tensor's policy,
+ * and hands amber only the selected elements of each chunk. amber encodes, writes
+ * and commits them like any delta (same encodings, checksums, commit protocol and
+ * failure behaviour) and keeps no reference for such a tensor: the caller owns
+ * it, moves it only by what it hands over, and after a failed save puts it back as
+ * it was. A save of a writer with pre-selected tensors goes:
+ *
+ *   amber_writer_plan(w, N, flags, &kind);       // full or delta, chunking, policies
+ *   amber_writer_info(w, i, &info);              // per tensor: chunk_elems, policy
+ *   ... select on the device, copy indices and values to host buffers ...
+ *   amber_writer_set_selection(w, i, sels, info.nchunks);   // each pre-selected tensor
+ *   amber_writer_begin(w, N, flags);             // or amber_writer_save
+ *
+ * Ownership: the selections' indices and values are read until amber_writer_fence
+ * (or wait, or close) returns, as the declared tensors' memory is. */
+
+/* amber_chunk_sel.count: every element of the chunk, values in chunk order. */
+#define AMBER_SELECT_WHOLE UINT64_MAX
+
+/* What one chunk of a pre-selected tensor stores in a save. */
+typedef struct amber_chunk_sel {
+  uint64_t count;      /* selected elements (0: unchanged), or AMBER_SELECT_WHOLE */
+  const uint32_t *idx; /* count strictly increasing indices within the chunk, each
+                          below its element count; ignored for AMBER_SELECT_WHOLE */
+  const void *vals;    /* the selected elements' new values, count (or, whole, the
+                          chunk's) elements of the tensor's dtype, little-endian */
+} amber_chunk_sel;
+
+/* Declares a pre-selected tensor: as amber_writer_add, without memory to read; each
+ * save takes its chunks from amber_writer_set_selection instead. Policies apply
+ * to it as to any tensor (amber_writer_info tells which): the caller's selection
+ * must follow them, amber records the policy but cannot check it. */
+AMBER_API int amber_writer_add_preselected(amber_writer *w, const char *name, int dtype,
+                                           uint32_t ndim, const int64_t *shape,
+                                           size_t *index);
+
+/* Decides what the next save of `step` with `flags` will be and fixes it: *kind
+ * gets AMBER_KIND_FULL or AMBER_KIND_DELTA, and an amber_writer_begin or
+ * amber_writer_save of the same step and flags that follows makes that kind of
+ * save (any other request decides again). It also fixes the declarations and
+ * their chunking on the first call, and resolves each tensor's policy. The same
+ * checks as a save (AMBER_EEXIST for a step not after the latest, ...);
+ * AMBER_EBUSY while a save is in progress, and a failure of the last save not
+ * yet reported is returned (as amber_writer_begin does). */
+AMBER_API int amber_writer_plan(amber_writer *w, uint64_t step, uint32_t flags,
+                                uint32_t *kind);
+
+/* Tensor `index` as the writer will save it: name, dtype, shape, chunk_elems and
+ * nchunks (final once amber_writer_plan or a save has run), and policy (the spec
+ * resolved by the last plan or save, "exact" before; owned by the writer, valid
+ * until its next plan or save). stored_bytes and stored_elems are 0. */
+struct amber_tensor_info; /* below, with the reader */
+AMBER_API int amber_writer_info(const amber_writer *w, size_t index,
+                                struct amber_tensor_info *out);
+
+/* Gives pre-selected tensor `index` its selection for the next save: `nchunks`
+ * (its nchunks) entries, chunk j's in chunks[j] (the array is copied; what it points
+ * to is not). Call it after amber_writer_plan, for every pre-selected tensor before
+ * each save; a save consumes the selections. In a full save every chunk must be
+ * AMBER_SELECT_WHOLE. Counts and pointers are checked here and when the save
+ * begins (AMBER_EINVAL, nothing starts); the indices are checked while the chunk is
+ * encoded: an unsorted or out-of-range index fails the save with AMBER_EINVAL
+ * naming the tensor and chunk, and nothing is committed. */
+AMBER_API int amber_writer_set_selection(amber_writer *w, size_t index,
+                                         const amber_chunk_sel *chunks, uint64_t nchunks);
+
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
@@ -622,6 +691,28 @@ AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
  * ending with `why`), and so the step on every rank, naming this rank. A rank that
  * writes nothing of the step ignores it. Not collective. */
 AMBER_API int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why);
+/* Where the time of the global writer's last save went on this rank: for
+ * profiling, and what `amber bench --ranks` prints. Wall-clock seconds. */
+typedef struct amber_global_save_stats {
+  amber_save_stats part;  /* this rank's own file, as amber_writer_save_stats (all
+                             zero when the rank wrote nothing of the step) */
+  double part_s;          /* begin until this rank's part was durable and committed in
+                             its own store (for a split save: until wait saw it so) */
+  double vote_s;          /* the allgather of every rank's outcome: includes waiting for
+                             the ranks that finish their parts later */
+  double manifest_s;      /* rank 0: checking the votes, writing the manifest durably
+                             and moving GLOBAL; 0 on the other ranks */
+  double outcome_s;       /* the broadcast of rank 0's outcome */
+  double commit_s;        /* vote_s + manifest_s + outcome_s: the global commit */
+  double total_s;         /* begin until the step was committed */
+  uint64_t reserved[4];   /* zero */
+} amber_global_save_stats;
+
+/* Fills `out` with the figures of this rank's last save (call it after
+ * amber_global_writer_save or _wait returned 0; after a failed save the figures
+ * are unspecified). Not collective. Returns 0, or AMBER_EINVAL for a NULL argument. */
+AMBER_API int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                             amber_global_save_stats *out);
 /* Closes the writer (waiting for a save in progress, whose result is lost: call
  * wait first). Not collective. Accepts NULL. */
 AMBER_API void amber_global_writer_close(amber_global_writer *gw);
@@ -645,10 +736,19 @@ AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
 
 /* Keeps the newest `keep_last` (>= 1) global steps of store `path` and removes the
  * others' manifests, then prunes each rank's store so that it keeps every file the
- * kept steps need (as amber_store_prune does, per rank). Takes each rank store's
- * writer lock in turn: AMBER_ELOCKED while a global writer is open. *removed (may
+ * kept steps need (as amber_store_prune does, per rank). Takes every rank store's
+ * writer lock first: AMBER_ELOCKED, with nothing removed, while a global writer
+ * is open. *removed (may
  * be NULL) gets the number of global steps removed. */
 AMBER_API int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed);
+
+/* Makes global step `step` (AMBER_LATEST: the latest) of store `path` full on every
+ * rank: each rank's file of the step is rewritten as a full checkpoint with the same
+ * state id (as amber_store_compact, verified first), then the manifest says the
+ * step is full. Later steps stay valid. Takes every rank store's writer lock first:
+ * AMBER_ELOCKED while a global writer is open. *compacted (may be NULL) gets the
+ * number of rank files rewritten (0 when the step was full already). */
+AMBER_API int amber_global_compact(const char *path, uint64_t step, size_t *compacted);
 
 typedef struct amber_global_reader amber_global_reader;
 

@@ -37,6 +37,7 @@
 #include "io.h"
 #include "names.h"
 #include "policy.h"
+#include "presel.h"
 #include "pool.h"
 #include "save_stats.h"
 #include "saver.h"
@@ -46,18 +47,15 @@
 #define DEFAULT_FULL_EVERY 50
 #define DEFAULT_FULL_SHARE 0.5
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* One declared tensor. */
 typedef struct decl {
   amber__tensor t;         /* as the index describes it; name owned, policy points into rules */
   const uint8_t *data;     /* the caller's memory */
   const amber__rule *rule; /* its rule at this save (NULL: exact) */
   uint8_t *ref;            /* its copy in the reference state (NULL until allocated) */
+  int presel;              /* pre-selected: the caller selects and keeps the reference */
+  amber_chunk_sel *sel;    /* pre-selected: the next save's chunks (n_chunks entries) */
+  int sel_ready;           /* set_selection since the last save */
 } decl;
 
 /* The declarations: fixed after the first save, except data, rules and metadata. */
@@ -106,6 +104,11 @@ struct amber_writer {
   uint64_t latest_step, latest_state;
   amber__cadence cadence;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
+  struct {         /* amber_writer_plan's decision for the next save */
+    int set, delta;
+    uint64_t step;
+    uint32_t flags;
+  } plan;
   amber__save_stats stats; /* of the last save */
   int prune_rc;             /* the prune after the last commit (keep_last) */
   size_t pruned;            /* files it removed */
@@ -192,6 +195,7 @@ void amber_writer_close(amber_writer *w) {
   amber__saver_destroy(&w->saver);
   for (size_t i = 0; i < w->dc.n; i++) {
     free(w->dc.d[i].t.name);
+    free(w->dc.d[i].sel);
     amber__big_free(w->dc.d[i].ref, (size_t)w->dc.d[i].t.nbytes);
   }
   if (w->as.ws)
@@ -216,8 +220,8 @@ static const char *tensor_name(const void *ctx, size_t pos, size_t *len) {
   return w->dc.d[pos].t.name;
 }
 
-int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim,
-                     const int64_t *shape, const void *data, size_t *index) {
+static int add_decl(amber_writer *w, const char *name, int dtype, uint32_t ndim,
+                    const int64_t *shape, const void *data, int presel, size_t *index) {
   if (!w || !name) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_add: NULL argument");
   size_t len = strlen(name);
   if (w->dc.frozen)
@@ -237,7 +241,8 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': bad shape", name);
   if (amber__mul_overflow(nelems, isz, &nbytes) || nbytes > AMBER__MAX_BYTES)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' is too large", name);
-  if (nbytes && !data) return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", name);
+  if (nbytes && !data && !presel)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", name);
   if (amber__names_find(&w->dc.names, name, len, tensor_name, w) >= 0)
     return amber__fail(&w->err, AMBER_EEXIST, "tensor '%s' is declared twice", name);
   if (w->dc.n == w->dc.cap) {
@@ -268,9 +273,20 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
   }
   w->as.n_chunks += t->n_chunks;
   w->dc.d[w->dc.n].data = data;
+  w->dc.d[w->dc.n].presel = presel;
   if (index) *index = w->dc.n;
   w->dc.n++;
   return 0;
+}
+
+int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim,
+                     const int64_t *shape, const void *data, size_t *index) {
+  return add_decl(w, name, dtype, ndim, shape, data, 0, index);
+}
+
+int amber_writer_add_preselected(amber_writer *w, const char *name, int dtype, uint32_t ndim,
+                                 const int64_t *shape, size_t *index) {
+  return add_decl(w, name, dtype, ndim, shape, NULL, 1, index);
 }
 
 /* Declarations, pointers, rules and metadata are read by a save in progress. */
@@ -286,6 +302,10 @@ int amber_writer_set_data(amber_writer *w, size_t index, const void *data) {
   if (index >= w->dc.n)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
                        index, w->dc.n);
+  if (w->dc.d[index].presel)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' is pre-selected: it has no memory for amber to read",
+                       w->dc.d[index].t.name);
   if (w->dc.d[index].t.nbytes && !data)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", w->dc.d[index].t.name);
   w->dc.d[index].data = data;
@@ -379,8 +399,11 @@ static int prepare(amber_writer *w, const amber__index *ix, latest_view *l) {
     for (uint64_t j = 0; j < t->n_chunks; j++) w->as.owner[t->first_chunk + j] = (uint32_t)i;
     uint64_t cb = t->chunk_elems * amber_dtype_size(t->dtype);
     if (t->nbytes < cb) cb = t->nbytes;
-    if (cb > w->as.max_chunk_bytes) w->as.max_chunk_bytes = (size_t)cb;
     uint64_t ce = t->nelems < t->chunk_elems ? t->nelems : t->chunk_elems;
+    /* a pre-selected chunk has no reference to store whole when its selection
+     * is dense: its sparse body (bitmap form at most) must fit the scratch */
+    if (w->dc.d[i].presel) cb += 1 + (ce + 7) / 8;
+    if (cb > w->as.max_chunk_bytes) w->as.max_chunk_bytes = (size_t)cb;
     if (ce > w->as.max_chunk_elems) w->as.max_chunk_elems = (size_t)ce;
   }
   w->dc.frozen = 1;
@@ -390,7 +413,7 @@ static int prepare(amber_writer *w, const amber__index *ix, latest_view *l) {
 /* The reference state: one copy of every declared tensor, allocated once. */
 static int ensure_ref(amber_writer *w) {
   for (size_t i = 0; !w->ref.allocated && i < w->dc.n; i++)
-    if (w->dc.d[i].t.nbytes && !w->dc.d[i].ref &&
+    if (w->dc.d[i].t.nbytes && !w->dc.d[i].ref && !w->dc.d[i].presel &&
         !(w->dc.d[i].ref = amber__big_alloc((size_t)w->dc.d[i].t.nbytes)))
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the reference state of '%s'",
                          w->dc.d[i].t.name);
@@ -425,12 +448,17 @@ static int stopping(amber_writer *w) {
 
 /* Two-phase full save, phase 1: copy a chunk of live into the reference and
  * checksum it; phase 2 (append_job) writes the reference. */
+static void chunk_job(void *ctx, int worker, size_t j);
+
 static void copy_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
-  (void)worker;
   size_t ti = w->as.owner[j];
   const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
+  if (w->dc.d[ti].presel) { /* no reference: appended now, while its values are lent */
+    chunk_job(ctx, worker, j);
+    return;
+  }
   size_t isz = amber_dtype_size(t->dtype), bytes = (size_t)amber__chunk_n(t, jj) * isz;
   size_t off = (size_t)(jj * t->chunk_elems * isz);
   uint8_t *ref = w->dc.d[ti].ref + off;
@@ -446,6 +474,7 @@ static void append_job(void *ctx, int worker, size_t j) {
   (void)worker;
   if (stopping(w)) return;
   size_t ti = w->as.owner[j];
+  if (w->dc.d[ti].presel) return; /* appended by copy_job */
   const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype);
@@ -462,11 +491,15 @@ static void chunk_job(void *ctx, int worker, size_t j) {
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
   amber__chunk_src src = {.out = w->as.out, .name = t->name, .dtype = t->dtype,
-                          .n = (size_t)amber__chunk_n(t, jj), .live = w->dc.d[ti].data + off,
-                          .ref = w->ref.keep ? w->dc.d[ti].ref + off : NULL,
-                          .rule = w->dc.d[ti].rule,
+                          .n = (size_t)amber__chunk_n(t, jj), .rule = w->dc.d[ti].rule,
                           .zstd_level = w->opts.zstd_level,
                           .compress = (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) != 0};
+  if (w->dc.d[ti].presel) { /* the caller's selection; no reference here */
+    amber__chunk_presel(&w->as.ws[worker], &src, &w->dc.d[ti].sel[jj], jj, &w->as.chunks[j]);
+    return;
+  }
+  src.live = w->dc.d[ti].data + off;
+  src.ref = w->ref.keep ? w->dc.d[ti].ref + off : NULL;
   if (w->delta)
     amber__chunk_delta(&w->as.ws[worker], &src, &w->as.chunks[j]);
   else
@@ -484,7 +517,7 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   snprintf(tmp, 4200, "%s", amber__ckpt_tmp(w->as.out));
   int nw = amber__pool_size(w->pool);
   for (int i = 0; i < nw; i++) w->as.ws[i].scan_s = w->as.ws[i].encode_s = 0;
-  double t0 = now_s();
+  double t0 = amber__now();
   if (!w->delta && w->two_phase && w->ref.keep && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
     amber__pool_for(w->pool, (size_t)w->as.n_chunks, copy_job, w);
     amber__saver_scanned(&w->saver);
@@ -493,7 +526,7 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
     amber__pool_for(w->pool, (size_t)w->as.n_chunks, chunk_job, w);
   }
   amber__saver_scanned(&w->saver);
-  w->stats.chunks_s = now_s() - t0;
+  w->stats.chunks_s = amber__now() - t0;
   for (int i = 0; i < nw; i++) {
     w->stats.scan_cpu_s += w->as.ws[i].scan_s;
     w->stats.encode_cpu_s += w->as.ws[i].encode_s;
@@ -507,9 +540,9 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   }
   amber__index ix = {.tensors = w->as.tensors, .n_tensors = w->dc.n, .chunks = w->as.chunks,
                      .n_chunks = w->as.n_chunks, .meta = w->dc.meta, .meta_size = w->dc.meta_len};
-  t0 = now_s();
+  t0 = amber__now();
   rc = amber__ckpt_seal(w->as.out, &ix, NULL, state, file_bytes);
-  w->stats.finish_s = now_s() - t0;
+  w->stats.finish_s = amber__now() - t0;
   return rc;
 }
 
@@ -588,13 +621,15 @@ static int load_reference(amber_writer *w, latest_view *l) {
   void **bufs = ok ? malloc((w->dc.n ? w->dc.n : 1) * sizeof *bufs) : NULL;
   uint64_t *sizes = ok ? malloc((w->dc.n ? w->dc.n : 1) * sizeof *sizes) : NULL;
   ok = ok && idx && bufs && sizes;
+  size_t m = 0;
   for (size_t i = 0; ok && i < w->dc.n; i++) {
-    idx[i] = i;
-    bufs[i] = w->dc.d[i].ref;
-    sizes[i] = w->dc.d[i].t.nbytes;
+    if (w->dc.d[i].presel) continue; /* its reference is the caller's */
+    idx[m] = i;
+    bufs[m] = w->dc.d[i].ref;
+    sizes[m++] = w->dc.d[i].t.nbytes;
   }
   /* all tensors at once: every chunk a job for the reader's threads */
-  ok = ok && amber_reader_read_many(r, w->dc.n, idx, bufs, sizes) == 0;
+  ok = ok && amber_reader_read_many(r, m, idx, bufs, sizes) == 0;
   free(idx);
   free(bufs);
   free(sizes);
@@ -606,6 +641,7 @@ static void seed_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   (void)worker;
   size_t ti = w->as.owner[j];
+  if (w->dc.d[ti].presel) return; /* its reference is the caller's */
   const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
@@ -620,7 +656,7 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
                        " is not reported yet (call amber_writer_wait first)",
                        w->saver.step);
   for (size_t i = 0; i < w->dc.n; i++)
-    if (w->dc.d[i].t.nbytes && !w->dc.d[i].data)
+    if (w->dc.d[i].t.nbytes && !w->dc.d[i].data && !w->dc.d[i].presel)
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->dc.d[i].t.name);
   uint64_t latest, state;
   int rc = amber__store_state(w->st, &w->err, &latest, &state);
@@ -668,8 +704,8 @@ static int want_full(amber_writer *w, uint32_t flags, latest_view *l) {
   return !w->ref.valid;
 }
 
-/* Checks a save request and decides its kind; nothing has started on failure. */
-static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
+/* The checks of a save request that need nothing of the store. */
+static int check_request(amber_writer *w, uint64_t step, uint32_t flags) {
   if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE | AMBER_SAVE_CONFIRM))
     return amber__fail(&w->err, AMBER_EINVAL, "amber_writer_save: unknown flags 0x%x", flags);
   if (step == AMBER_NO_STEP)
@@ -679,17 +715,48 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
                        "step %" PRIu64 " is not after the store's latest step %" PRIu64, step,
                        w->latest_step);
   for (size_t i = 0; i < w->dc.n; i++)
-    if (w->dc.d[i].t.nbytes && !w->dc.d[i].data)
+    if (w->dc.d[i].t.nbytes && !w->dc.d[i].data && !w->dc.d[i].presel)
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->dc.d[i].t.name);
+  return 0;
+}
+
+/* Every pre-selected tensor has its selection for this save, whole in a full one. */
+static int check_selections(amber_writer *w, uint64_t step) {
+  for (size_t i = 0; i < w->dc.n; i++) {
+    const decl *d = &w->dc.d[i];
+    if (!d->presel) continue;
+    if (!d->sel_ready)
+      return amber__fail(&w->err, AMBER_EINVAL,
+                         "step %" PRIu64 ": pre-selected tensor '%s' has no selection (call "
+                         "amber_writer_plan, then amber_writer_set_selection before each save)",
+                         step, d->t.name);
+    for (uint64_t j = 0; !w->delta && j < d->t.n_chunks; j++)
+      if (d->sel[j].count != AMBER_SELECT_WHOLE)
+        return amber__fail(&w->err, AMBER_EINVAL,
+                           "step %" PRIu64 " is a full checkpoint, but chunk %" PRIu64
+                           " of pre-selected tensor '%s' is not AMBER_SELECT_WHOLE",
+                           step, j, d->t.name);
+  }
+  return 0;
+}
+
+/* Checks a save request and decides its kind; nothing has started on failure. */
+static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
+  int rc = check_request(w, step, flags);
+  int planned = w->plan.set && w->plan.step == step && w->plan.flags == flags;
+  w->plan.set = 0;
+  if (rc) return rc;
   memset(&w->stats, 0, sizeof w->stats);
-  w->stats.total_s = now_s(); /* start time until run_save ends */
+  w->stats.total_s = amber__now(); /* start time until run_save ends */
   latest_view l = {0}; /* the store is read once, whatever this save must learn from it */
-  int rc = prepare(w, NULL, &l);
+  rc = prepare(w, NULL, &l);
   if (!rc) {
     resolve_policies(w);
-    w->delta = !want_full(w, flags, &l);
+    w->delta = planned ? w->plan.delta : !want_full(w, flags, &l);
   }
   amber_reader_close(l.r);
+  if (!rc) rc = check_selections(w, step);
+  for (size_t i = 0; i < w->dc.n; i++) w->dc.d[i].sel_ready = 0; /* a save consumes them */
   if (rc) return rc;
   amber__saver_arm(&w->saver);
   w->ref.keep = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
@@ -715,18 +782,18 @@ static int run_save(amber_writer *w, uint64_t step) {
   uint64_t state = 0, bytes = 0;
   /* From here the reference is being moved: it is valid again only on success. */
   w->ref.valid = 0;
-  w->stats.prepare_s = now_s() - t_start;
+  w->stats.prepare_s = amber__now() - t_start;
   int rc = write_file(w, dst, tmp, step, &state, &bytes);
   amber__saver_scanned(&w->saver); /* also when write_file failed early */
   if (!rc && (rc = amber__saver_await_verdict(&w->saver, &w->err, step)) != 0)
     unlink(tmp); /* durable, never visible */
-  double t_commit = now_s();
+  double t_commit = amber__now();
   if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
   if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
     unlink(dst); /* never committed; keep the store as it was */
   if (rc) return rc;
-  w->stats.commit_s = now_s() - t_commit;
-  w->stats.total_s = now_s() - t_start;
+  w->stats.commit_s = amber__now() - t_commit;
+  w->stats.total_s = amber__now() - t_start;
   w->stats.delta = w->delta;
   w->stats.bytes = bytes;
   w->ref.valid = w->ref.keep;
@@ -756,6 +823,94 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   if ((rc = start_save(w, step, flags)) != 0) return rc;
   w->two_phase = 0; /* nobody waits for a fence: copy and write in one pass */
   return run_save(w, step);
+}
+
+/* ---- pre-selected tensors: the caller selects, amber encodes and commits ---- */
+
+int amber_writer_plan(amber_writer *w, uint64_t step, uint32_t flags, uint32_t *kind) {
+  if (!w || !kind) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_plan: NULL argument");
+  amber__save_state state = amber__saver_state(&w->saver);
+  if (state != AMBER__SAVE_IDLE && state != AMBER__SAVE_DONE)
+    return amber__fail(&w->err, AMBER_EBUSY,
+                       "amber_writer_plan: the save of step %" PRIu64
+                       " is still in progress (call amber_writer_wait first)",
+                       w->saver.step);
+  int rc = state == AMBER__SAVE_DONE ? amber_writer_wait(w) : 0; /* unreported failure */
+  w->plan.set = 0;
+  if (!rc) rc = check_request(w, step, flags);
+  if (rc) return rc;
+  latest_view l = {0};
+  rc = prepare(w, NULL, &l);
+  if (!rc) {
+    resolve_policies(w);
+    w->plan.delta = !want_full(w, flags, &l);
+  }
+  amber_reader_close(l.r);
+  if (rc) return rc;
+  w->plan.set = 1;
+  w->plan.step = step;
+  w->plan.flags = flags;
+  *kind = w->plan.delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL;
+  return 0;
+}
+
+int amber_writer_info(const amber_writer *w, size_t index, amber_tensor_info *out) {
+  if (!w || !out) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_info: NULL argument");
+  if (index >= w->dc.n)
+    return amber__fail(NULL, AMBER_ERANGE, "tensor index %zu out of range (%zu tensors)", index,
+                       w->dc.n);
+  const amber__tensor *t = &w->dc.d[index].t;
+  memset(out, 0, sizeof *out);
+  out->name = t->name;
+  out->dtype = t->dtype;
+  out->ndim = t->ndim;
+  for (uint32_t d = 0; d < t->ndim; d++) out->shape[d] = (int64_t)t->shape[d];
+  out->nelems = t->nelems;
+  out->nbytes = t->nbytes;
+  out->chunk_elems = t->chunk_elems;
+  out->nchunks = t->n_chunks;
+  out->policy = t->policy;
+  return 0;
+}
+
+int amber_writer_set_selection(amber_writer *w, size_t index, const amber_chunk_sel *chunks,
+                               uint64_t nchunks) {
+  if (!w || (nchunks && !chunks))
+    return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_selection: NULL argument");
+  if (busy(w, "amber_writer_set_selection")) return AMBER_EBUSY;
+  if (index >= w->dc.n)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
+                       index, w->dc.n);
+  decl *d = &w->dc.d[index];
+  if (!d->presel)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
+                       d->t.name);
+  if (!w->dc.frozen)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s': call amber_writer_plan first (it fixes the chunking)",
+                       d->t.name);
+  if (nchunks != d->t.n_chunks)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' has %" PRIu64 " chunks of %" PRIu64
+                       " elements, but %" PRIu64 " selections were given",
+                       d->t.name, d->t.n_chunks, d->t.chunk_elems, nchunks);
+  for (uint64_t j = 0; j < nchunks; j++) {
+    uint64_t n = amber__chunk_n(&d->t, j), c = chunks[j].count;
+    if (c != AMBER_SELECT_WHOLE && c > n)
+      return amber__fail(&w->err, AMBER_EINVAL,
+                         "tensor '%s', chunk %" PRIu64 ": %" PRIu64
+                         " elements selected of its %" PRIu64,
+                         d->t.name, j, c, n);
+    if (c && n && (!chunks[j].vals || (c != AMBER_SELECT_WHOLE && !chunks[j].idx)))
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s', chunk %" PRIu64 ": no %s",
+                         d->t.name, j, chunks[j].vals ? "indices" : "values");
+  }
+  if (!d->sel && !(d->sel = malloc((size_t)(nchunks ? nchunks : 1) * sizeof *d->sel)))
+    return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
+  if (nchunks) memcpy(d->sel, chunks, (size_t)nchunks * sizeof *d->sel);
+  d->sel_ready = 1;
+  return 0;
 }
 
 /* ---- the asynchronous save (saver.c runs its life cycle) ---- */

@@ -141,6 +141,7 @@ except ImportError:  # a torch built without distributed support
 
 import amber as _amber  # noqa: E402
 from amber import AmberError, Store  # noqa: E402
+from amber import device as _device  # noqa: E402
 
 try:
     import numpy as _np
@@ -971,6 +972,7 @@ class Checkpointer:
         self.store = Store(path, readonly=readonly, create=not readonly, threads=threads)
         self.path = self.store.path
         self._writer = None
+        self._dev = None     # amber.device.DevicePath: the writer's accelerator tensors
         self._sig = None
         self._ptrs = []
         self._stage = {}     # name -> reused staging tensor for captured tensors
@@ -1027,23 +1029,41 @@ class Checkpointer:
                 self._hook(v)
         self._gated = bool(self._versions)
         try:
+            full = self._select_on_device(int(step), flat, full)
             w.begin(int(step), full=full, confirm=self._gated)
         except BaseException:
             self._pinned = self._versions = None
             self._gated = False
+            if self._dev is not None:
+                self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
+
+    def _select_on_device(self, step, flat, full):
+        """The accelerator path (amber.device): plans the save and hands the writer
+        what each device tensor's selection stores. Returns `full` as the save must
+        be begun (forced when a device reference could not be had)."""
+        if self._dev is None or not self._dev.tensors:
+            return full
+        flags = (_amber.SAVE_FULL if full else 0) | (_amber.SAVE_CONFIRM if self._gated else 0)
+        live = {n: t for n, t in flat.tensors if n in self._dev.tensors}
+        flags = self._dev.before_begin(self._writer, self.store, step, flags, live,
+                                       _amber.SAVE_FULL)
+        return bool(flags & _amber.SAVE_FULL)
 
     def _prepare(self, flat, state):
         """Declares the tensors (a new writer when the set changed), copies those
         that are captured into the staging buffers and points the writer at every
         tensor's memory. Returns the (name, tensor) pairs read in place."""
-        sig = [(n, _DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
+        sig = [(n, _DTYPES[t.dtype], tuple(t.shape), _device.wanted(t)) for n, t in flat.tensors]
         owned = _owned_storages(state)
         ptrs, scanned = [], []
         with torch.no_grad():
             for name, t in flat.tensors:
                 nbytes = t.numel() * t.element_size()
+                if _device.wanted(t):  # selected on its device: nothing to read here
+                    ptrs.append(None)
+                    continue
                 if (t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and
                         not t.is_neg() and nbytes > CAPTURE_BYTES and _storage_key(t) in owned):
                     ptrs.append(t.data_ptr())
@@ -1058,12 +1078,12 @@ class Checkpointer:
         if len(self._stage) > len(flat.tensors):  # drop buffers of tensors gone
             names = {n for n, _ in flat.tensors}
             self._stage = {n: b for n, b in self._stage.items() if n in names}
-        ptrs = [p if t.numel() else 0 for p, (_, t) in zip(ptrs, flat.tensors)]
+        ptrs = [p if t.numel() or p is None else 0 for p, (_, t) in zip(ptrs, flat.tensors)]
         if self._writer is None or sig != self._sig:
             self._reopen(sig, flat, state, ptrs)
         else:
             for i, p in enumerate(ptrs):
-                if p != self._ptrs[i]:
+                if p is not None and p != self._ptrs[i]:
                     self._writer.set_data(i, p)
                     self._ptrs[i] = p
         return scanned
@@ -1074,9 +1094,13 @@ class Checkpointer:
             self._writer.close()
             self._writer = None
         w = self.store.writer(**self._wopts)
+        self._dev = _device.DevicePath()
         try:
             for (name, t), p in zip(flat.tensors, ptrs):
-                w.add(name, _DTYPES[t.dtype], t.shape, p)
+                if p is None:
+                    self._dev.declare(w, name, _DTYPES[t.dtype], t)
+                else:
+                    w.add(name, _DTYPES[t.dtype], t.shape, p)
             for r in self._rules:
                 w.add_policy(r)
             for k, v in state.items():  # step counters are never lossy
@@ -1138,7 +1162,14 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             self.fence()
-            self._writer.wait()
+            try:
+                self._writer.wait()
+            except BaseException:
+                if self._dev is not None:  # the device references go back as well
+                    self._dev.rollback()
+                raise
+            if self._dev is not None:
+                self._dev.commit()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
         if "keep_last" in self._wopts:
@@ -1248,6 +1279,8 @@ class Checkpointer:
             flat, _ = _flatten(state, self.rng)
             self._prepare(flat, state)
             self._writer.seed_reference(step)
+            if self._dev is not None:
+                self._dev.seed({n: t for n, t in flat.tensors if n in self._dev.tensors})
             self.seeded = True
         except (AmberError, TypeError, ValueError):
             # the state is not what the step holds (strict=False skips, values that
