@@ -284,6 +284,7 @@ class _Tensor:
         pinned = t.device.type == "cuda"
         self.hidx, self.hvals, self.hwhole = _Host(pinned), _Host(pinned), _Host(pinned)
         self.undo = None    # what the save in flight moved: (idx, old values, whole chunks)
+        self.copied = 0     # bytes copied to the host by the last selection
         self.sels = None    # the ctypes array handed to the library
 
     def seed(self, live):
@@ -315,6 +316,7 @@ class _Tensor:
             self.ref.copy_(x)
             self.undo = "full"
             self.valid = True
+            self.copied = self.n * self.w
             self.sels = sels
             return sels, host
         idx = self._select_indices(x, chunk, nchunks, spec)
@@ -348,6 +350,7 @@ class _Tensor:
             hwhole[at:at + sizes[j]].copy_(xb[j * chunk:j * chunk + sizes[j]], non_blocking=True)
             woff[j] = at
             at += sizes[j]
+        self.copied = k * (4 + self.w) + nwhole * self.w
         ip, vp, wp, off = hidx.data_ptr(), hvals.data_ptr(), hwhole.data_ptr(), 0
         for j in range(nchunks):
             if j in woff:
@@ -397,6 +400,7 @@ class DevicePath:
         self.tensors = {}  # name -> _Tensor
         self.chunk = {}    # name -> chunk_elems of the last plan
         self.hold = None   # host buffers of the save in flight
+        self.copied = 0    # bytes the last save copied from the devices to the host
 
     def declare(self, writer, name, dtype_code, t):
         index = add_preselected(writer, name, dtype_code, t.shape)
@@ -449,6 +453,7 @@ class DevicePath:
         if any(dt.device.type == "cuda" for dt in self.tensors.values()):
             torch.cuda.current_stream().synchronize()  # the library reads the host buffers
         self.hold = hold
+        self.copied = sum(dt.copied for dt in self.tensors.values())
         return flags
 
     def commit(self):
