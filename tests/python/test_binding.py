@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 import amber
+from amber import device
 from conftest import ROOT, run_python
 
 STRUCTS = {
@@ -18,6 +19,7 @@ STRUCTS = {
     "amber_reader_opts": amber._ReaderOpts,
     "amber_ckpt_info": amber._CkptInfo,
     "amber_tensor_info": amber._TensorInfo,
+    "amber_chunk_sel": device._ChunkSel,  # the accelerator path's pre-selected chunks
 }
 
 
