@@ -177,6 +177,47 @@ def _flags(x, r, abs_b, rel_b, cap_b):
     return sel, key, df
 
 
+def _candidates(x, r, abs_b, rel_b, cap_b, keys):
+    """(indices, keys or None, change) of what _flags selects, in fewer passes: for a
+    finite change the rule is `d > min(bound, cap)` (a reference that is not finite
+    makes the change not finite), so only the rare elements whose change is not
+    finite (NaN, Inf, overflow) take _flags' full rule. `change` is |x - r| in the
+    precision of the comparison (f32 for every dtype but f64)."""
+    f64 = x.dtype == torch.float64
+    fx, fr = (x, r) if x.dtype in (torch.float32, torch.float64) else (x.float(), r.float())
+    d = fx - fr
+    d.abs_()
+    if rel_b:
+        b = fr.abs()
+        b.mul_(rel_b).add_(abs_b)
+        if not f64:
+            b.sub_(_TINY).clamp_min_(0.0)
+        lim = b.clamp_max_(cap_b) if cap_b != float("inf") else b
+    else:
+        lim = min(abs_b if f64 else max(abs_b - _TINY, 0.0), cap_b)
+    sel = d > lim
+    special = None
+    if d.numel() and not torch.isfinite(d.amax()):  # NaN propagates through amax
+        special = (~torch.isfinite(d)).nonzero().squeeze(1)
+        sel[special] = False
+    idx = sel.nonzero().squeeze(1)
+    key = None
+    if keys:
+        dk = d[idx]
+        if f64:
+            dk = torch.where(dk > 3e38, torch.full_like(dk, 3e38), dk).float()
+        kb = dk.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        key = torch.where(d[idx] > cap_b, torch.full_like(kb, _FORCED), kb)
+    if special is not None and special.numel():
+        ssel, skey, _ = _flags(x[special], r[special], abs_b, rel_b, cap_b)
+        idx = torch.cat([idx, special[ssel]])
+        order = idx.argsort()
+        idx = idx[order]
+        if keys:
+            key = torch.cat([key, skey[ssel]])[order]
+    return idx, key, d
+
+
 def _sample_d(x, r):
     """budget_threshold's sampled changes as f32: f32 in f32, the rest via f64."""
     if x.dtype == torch.float32:
@@ -231,14 +272,13 @@ def _budget_chunk(x, r, frac, cap):
         strict = False
     if x.dtype == torch.float64:
         strict = False
-        sel, key, df = _flags(x, r, abs_, 0.0, cap)
+        idx, key, df = _candidates(x, r, abs_, 0.0, cap, True)
     else:
         abs_f = hi if strict else _f32_down(abs_)
-        sel, key, df = _flags(x, r, abs_f, 0.0, _f32_down(cap))
-    idx = sel.nonzero().squeeze(1)
+        idx, key, df = _candidates(x, r, abs_f, 0.0, _f32_down(cap), True)
     k = idx.numel()
     if k > budget:  # budget_cut: keep forced, the largest by 12-bit buckets, ties first
-        keys = key[idx]
+        keys = key  # per candidate
         forced = keys == _FORCED
         bucket = keys >> 20
         hist = torch.bincount(bucket[~forced], minlength=4096)
@@ -251,7 +291,8 @@ def _budget_chunk(x, r, frac, cap):
         keep = forced | (bucket > cut) | (eq & (eq.cumsum(0) <= partial))
         return idx[keep]
     if strict and k < budget:  # fill_band: more from the cluster, in index order
-        band = ~sel & (df > lo) & (df <= hi)
+        band = (df > lo) & (df <= hi)
+        band[idx] = False  # candidates are in the reference already
         more = band.nonzero().squeeze(1)[:budget - k]
         return torch.cat([idx, more]).sort().values
     return idx
@@ -368,11 +409,14 @@ class _Tensor:
         if kind == "exact" or self.dtype not in _FLOAT:
             return (_bits(x) != _bits(r)).nonzero().squeeze(1)
         if kind == "threshold":
-            if self.dtype == torch.float64:
-                sel, _, _ = _flags(x, r, a, b, float("inf"))
-            else:
-                sel, _, _ = _flags(x, r, _f32_down(a), _f32_down(b), float("inf"))
-            return sel.nonzero().squeeze(1)
+            if self.dtype != torch.float64:
+                a, b = _f32_down(a), _f32_down(b)
+            # On a CPU, in slices whose temporaries stay in cache (fresh large
+            # allocations cost page faults); a GPU's caching allocator has none.
+            step = self.n if x.device.type != "cpu" else 1 << 17
+            parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
+                     for o in range(0, self.n, step)]
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
                  + j * chunk for j in range(nchunks)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=x.device)
