@@ -298,6 +298,69 @@ def _budget_chunk(x, r, frac, cap):
     return idx
 
 
+# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu) ----------------------------
+
+_cuda = None  # the loaded library, False when there is none
+
+
+def _cuda_lib():
+    """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
+    loaded libamber (the package or the build directory)."""
+    global _cuda
+    if _cuda is None:
+        _cuda = False
+        paths = [os.environ.get("AMBER_CUDA_LIBRARY"),
+                 os.path.join(os.path.dirname(_amber.library_path()), "libamber_cuda.so")]
+        for path in paths:
+            if path and os.path.exists(path):
+                import ctypes
+                lib = ctypes.CDLL(path)
+                lib.amber_cuda_tiles.restype = c_uint64
+                lib.amber_cuda_tiles.argtypes = [c_uint64]
+                lib.amber_cuda_supports.argtypes = [c_int, c_int]
+                args = [c_int, c_int, c_int, c_void_p, c_void_p, c_uint64, ctypes.c_double,
+                        ctypes.c_double]
+                lib.amber_cuda_count.argtypes = args + [c_void_p, c_void_p]
+                lib.amber_cuda_write.argtypes = args + [c_void_p, c_void_p, c_void_p]
+                _cuda = lib
+                break
+    return _cuda or None
+
+
+def _kernel_wanted(x):
+    """The kernels run for CUDA tensors with AMBER_CUDA_KERNEL=1: they have not yet
+    been checked on a GPU (tests/gpu/run.sh does), so the portable path is the
+    default."""
+    return x.device.type == "cuda" and os.environ.get("AMBER_CUDA_KERNEL") == "1" and \
+        _cuda_lib() is not None
+
+
+def _kernel_indices(x, r, kind, code, abs_b, rel_b):
+    """The selected indices (int64, increasing) by libamber_cuda's two passes, on the
+    current stream; None when the kernels do not cover (kind, dtype)."""
+    lib = _cuda_lib()
+    k = 1 if kind == "threshold" else 0
+    if not lib.amber_cuda_supports(k, code):
+        return None
+    n = x.numel()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    tiles = int(lib.amber_cuda_tiles(n))
+    counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
+    a = (k, code, x.element_size(), x.data_ptr(), r.data_ptr(), n, abs_b, rel_b)
+    rc = lib.amber_cuda_count(*a, counts.data_ptr(), stream)
+    if rc:
+        raise RuntimeError(f"amber_cuda_count failed: CUDA error {-rc}")
+    ends = counts.to(torch.int64).cumsum(0)
+    total = int(ends[-1]) if tiles else 0
+    out = torch.empty(total, dtype=torch.int64, device=x.device)
+    if total:
+        starts = ends - counts  # each tile's offset: an exclusive scan
+        rc = lib.amber_cuda_write(*a, starts.data_ptr(), out.data_ptr(), stream)
+        if rc:
+            raise RuntimeError(f"amber_cuda_write failed: CUDA error {-rc}")
+    return out
+
+
 class _Host:
     """A reused host buffer (pinned when the tensors are on CUDA) that only grows."""
 
@@ -315,8 +378,8 @@ class _Host:
 class _Tensor:
     """One pre-selected tensor: its reference on the device and its host buffers."""
 
-    def __init__(self, name, index, t):
-        self.name, self.index = name, index
+    def __init__(self, name, index, t, code):
+        self.name, self.index, self.code = name, index, code
         self.dtype, self.shape, self.device = t.dtype, tuple(t.shape), t.device
         self.n = t.numel()
         self.w = t.element_size()
@@ -407,6 +470,15 @@ class _Tensor:
         kind, a, b = _parse(spec)
         r = self.ref
         if kind == "exact" or self.dtype not in _FLOAT:
+            kind = "exact"
+        if kind != "budget" and _kernel_wanted(x):
+            if kind == "threshold" and self.dtype != torch.float64:
+                a, b = _f32_down(a), _f32_down(b)
+            idx = _kernel_indices(x, r, kind, self.code, a, b)
+            if idx is not None:
+                return idx
+            kind, a, b = _parse(spec)  # not covered: the portable path
+        if kind == "exact" or self.dtype not in _FLOAT:
             return (_bits(x) != _bits(r)).nonzero().squeeze(1)
         if kind == "threshold":
             if self.dtype != torch.float64:
@@ -448,7 +520,7 @@ class DevicePath:
 
     def declare(self, writer, name, dtype_code, t):
         index = add_preselected(writer, name, dtype_code, t.shape)
-        self.tensors[name] = _Tensor(name, index, t)
+        self.tensors[name] = _Tensor(name, index, t, dtype_code)
         return index
 
     def seed(self, live):
