@@ -654,6 +654,17 @@ AMBER_API int amber_global_writer_add(amber_global_writer *gw, const char *name,
                                       uint32_t ndim, const int64_t *global_shape,
                                       const int64_t *offsets, const int64_t *local_shape,
                                       const void *data, uint32_t flags);
+/* Points tensor `index` (declaration order, from 0) at new memory of the same size,
+ * as amber_writer_set_data; not while a save of this rank reads it (AMBER_EBUSY). */
+AMBER_API int amber_global_writer_set_data(amber_global_writer *gw, size_t index,
+                                           const void *data);
+/* Sets this rank's metadata (as amber_writer_set_meta: JSON, copied; len 0 removes
+ * it) for later saves. It is stored in this rank's own file of each step, so each
+ * rank keeps its own (RNG states, counters); a rank with metadata writes a file of
+ * the step even when it declares no tensor of its own. Read it back with
+ * amber_global_reader_meta. */
+AMBER_API int amber_global_writer_set_meta(amber_global_writer *gw, const char *json,
+                                           size_t len);
 /* As amber_writer_add_policy, for this rank's files. */
 AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule);
 /* Saves global step `step` and commits it. Collective. When it returns 0 on one
@@ -661,7 +672,8 @@ AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char
  * rank fails, every rank returns the same error (the code of the lowest failing
  * rank; AMBER_EMISMATCH when the ranks' declarations disagree or their shards do
  * not tile a tensor) whose message names the failing rank and its reason; nothing of the step is visible, every rank's own files of the step
- * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL. */
+ * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL
+ * (and, for begin, AMBER_SAVE_CONFIRM: see amber_global_writer_confirm). */
 AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t flags);
 /* The split save. begin and fence act on this rank's files only and call no
  * collective except one allgather at begin (to decide full or delta for the step);
@@ -674,6 +686,33 @@ AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);
 AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
+/* The verdict on a save begun with AMBER_SAVE_CONFIRM, as amber_writer_confirm, for
+ * this rank's part: not ok makes this rank's part fail (AMBER_ECHANGED, message
+ * ending with `why`), and so the step on every rank, naming this rank. A rank that
+ * writes nothing of the step ignores it. Not collective. */
+AMBER_API int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why);
+/* Where the time of the global writer's last save went on this rank: for
+ * profiling, and what `amber bench --ranks` prints. Wall-clock seconds. */
+typedef struct amber_global_save_stats {
+  amber_save_stats part;  /* this rank's own file, as amber_writer_save_stats (all
+                             zero when the rank wrote nothing of the step) */
+  double part_s;          /* begin until this rank's part was durable and committed in
+                             its own store (for a split save: until wait saw it so) */
+  double vote_s;          /* the allgather of every rank's outcome: includes waiting for
+                             the ranks that finish their parts later */
+  double manifest_s;      /* rank 0: checking the votes, writing the manifest durably
+                             and moving GLOBAL; 0 on the other ranks */
+  double outcome_s;       /* the broadcast of rank 0's outcome */
+  double commit_s;        /* vote_s + manifest_s + outcome_s: the global commit */
+  double total_s;         /* begin until the step was committed */
+  uint64_t reserved[4];   /* zero */
+} amber_global_save_stats;
+
+/* Fills `out` with the figures of this rank's last save (call it after
+ * amber_global_writer_save or _wait returned 0; after a failed save the figures
+ * are unspecified). Not collective. Returns 0, or AMBER_EINVAL for a NULL argument. */
+AMBER_API int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                             amber_global_save_stats *out);
 /* Closes the writer (waiting for a save in progress, whose result is lost: call
  * wait first). Not collective. Accepts NULL. */
 AMBER_API void amber_global_writer_close(amber_global_writer *gw);
@@ -697,10 +736,19 @@ AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
 
 /* Keeps the newest `keep_last` (>= 1) global steps of store `path` and removes the
  * others' manifests, then prunes each rank's store so that it keeps every file the
- * kept steps need (as amber_store_prune does, per rank). Takes each rank store's
- * writer lock in turn: AMBER_ELOCKED while a global writer is open. *removed (may
+ * kept steps need (as amber_store_prune does, per rank). Takes every rank store's
+ * writer lock first: AMBER_ELOCKED, with nothing removed, while a global writer
+ * is open. *removed (may
  * be NULL) gets the number of global steps removed. */
 AMBER_API int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed);
+
+/* Makes global step `step` (AMBER_LATEST: the latest) of store `path` full on every
+ * rank: each rank's file of the step is rewritten as a full checkpoint with the same
+ * state id (as amber_store_compact, verified first), then the manifest says the
+ * step is full. Later steps stay valid. Takes every rank store's writer lock first:
+ * AMBER_ELOCKED while a global writer is open. *compacted (may be NULL) gets the
+ * number of rank files rewritten (0 when the step was full already). */
+AMBER_API int amber_global_compact(const char *path, uint64_t step, size_t *compacted);
 
 typedef struct amber_global_reader amber_global_reader;
 
@@ -741,6 +789,11 @@ AMBER_API int amber_global_reader_find(const amber_global_reader *g, const char 
 AMBER_API int amber_global_reader_read(amber_global_reader *g, size_t index,
                                        const int64_t *offsets, const int64_t *shape,
                                        void *buf, uint64_t size);
+/* Rank `rank`'s metadata of the step (amber_global_writer_set_meta): *json (owned
+ * by the reader, valid until it closes) and *len; NULL/0 when that rank stored
+ * none. AMBER_ERANGE when the step's world size has no such rank. */
+AMBER_API int amber_global_reader_meta(amber_global_reader *g, uint32_t rank,
+                                       const char **json, size_t *len);
 /* Checks the manifest and every rank's files that the step needs. */
 AMBER_API int amber_global_reader_verify(amber_global_reader *g);
 

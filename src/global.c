@@ -40,15 +40,20 @@ struct amber_global_writer {
   size_t nt;
   char **pol;
   size_t npol;
+  char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
+  size_t meta_len;
+  int has_meta;
   int saved;                 /* a save was begun: declarations are fixed */
   uint64_t latest;           /* the last global commit, AMBER_NO_STEP for none */
   uint32_t deltas;           /* delta steps since the last full step */
   int force_full;            /* after a failed step */
   /* the save in progress */
-  int busy, begin_rc, present, full;
+  int busy, begin_rc, present, full, gated;
   uint64_t step;
   uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
   char begin_msg[256];
+  double t_begin;               /* when the save in progress began */
+  amber_global_save_stats stats; /* of the last save */
 };
 
 /* ---- small helpers ---- */
@@ -114,7 +119,10 @@ static int remove_leftovers(amber_global_writer *gw) {
   return rank_rollback(gw, keep, state);
 }
 
-/* Delta steps since the last full one, from the manifests. */
+/* Delta steps since the last full one, from the manifests. When the latest step
+ * was written at another world size (a job resumed at another rank count), the
+ * ranks' own stores hold other shards than they will write now, so the next step
+ * must be full everywhere: that is returned as UINT32_MAX. */
 static uint32_t count_deltas(amber_global_writer *gw) {
   uint32_t n = 0;
   uint64_t s = gw->latest;
@@ -122,6 +130,10 @@ static uint32_t count_deltas(amber_global_writer *gw) {
     amber__manifest m;
     if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) break;
     uint32_t kind = m.kind;
+    if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
+      amber__manifest_free(&m);
+      return UINT32_MAX;
+    }
     s = m.parent;
     amber__manifest_free(&m);
     if (kind == AMBER_KIND_FULL) break;
@@ -184,8 +196,36 @@ void amber_global_writer_close(amber_global_writer *gw) {
   for (size_t i = 0; i < gw->npol; i++) free(gw->pol[i]);
   free(gw->t);
   free(gw->pol);
+  free(gw->meta);
   free(gw->path);
   free(gw);
+}
+
+int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const void *data) {
+  if (index >= gw->nt)
+    return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
+                       index, gw->nt);
+  if (gw->busy && gw->present && !gw->begin_rc)
+    return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
+                       gw->t[index].name);
+  gw->t[index].data = data;
+  if (!gw->w || !gw->t[index].local) return 0;
+  size_t li = 0; /* its index in the rank writer: local tensors in declaration order */
+  for (size_t i = 0; i < index; i++) li += gw->t[i].local != 0;
+  int rc = amber_writer_set_data(gw->w, li, data);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
+}
+
+int amber_global_writer_set_meta(amber_global_writer *gw, const char *json, size_t len) {
+  if (len && !json) return amber__fail(&gw->err, AMBER_EINVAL, "set_meta: NULL metadata");
+  char *m = NULL;
+  if (len) {
+    if (!(m = malloc(len))) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+    memcpy(m, json, len);
+  }
+  free(gw->meta);
+  gw->meta = m, gw->meta_len = len, gw->has_meta = len != 0;
+  return 0;
 }
 
 int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
@@ -264,19 +304,23 @@ static int ensure_writer(amber_global_writer *gw) {
   return rc;
 }
 
+/* Whether this rank writes a file for the step: it holds a tensor of its own, or
+ * metadata (a rank's RNG state and counters are its own even when every tensor
+ * it holds is replicated). */
 static int any_local(const amber_global_writer *gw) {
   for (size_t i = 0; i < gw->nt; i++)
     if (gw->t[i].local) return 1;
-  return 0;
+  return gw->has_meta;
 }
 
 int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
-  if (flags & ~(uint32_t)AMBER_SAVE_FULL)
+  if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
     return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
     return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
                        (unsigned long long)step, (unsigned long long)gw->latest);
+  double t0 = amber__now();
   /* Full or delta for the whole step: one byte per rank. */
   uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
                  gw->deltas >= gw->full_every;
@@ -288,13 +332,22 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   free(all);
   if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
   gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
+  gw->t_begin = t0;
+  memset(&gw->stats, 0, sizeof gw->stats);
   gw->present = any_local(gw);
+  gw->gated = 0;
   if (!gw->present) return 0;
   rc = amber__store_state(gw->st, &gw->err, &gw->prev_step, &gw->prev_state);
   if (rc == AMBER_ENOENT) gw->prev_step = AMBER_NO_STEP, rc = 0;
   if (rc == 0) rc = ensure_writer(gw);
   if (rc == 0) {
-    rc = amber_writer_begin(gw->w, step, gw->full ? AMBER_SAVE_FULL : 0);
+    rc = amber_writer_set_meta(gw->w, gw->has_meta ? gw->meta : NULL, gw->meta_len);
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  }
+  if (rc == 0) {
+    uint32_t wf = (gw->full ? AMBER_SAVE_FULL : 0u) | (flags & AMBER_SAVE_CONFIRM);
+    rc = amber_writer_begin(gw->w, step, wf);
+    gw->gated = rc == 0 && (flags & AMBER_SAVE_CONFIRM);
     if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
   }
   if (rc < 0) {
@@ -307,6 +360,14 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
 int amber_global_writer_fence(amber_global_writer *gw) {
   if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
   return amber_writer_fence(gw->w);
+}
+
+int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {
+  if (!gw->busy) return amber__fail(&gw->err, AMBER_EINVAL, "confirm: no save is in progress");
+  if (!gw->gated) return 0; /* this rank writes nothing, or its begin failed: its vote says so */
+  gw->gated = 0;
+  int rc = amber_writer_confirm(gw->w, ok, why);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
 /* One rank's vote: i32 rc, u32 kind, u64 hash, u64 bytes, u32 present, u16 msg len,
@@ -461,13 +522,18 @@ int amber_global_writer_wait(amber_global_writer *gw) {
   uint32_t kind = 0;
   uint64_t hash = 0, bytes = 0, s;
   if (gw->present && rc == 0) {
+    if (gw->gated) { /* begun with AMBER_SAVE_CONFIRM and never confirmed */
+      gw->gated = 0;
+      amber_writer_confirm(gw->w, 0, "amber_global_writer_wait without a confirm");
+    }
     rc = amber_writer_wait(gw->w);
     if (rc < 0) snprintf(msg, sizeof msg, "%s", amber_last_error(gw->w));
-    amber_save_stats st;
-    if (rc == 0 && amber_writer_save_stats(gw->w, &st) == 0) kind = st.kind, bytes = st.bytes;
+    amber_save_stats *st = &gw->stats.part;
+    if (rc == 0 && amber_writer_save_stats(gw->w, st) == 0) kind = st->kind, bytes = st->bytes;
     if (rc == 0) rc = amber__store_state(gw->st, &gw->err, &s, &hash);
     if (rc == 0 && s != gw->step) rc = AMBER_EIO;
   }
+  double t_part = amber__now();
   size_t vl;
   uint8_t *vote = encode_vote(gw, rc, kind, hash, bytes, msg, &vl);
   uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
@@ -476,6 +542,7 @@ int amber_global_writer_wait(amber_global_writer *gw) {
   if (crc == 0) crc = amber__comm_allgatherv(&gw->comm, &gw->err, vote, vl, &all, lens,
                                              lens + gw->comm.size);
   free(vote);
+  double t_vote = amber__now(), t_manifest = t_vote;
   if (crc < 0) { /* the collective itself failed: nobody can know the outcome */
     free(lens);
     fail_local(gw);
@@ -504,6 +571,7 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
+    t_manifest = amber__now();
   }
   free(all);
   free(lens);
@@ -525,9 +593,25 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
                        (unsigned long long)gw->step, bad, amber_strerror(brc), why);
   }
+  amber_global_save_stats *gs = &gw->stats;
+  double t_end = amber__now();
+  gs->part_s = t_part - gw->t_begin;
+  gs->vote_s = t_vote - t_part;
+  gs->manifest_s = t_manifest - t_vote;
+  gs->outcome_s = t_end - t_manifest;
+  gs->commit_s = t_end - t_part;
+  gs->total_s = t_end - gw->t_begin;
   gw->latest = gw->step;
   gw->force_full = 0;
   gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  return 0;
+}
+
+int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                   amber_global_save_stats *out) {
+  if (!gw || !out)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_save_stats: NULL argument");
+  *out = gw->stats;
   return 0;
 }
 
@@ -535,61 +619,4 @@ int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t fl
   int rc = amber_global_writer_begin(gw, step, flags);
   if (rc < 0) return rc;
   return amber_global_writer_wait(gw);
-}
-
-/* ---- prune ---- */
-
-/* Prunes rank store `dir` so that it keeps every step from `oldest` on. */
-static int prune_rank(const char *dir, uint64_t oldest) {
-  amber_store *st;
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_NOCREATE;
-  int rc = amber_store_open(&st, dir, &so);
-  if (rc < 0) return amber__fail(NULL, rc, "%s", amber_last_error(NULL));
-  amber_ckpt_info *info = NULL;
-  size_t n = 0, keep = 0, removed;
-  rc = amber_store_list(st, &info, &n);
-  for (size_t i = 0; rc == 0 && i < n; i++) keep += info[i].step >= oldest;
-  amber_free(info);
-  if (rc == 0 && keep) rc = amber_store_prune(st, keep, &removed);
-  if (rc < 0) rc = amber__fail(NULL, rc, "%s", amber_last_error(st));
-  amber_store_close(st);
-  return rc;
-}
-
-int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
-  if (removed) *removed = 0;
-  if (keep_last == 0) return amber__fail(NULL, AMBER_EINVAL, "keep_last must be at least 1");
-  amber_global_step_info *gs = NULL;
-  size_t n = 0;
-  int rc = amber_global_list(path, &gs, &n);
-  if (rc < 0) return rc;
-  if (n <= keep_last) {
-    amber_free(gs);
-    return 0;
-  }
-  uint64_t oldest = gs[n - keep_last].step;
-  /* Manifests first: a crash between the two steps leaves rank files that no step
-   * names, never a step whose files are gone. */
-  char p[4200];
-  for (size_t i = 0; i < n - keep_last; i++) {
-    amber__global_manifest_path(path, gs[i].step, p, sizeof p);
-    if (unlink(p) < 0 && errno != ENOENT) {
-      rc = amber__fail(NULL, amber__errno_code(errno), "cannot remove %s: %s", p,
-                       strerror(errno));
-      break;
-    }
-    if (removed) (*removed)++;
-  }
-  amber_free(gs);
-  if (rc == 0 && amber__fsync_dir(path) < 0)
-    rc = amber__fail(NULL, AMBER_EIO, "%s: fsync of the directory failed", path);
-  for (uint32_t r = 0; rc == 0; r++) {
-    amber__global_rank_path(path, r, p, sizeof p);
-    struct stat sb;
-    if (stat(p, &sb) < 0) break; /* ranks are numbered without gaps */
-    rc = prune_rank(p, oldest);
-  }
-  return rc;
 }

@@ -236,6 +236,20 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
   return 0;
 }
 
+int amber_global_reader_meta(amber_global_reader *g, uint32_t rank, const char **json,
+                             size_t *len) {
+  *json = NULL, *len = 0;
+  if (rank >= g->m.world)
+    return amber__fail(&g->err, AMBER_ERANGE, "rank %u: step %llu was written by %u ranks", rank,
+                       (unsigned long long)g->m.step, g->m.world);
+  if (!(g->m.ranks[rank].flags & AMBER__RANK_PRESENT)) return 0;
+  amber_reader *r;
+  int rc = rank_reader(g, rank, &r); /* its message names the rank */
+  if (rc < 0) return rc;
+  rc = amber_reader_meta(r, json, len);
+  return rc < 0 ? amber__fail(&g->err, rc, "rank %u: %s", rank, amber_last_error(r)) : 0;
+}
+
 int amber_global_reader_verify(amber_global_reader *g) {
   for (uint32_t r = 0; r < g->m.world; r++) {
     if (!(g->m.ranks[r].flags & AMBER__RANK_PRESENT)) continue;

@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "amber.h"
 
@@ -36,6 +37,13 @@ int amber__errno_code(int err);
 void amber__err_adopt(amber__err *e);
 
 /* ---- little-endian encode/decode ---- */
+
+/* Seconds on the monotonic clock, for the figures of amber_*_save_stats. */
+static inline double amber__now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static inline void amber__put16(uint8_t *p, uint16_t v) {
   p[0] = (uint8_t)v;

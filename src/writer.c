@@ -47,12 +47,6 @@
 #define DEFAULT_FULL_EVERY 50
 #define DEFAULT_FULL_SHARE 0.5
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* One declared tensor. */
 typedef struct decl {
   amber__tensor t;         /* as the index describes it; name owned, policy points into rules */
@@ -523,7 +517,7 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   snprintf(tmp, 4200, "%s", amber__ckpt_tmp(w->as.out));
   int nw = amber__pool_size(w->pool);
   for (int i = 0; i < nw; i++) w->as.ws[i].scan_s = w->as.ws[i].encode_s = 0;
-  double t0 = now_s();
+  double t0 = amber__now();
   if (!w->delta && w->two_phase && w->ref.keep && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
     amber__pool_for(w->pool, (size_t)w->as.n_chunks, copy_job, w);
     amber__saver_scanned(&w->saver);
@@ -532,7 +526,7 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
     amber__pool_for(w->pool, (size_t)w->as.n_chunks, chunk_job, w);
   }
   amber__saver_scanned(&w->saver);
-  w->stats.chunks_s = now_s() - t0;
+  w->stats.chunks_s = amber__now() - t0;
   for (int i = 0; i < nw; i++) {
     w->stats.scan_cpu_s += w->as.ws[i].scan_s;
     w->stats.encode_cpu_s += w->as.ws[i].encode_s;
@@ -546,9 +540,9 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   }
   amber__index ix = {.tensors = w->as.tensors, .n_tensors = w->dc.n, .chunks = w->as.chunks,
                      .n_chunks = w->as.n_chunks, .meta = w->dc.meta, .meta_size = w->dc.meta_len};
-  t0 = now_s();
+  t0 = amber__now();
   rc = amber__ckpt_seal(w->as.out, &ix, NULL, state, file_bytes);
-  w->stats.finish_s = now_s() - t0;
+  w->stats.finish_s = amber__now() - t0;
   return rc;
 }
 
@@ -753,7 +747,7 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
   w->plan.set = 0;
   if (rc) return rc;
   memset(&w->stats, 0, sizeof w->stats);
-  w->stats.total_s = now_s(); /* start time until run_save ends */
+  w->stats.total_s = amber__now(); /* start time until run_save ends */
   latest_view l = {0}; /* the store is read once, whatever this save must learn from it */
   rc = prepare(w, NULL, &l);
   if (!rc) {
@@ -788,18 +782,18 @@ static int run_save(amber_writer *w, uint64_t step) {
   uint64_t state = 0, bytes = 0;
   /* From here the reference is being moved: it is valid again only on success. */
   w->ref.valid = 0;
-  w->stats.prepare_s = now_s() - t_start;
+  w->stats.prepare_s = amber__now() - t_start;
   int rc = write_file(w, dst, tmp, step, &state, &bytes);
   amber__saver_scanned(&w->saver); /* also when write_file failed early */
   if (!rc && (rc = amber__saver_await_verdict(&w->saver, &w->err, step)) != 0)
     unlink(tmp); /* durable, never visible */
-  double t_commit = now_s();
+  double t_commit = amber__now();
   if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
   if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
     unlink(dst); /* never committed; keep the store as it was */
   if (rc) return rc;
-  w->stats.commit_s = now_s() - t_commit;
-  w->stats.total_s = now_s() - t_start;
+  w->stats.commit_s = amber__now() - t_commit;
+  w->stats.total_s = amber__now() - t_start;
   w->stats.delta = w->delta;
   w->stats.bytes = bytes;
   w->ref.valid = w->ref.keep;

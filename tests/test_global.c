@@ -258,7 +258,30 @@ static void test_delta_chain_across_ranks_and_world_size_change(void) {
   CHECK_OK(amber_global_list(p, &info, &n));
   CHECK(n == 8);
   if (n == 8) CHECK(info[5].world_size == 4 && info[7].world_size == 3);
+  /* The first step at another world size is full on every rank, the next a delta. */
+  if (n == 8) CHECK(info[6].kind == AMBER_KIND_FULL && info[7].kind == AMBER_KIND_DELTA);
   amber_free(info);
+}
+
+/* Back at a world size seen before (4 -> 2 -> 4): ranks 2 and 3 find their own
+ * stores as the 4-rank job left them, with shards of the same shape, yet the first
+ * step is full on every rank, so that no chain reaches back past the steps that
+ * another world size wrote. */
+static void test_first_step_after_a_world_size_change_is_full(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 4, 0, 1, 3, -1, 0, NULL);
+  run_job(p, 2, 0, 4, 5, -1, 0, NULL);
+  run_job(p, 4, 0, 6, 7, -1, 0, NULL);
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 7);
+  if (n == 7)
+    CHECK(info[3].kind == AMBER_KIND_FULL && info[4].kind == AMBER_KIND_DELTA &&
+          info[5].kind == AMBER_KIND_FULL && info[5].parent == AMBER_NO_STEP &&
+          info[6].kind == AMBER_KIND_DELTA);
+  amber_free(info);
+  for (uint64_t s = 1; s <= 7; s++) check_read(p, s, s, 3, 1, 0);
 }
 
 static void test_lossy_policy_resharded_within_bound(void) {
@@ -383,6 +406,43 @@ static void test_golden_multi_rank_stores_load(void) {
   }
 }
 
+/* Each rank saves two steps (a full, a split delta) and checks its figures. */
+static void stats_main(const amber_comm *c, void *arg) {
+  amber_global_writer *gw = NULL;
+  RCHECK(amber_global_writer_open(&gw, arg, c, NULL) == 0);
+  if (!gw) return;
+  int64_t g[2] = {ROWS, COLS}, off[2], sh[2];
+  part(c->rank, c->size, 0, off, sh);
+  float w[ROWS * COLS];
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+  amber_global_save_stats st;
+  for (uint64_t s = 1; s <= 2; s++) {
+    fill_w(w, off, sh, s);
+    if (s == 1) {
+      RCHECK(amber_global_writer_save(gw, s, 0) == 0);
+    } else {
+      RCHECK(amber_global_writer_begin(gw, s, 0) == 0);
+      RCHECK(amber_global_writer_fence(gw) == 0);
+      RCHECK(amber_global_writer_wait(gw) == 0);
+    }
+    RCHECK(amber_global_writer_save_stats(gw, &st) == 0);
+    RCHECK(st.part.kind == (s == 1 ? AMBER_KIND_FULL : AMBER_KIND_DELTA) && st.part.bytes > 0);
+    RCHECK(st.part_s >= st.part.total_s && st.vote_s >= 0 && st.outcome_s >= 0);
+    /* Only rank 0 writes the manifest. */
+    RCHECK(c->rank == 0 ? st.manifest_s > 0 : st.manifest_s == 0);
+    RCHECK(fabs(st.commit_s - (st.vote_s + st.manifest_s + st.outcome_s)) < 1e-9);
+    RCHECK(fabs(st.total_s - (st.part_s + st.commit_s)) < 1e-9);
+  }
+  RCHECK(amber_global_writer_save_stats(gw, NULL) == AMBER_EINVAL);
+  amber_global_writer_close(gw);
+}
+
+static void test_save_stats_split_a_rank_part_from_the_global_commit(void) {
+  atomic_store(&rank_fails, 0);
+  tc_run(3, stats_main, (void *)tu_tmpdir());
+  CHECK(atomic_load(&rank_fails) == 0);
+}
+
 static void self_main(const char *p, uint64_t step) {
   amber_global_writer *gw = NULL;
   CHECK_OK(amber_global_writer_open(&gw, p, amber_comm_self(), NULL));
@@ -458,6 +518,159 @@ static void test_prune_keeps_what_the_kept_steps_need(void) {
   check_read(p, 6, 6, 2, 0, 0);
 }
 
+/* The kind of every rank's file of global step `step` (-1 when a file is missing). */
+static int rank_files_kind(const char *p, int n, uint64_t step) {
+  int kind = AMBER_KIND_FULL;
+  for (int r = 0; r < n; r++) {
+    char d[4200];
+    snprintf(d, sizeof d, "%s/rank-%05d", p, r);
+    amber_store_opts so;
+    amber_store_opts_init(&so);
+    so.flags = AMBER_OPEN_READONLY;
+    amber_store *st = NULL;
+    amber_ckpt_info *info = NULL;
+    size_t k = 0;
+    int found = 0;
+    if (amber_store_open(&st, d, &so) == 0 && amber_store_list(st, &info, &k) == 0)
+      for (size_t i = 0; i < k; i++)
+        if (info[i].step == step) {
+          found = 1;
+          if (info[i].kind != AMBER_KIND_FULL) kind = (int)info[i].kind;
+        }
+    amber_free(info);
+    amber_store_close(st);
+    if (!found) return -1;
+  }
+  return kind;
+}
+
+static void test_compact_makes_a_global_step_full_on_every_rank(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 3, 0, 1, 5, -1, 0, NULL);
+  CHECK(rank_files_kind(p, 3, 3) == AMBER_KIND_DELTA);
+  CHECK(tu_system("%s compact %s --step 3 > /dev/null", AMBER_CLI, p) == 0);
+  CHECK(rank_files_kind(p, 3, 3) == AMBER_KIND_FULL);
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 5);
+  if (n == 5)
+    CHECK(info[2].kind == AMBER_KIND_FULL && info[2].parent == AMBER_NO_STEP &&
+          info[3].kind == AMBER_KIND_DELTA && info[4].kind == AMBER_KIND_DELTA);
+  amber_free(info);
+  /* Every step still restores bit-exactly, at another sharding too. */
+  for (uint64_t s = 1; s <= 5; s++) check_read(p, s, s, 2, 1, 0);
+  CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+  /* The latest: three rank files rewritten, then nothing left to do. */
+  size_t files = 9;
+  CHECK_OK(amber_global_compact(p, AMBER_LATEST, &files));
+  CHECK(files == 3);
+  CHECK_OK(amber_global_compact(p, AMBER_LATEST, &files));
+  CHECK(files == 0);
+  CHECK_RC(amber_global_compact(p, 9, NULL), AMBER_ENOENT);
+  /* Keeping only the latest (now full) step needs nothing older on any rank. */
+  CHECK_OK(amber_global_prune(p, 1, NULL));
+  char f[4200];
+  for (int s = 1; s <= 5; s++) {
+    snprintf(f, sizeof f, "%s/rank-00002/ckpt-%020d.amber", p, s);
+    CHECK((access(f, F_OK) == 0) == (s == 5));
+  }
+  check_read(p, 5, 5, 4, 0, 0);
+  /* A later global writer goes on from the compacted step with a delta. */
+  run_job(p, 3, 0, 6, 6, -1, 0, NULL);
+  CHECK(rank_files_kind(p, 3, 6) == AMBER_KIND_DELTA);
+  check_read(p, 6, 6, 1, 0, 0);
+}
+
+/* compact and prune take every rank's lock before they change anything. */
+static void test_compact_and_prune_refuse_while_a_global_writer_is_open(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 1, 0, 1, 3, -1, 0, NULL);
+  amber_global_writer *gw = NULL;
+  CHECK_OK(amber_global_writer_open(&gw, p, amber_comm_self(), NULL));
+  CHECK_RC(amber_global_compact(p, AMBER_LATEST, NULL), AMBER_ELOCKED);
+  CHECK_RC(amber_global_prune(p, 1, NULL), AMBER_ELOCKED);
+  CHECK(strstr(amber_last_error(NULL), "rank 0") != NULL);
+  amber_global_writer_close(gw);
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3); /* no manifest was removed */
+  amber_free(info);
+  CHECK(rank_files_kind(p, 1, 3) == AMBER_KIND_DELTA);
+}
+
+/* Per-rank metadata, set_data and the confirm verdict: each rank's metadata comes
+ * back as that rank's (rank 1 holds only a replicated tensor and still gets its
+ * own); a repointed tensor is saved from its new memory; a rank that refuses its
+ * part (confirm 0) fails the step on every rank, naming it. */
+static void meta_main(const amber_comm *c, void *arg) {
+  const char *path = arg;
+  amber_global_writer *gw;
+  RCHECK(amber_global_writer_open(&gw, path, c, NULL) == 0);
+  if (!gw) return;
+  int64_t n = 6, bn = BIAS;
+  float w1[6], b[BIAS];
+  for (int i = 0; i < 6; i++) w1[i] = -1.0f;
+  for (int i = 0; i < BIAS; i++) b[i] = (float)i;
+  /* rank 0 holds "w" whole; rank 1 only the replicated "b" */
+  int64_t wl = c->rank == 0 ? n : 0;
+  RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, &bn, NULL, NULL, b,
+                                 AMBER_SHARD_REPLICATED) == 0);
+  int64_t z = 0;
+  float whole[6];
+  for (int i = 0; i < 6; i++) whole[i] = (float)i * 2.0f;
+  if (c->rank == 0) RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 1, &n, &z, &wl, w1, 0) == 0);
+  char m[64];
+  int ml = snprintf(m, sizeof m, "{\"rank\":%d}", c->rank);
+  RCHECK(amber_global_writer_set_meta(gw, m, (size_t)ml) == 0);
+  if (c->rank == 0) RCHECK(amber_global_writer_set_data(gw, 1, whole) == 0);
+  RCHECK(amber_global_writer_set_data(gw, 7, whole) == AMBER_ERANGE);
+  RCHECK(amber_global_writer_save(gw, 1, 0) == 0);
+  /* step 2: rank 1 refuses its part */
+  RCHECK(amber_global_writer_begin(gw, 2, AMBER_SAVE_CONFIRM) == 0);
+  RCHECK(amber_global_writer_confirm(gw, c->rank != 1, "torn on purpose") == 0);
+  int rc = amber_global_writer_wait(gw);
+  RCHECK(rc == AMBER_ECHANGED);
+  RCHECK(strstr(amber_last_error(gw), "rank 1 failed") != NULL);
+  RCHECK(strstr(amber_last_error(gw), "torn on purpose") != NULL);
+  /* step 3 confirmed everywhere */
+  RCHECK(amber_global_writer_begin(gw, 3, AMBER_SAVE_CONFIRM) == 0);
+  RCHECK(amber_global_writer_confirm(gw, 1, NULL) == 0);
+  RCHECK(amber_global_writer_wait(gw) == 0);
+  amber_global_writer_close(gw);
+}
+
+static void test_rank_metadata_set_data_and_confirm(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  tc_run(2, meta_main, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_reader *g;
+  CHECK_OK(amber_global_reader_open(&g, p, AMBER_LATEST));
+  if (!g) return;
+  CHECK(amber_global_reader_step(g) == 3);
+  for (uint32_t r = 0; r < 2; r++) {
+    const char *json;
+    size_t len;
+    char want[64];
+    snprintf(want, sizeof want, "{\"rank\":%u}", r);
+    CHECK_OK(amber_global_reader_meta(g, r, &json, &len));
+    CHECK(json && len == strlen(want) && !memcmp(json, want, len));
+  }
+  const char *json;
+  size_t len;
+  CHECK_RC(amber_global_reader_meta(g, 2, &json, &len), AMBER_ERANGE);
+  size_t wi;
+  float w[6];
+  int64_t o = 0, n = 6;
+  CHECK_OK(amber_global_reader_find(g, "w", &wi));
+  CHECK_OK(amber_global_reader_read(g, wi, &o, &n, w, sizeof w));
+  for (int i = 0; i < 6; i++) CHECK(w[i] == (float)i * 2.0f);
+  amber_global_reader_close(g);
+  CHECK_RC(amber_global_reader_open(&g, p, 2), AMBER_ENOENT);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -466,13 +679,18 @@ int main(void) {
   TEST_RUN(test_reshard_4_to_1_and_3_and_columns);
   TEST_RUN(test_reshard_1_to_4_and_columns_to_rows);
   TEST_RUN(test_delta_chain_across_ranks_and_world_size_change);
+  TEST_RUN(test_first_step_after_a_world_size_change_is_full);
   TEST_RUN(test_lossy_policy_resharded_within_bound);
   TEST_RUN(test_region_outside_or_wrong_size_is_refused);
   TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);
   TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
   TEST_RUN(test_golden_multi_rank_stores_load);
   TEST_RUN(test_one_rank_through_amber_comm_self);
+  TEST_RUN(test_save_stats_split_a_rank_part_from_the_global_commit);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
+  TEST_RUN(test_compact_makes_a_global_step_full_on_every_rank);
+  TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
+  TEST_RUN(test_rank_metadata_set_data_and_confirm);
   return tu_finish();
 }

@@ -49,6 +49,8 @@ void amber__bench_drop_store(const char *dir);
 double amber__bench_median(double *v, int n);
 int amber__bench_delta(const bench_opts *o);
 int amber__bench_async(const bench_opts *o);
+/* `amber bench --ranks` (tools/bench_ranks.c, only when built with MPI). */
+int amber__bench_ranks(const bench_opts *o);
 float *amber__bench_gradients(void);
 void amber__bench_adam(bench_state *s, const float *gtab, int step);
 

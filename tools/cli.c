@@ -1014,7 +1014,58 @@ static int open_store_rw(const char *path, amber_store **st) {
   return open_existing(path, 0, st);
 }
 
+/* One global step's entry of amber_global_list; 0 when found. */
+static int global_step_info(const char *path, uint64_t step, amber_global_step_info *out) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  int rc = amber_global_list(path, &gs, &n);
+  if (rc) return rc;
+  rc = AMBER_ENOENT;
+  for (size_t i = 0; i < n; i++)
+    if (step == AMBER_LATEST ? i + 1 == n : gs[i].step == step) *out = gs[i], rc = 0;
+  amber_free(gs);
+  return rc;
+}
+
+/* compact of a multi-rank store: every rank's file of the step becomes full. */
+static int global_compact(const args *a) {
+  amber_global_step_info before, after;
+  uint64_t step = a->have_step ? a->step : AMBER_LATEST;
+  int rc = global_step_info(a->pos[0], step, &before);
+  if (rc == AMBER_ENOENT && a->have_step) {
+    fprintf(stderr, "amber: multi-rank store %s has no global step %" PRIu64 "\n", a->pos[0],
+            a->step);
+    return 1;
+  }
+  if (rc == AMBER_ENOENT) {
+    fprintf(stderr, "amber: multi-rank store %s has no committed global step\n", a->pos[0]);
+    return 1;
+  }
+  if (rc) return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]);
+  step = before.step;
+  double t0 = now();
+  size_t files = 0;
+  rc = amber_global_compact(a->pos[0], step, &files);
+  if (rc)
+    return fail(rc, NULL, "cannot compact step %" PRIu64 " of %s", step, a->pos[0]), 1;
+  double secs = now() - t0;
+  if ((rc = global_step_info(a->pos[0], step, &after)) != 0)
+    return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]), 1;
+  if (a->json)
+    return print_json(json_pack("{s:o,s:s,s:s,s:o,s:o,s:I,s:I,s:f}", "step", ju64(step), "was",
+                                kind_name(before.kind), "kind", kind_name(after.kind),
+                                "bytes_before", ju64(before.bytes), "bytes", ju64(after.bytes),
+                                "world_size", (json_int_t)after.world_size, "rank_files",
+                                (json_int_t)files, "seconds", secs));
+  char b0[32], b1[32];
+  printf("step %" PRIu64 ": %s (%s) -> %s (%s), %zu of %u rank files rewritten, in %.2f s\n",
+         step, kind_name(before.kind), human_bytes(before.bytes, b0), kind_name(after.kind),
+         human_bytes(after.bytes, b1), files, after.world_size, secs);
+  return 0;
+}
+
 static int cmd_compact(const args *a) {
+  if (amber_global_is_store(a->pos[0])) return global_compact(a);
   amber_store *st = NULL;
   if (open_store_rw(a->pos[0], &st)) return 1;
   uint64_t step = a->step;

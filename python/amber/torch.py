@@ -134,6 +134,11 @@ if _torch_version(torch.__version__) < MIN_TORCH:
 
 from torch.distributed.checkpoint import state_dict as _dsd  # noqa: E402
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed support
+    _DTensor = None
+
 import amber as _amber  # noqa: E402
 from amber import AmberError, Store  # noqa: E402
 from amber import device as _device  # noqa: E402
@@ -336,19 +341,37 @@ def _optimizer_state(opt, names):
 
 # ---- save side: state -> (named tensors, JSON) ----------------------------------------
 
+def _is_dtensor(t):
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t):
+    """The tensor that holds `t`'s data on this rank: a DTensor's local shard, else `t`."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
 class _Flat:
     """Tensors of one save in declaration order, and the JSON that describes the rest.
     `owned` holds the storages of the optimizers' parameters and state: those are
-    read in place; every other tensor is captured (copied) at save()."""
+    read in place; every other tensor is captured (copied) at save(). With `dist`
+    (the distributed Checkpointer) DTensors are taken as they are: shards of their
+    global tensors."""
 
-    def __init__(self):
+    def __init__(self, dist=False):
         self.tensors = []  # (name, tensor as given, detached)
         self.names = set()
+        self.dist = dist
 
     def tensor(self, name, t):
         if name in self.names:
             raise ValueError(f"{name}: two tensors of the state have this name")
-        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and \
+        if _is_dtensor(t) and not self.dist:
+            raise TypeError(f"{name}: a DTensor, and torch.distributed is not initialized with "
+                            "more than one rank (the distributed Checkpointer saves DTensors; "
+                            "pass process_group= to use it)")
+        if self.dist and _is_dtensor(t):
+            pass
+        elif not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and \
                 not isinstance(t, torch.nn.Parameter):
             raise TypeError(f"{name}: {type(t).__name__} tensors are not supported "
                             "(DTensor and other tensor subclasses come with the distributed "
@@ -430,6 +453,7 @@ class _Flat:
 
 
 def _storage_key(t):
+    t = _local(t)
     return t.untyped_storage().data_ptr() if t.numel() else None
 
 
@@ -449,8 +473,8 @@ def _owned_storages(state):
     return out
 
 
-def _flatten(state, rng):
-    flat = _Flat()
+def _flatten(state, rng, dist=False):
+    flat = _Flat(dist)
     names = _Names(state)
     entries = {}
     for key, value in state.items():
@@ -488,8 +512,10 @@ class _Load:
         self.r = reader
         self.strict = strict
         self.step = step
-        self.fresh = []     # reads into new tensors: (idx, tensor)
-        self.inplace = []   # reads into live tensors: (idx, tensor, entry key)
+        self.fresh = []     # reads into new tensors: (idx, tensor, box)
+        self.inplace = []   # reads into live tensors: (idx, tensor, entry key, box)
+        # box: None for the whole tensor, else (offsets, shape) of a DTensor's shard
+        # in its global tensor (the distributed Checkpointer's reader serves it)
         self.after = []     # (entry key, fn) run after the reads
         self.copies = []    # (live target, staging tensor): copy_ after the reads
         self.tensors = {t.name: t for t in reader.tensors()}
@@ -524,20 +550,29 @@ class _Load:
                 self.mismatch(name, f"dtype {dtype} in the checkpoint of step {self.step}, "
                               f"{target.dtype} in the state")
                 return target
-            if target.device.type == "cpu" and target.is_contiguous():
-                self.inplace.append((info.index, target, self.key))
+            local, box = self.box(target)
+            if local.device.type == "cpu" and local.is_contiguous():
+                self.inplace.append((info.index, local, self.key, box))
             else:
-                tmp = torch.empty(info.shape, dtype=dtype)
-                self.fresh.append((info.index, tmp))
-                self.copies.append((target, tmp))
+                tmp = torch.empty(local.shape, dtype=dtype)
+                self.fresh.append((info.index, tmp, box))
+                self.copies.append((local, tmp))
             return target
         t = torch.empty(info.shape, dtype=dtype)
-        self.fresh.append((info.index, t))
+        self.fresh.append((info.index, t, None))
         if device is not None and torch.device(device).type != "cpu":
             dev = torch.empty(info.shape, dtype=dtype, device=device)
             self.copies.append((dev, t))
             return dev
         return t
+
+    def box(self, target):
+        """(local tensor, box) of a live tensor: the whole of a plain one (DTensors
+        come with the distributed Checkpointer, whose _Load overrides this)."""
+        if _is_dtensor(target):
+            raise TypeError(f"{self.key}: a DTensor in the state, and this Checkpointer is not "
+                            "distributed (pass process_group=)")
+        return target, None
 
     def dec(self, e, path, target=None, device=None):
         """The value that JSON `e` describes; tensors are planned into the tensor at
@@ -629,7 +664,7 @@ class _Load:
         stored = _compat_fqns(stored)
         sd = _model_state(mod)
         self.keys(key, stored, sd)
-        live = {t.data_ptr() for t in list(mod.parameters()) + list(mod.buffers())}
+        live = {_local(t).data_ptr() for t in list(mod.parameters()) + list(mod.buffers())}
         restored = {}
         needs_load = False
         for k, e in stored.items():
@@ -639,7 +674,7 @@ class _Load:
             if isinstance(sd[k], torch.Tensor) and not isinstance(v, torch.Tensor):
                 self.bad(f"{key}/{k}", f"a {type(v).__name__} where the module has a tensor")
             restored[k] = v
-            if not isinstance(v, torch.Tensor) or v is not sd[k] or v.data_ptr() not in live:
+            if not isinstance(v, torch.Tensor) or v is not sd[k] or _local(v).data_ptr() not in live:
                 needs_load = True
         if needs_load:  # e.g. extra state, or a state_dict that is not a view of the module
             self.after.append((key, lambda: _dsd.set_model_state_dict(
@@ -682,8 +717,8 @@ class _Load:
             cur = opt.state.get(p) or {}
             if cur:
                 self.keys(f"{key}/{pn}", e, cur)
-            new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", cur.get(k), p.device)
-                            for k, v in e.items()}
+            new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", self.like(cur.get(k), v, p),
+                                        p.device) for k, v in e.items()}
         for p, s in opt.state.items():
             if s and id(p) in pos and pnames[pos[id(p)]] not in stored_state:
                 self.mismatch(f"{key}/{pnames[pos[id(p)]]}", "has optimizer state in the state, "
@@ -698,6 +733,20 @@ class _Load:
             ng["params"] = g["params"]
             groups.append(ng)
         self.after.append((key, lambda: _set_optimizer(opt, params, new_state, groups)))
+
+    def like(self, target, e, param):
+        """The live target of a parameter's optimizer state: the current one, or,
+        when there is none yet and the parameter is a DTensor, a new DTensor
+        sharded as the parameter when the stored tensor has its shape (FSDP2's
+        moments), so that each rank reads only its shard."""
+        if target is not None or not _is_dtensor(param) or not isinstance(e, dict) or \
+                not isinstance(e.get("$t"), str) or len(e) != 1:
+            return target
+        info = self.tensors.get(e["$t"])
+        if info is None or info.shape != tuple(param.shape) or info.dtype not in _TORCH:
+            return None
+        with torch.no_grad():
+            return torch.empty_like(param, dtype=_TORCH[info.dtype]).detach()
 
     def value(self, key, e, target, state):
         if "value" not in e:
@@ -787,12 +836,12 @@ class _Load:
     def apply(self):
         """Reads every planned tensor and applies the updates. Reads into new
         tensors come first: until they are done no live tensor has changed."""
-        _read_many(self.r, [(i, t) for i, t in self.fresh])
+        _read_many(self.r, self.fresh)
         done = []
         try:
-            _read_many(self.r, [(i, t) for i, t, _ in self.inplace])
+            _read_many(self.r, [(i, t, b) for i, t, _, b in self.inplace])
         except AmberError as err:
-            keys = ", ".join(dict.fromkeys(k for _, _, k in self.inplace))
+            keys = ", ".join(dict.fromkeys(k for _, _, k, _ in self.inplace))
             partial = AmberError(err.code, f"{err.message}; the live state is partially loaded: "
                                  f"tensors of {keys} may hold values of step {self.step}, the "
                                  "others their previous values, and nothing else was restored "
@@ -809,14 +858,16 @@ class _Load:
 
 
 def _read_many(reader, items):
-    """Reads (index, tensor) pairs with one read_many. Tensors that share memory
-    (tied weights) are read once: the library's buffers must not overlap."""
+    """Reads (index, tensor, box) triples with one read_many (box: None for the
+    whole tensor, else a region for a reader that serves regions). Tensors that
+    share memory (tied weights) are read once: the library's buffers must not
+    overlap."""
     once, later, seen = [], [], {}
-    for idx, t in items:
+    for idx, t, box in items:
         n = t.numel() * t.element_size()
         if not n:
             continue
-        it = (idx, t.data_ptr(), n)
+        it = (idx, t.data_ptr(), n) if box is None else (idx, t.data_ptr(), n, box)
         size = seen.setdefault(it[1], n)
         if size != n:
             later.append(it)  # another extent at the same address: after the rest
@@ -884,13 +935,26 @@ class Checkpointer:
               tried again after the next save.
       readonly: open the store without its lock, for load() only.
       threads, chunk_elems: passed to the library (0: its defaults).
+      process_group: with torch.distributed initialized, the group whose ranks
+              save and load together (default: the world). The Checkpointer is
+              then the distributed one (amber._dist.DistCheckpointer): every rank
+              constructs it on the same path and calls save()/load() collectively
+              with its local state; DTensors are saved as shards of their global
+              tensors and load at another world size. It is distributed whenever
+              torch.distributed is initialized with more than one rank.
 
     The store is locked while the Checkpointer is open (AMBER_ELOCKED for a second
     writer). `timings` holds the last save's seconds: "save" (the save() call),
     "fence" (the wait for the scan), "wait" (the last wait for durability)."""
 
+    def __new__(cls, *args, process_group=None, **kwargs):
+        if cls is Checkpointer and _distributed(process_group):
+            from amber._dist import DistCheckpointer
+            return super().__new__(DistCheckpointer)
+        return super().__new__(cls)
+
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
-                 readonly=False, threads=0, chunk_elems=0, keep_last=None):
+                 readonly=False, threads=0, chunk_elems=0, keep_last=None, process_group=None):
         self._rules = _rules(policy)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
@@ -1220,6 +1284,15 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+
+
+def _distributed(process_group):
+    """Whether a Checkpointer of `process_group` is the distributed one."""
+    import torch.distributed as dist
+    initialized = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not initialized:
+        raise ValueError("process_group= given, but torch.distributed is not initialized")
+    return initialized and (process_group is not None or dist.get_world_size() > 1)
 
 
 def _glob_escape(s):

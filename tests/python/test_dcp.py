@@ -304,13 +304,3 @@ def test_reader_serves_narrowed_regions(tmp_path):
     from torch.distributed.checkpoint.planner import LoadPlan
     r.read_data(LoadPlan([item]), Planner()).wait()
     assert torch.equal(dst, x[2:4, 4:7])
-
-
-def test_world_size_above_one_is_refused(monkeypatch, tmp_path):
-    import torch.distributed as dist
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-    with pytest.raises(NotImplementedError, match="distributed core"):
-        Writer().reset(f"{tmp_path}/run/step-1")
-    with pytest.raises(NotImplementedError, match="distributed core"):
-        Reader().reset(f"{tmp_path}/run")
