@@ -31,8 +31,9 @@ A failed full save cannot (it replaced every value), so it marks the reference
 stale, and the next delta reloads it from the store, as the C writer does.
 
 Each step is a few torch operations per tensor (budget: per chunk), so it runs
-on any device; a fused CUDA kernel (one pass over live and reference) is the
-planned faster implementation of the same contract.
+on any device. For CUDA tensors under exact and threshold, libamber_cuda
+(src/cuda/select.cu, built by nvcc) selects in two kernels instead; it is used
+with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
 import os
 from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
@@ -488,10 +489,10 @@ class _Tensor:
             step = self.n if x.device.type != "cpu" else 1 << 17
             parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
                      for o in range(0, self.n, step)]
-            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
         parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
                  + j * chunk for j in range(nchunks)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=x.device)
+        return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
 
     def commit(self):
         self.undo = self.sels = None

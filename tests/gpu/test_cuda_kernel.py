@@ -53,7 +53,8 @@ def portable(x, r, kind, a, b):
 @lib
 @pytest.mark.parametrize("dtype", list(CODES))
 @pytest.mark.parametrize("n", [0, 1, 2047, 2048, 2049, 100_003, 3 << 20])
-@pytest.mark.parametrize("policy", [("exact", 0, 0), ("threshold", 1e-3, 0), ("threshold", 1e-4, 1e-2)])
+@pytest.mark.parametrize("policy", [("exact", 0, 0), ("threshold", 1e-3, 0),
+                                    ("threshold", 1e-4, 1e-2)])
 def test_kernels_select_what_the_portable_path_selects(dtype, n, policy):
     kind, a, b = policy
     x, r = pair(n, dtype, n)
