@@ -6,7 +6,9 @@ torch operations, so only the selection crosses to the host.
   the state that the same trajectory saved through the CPU path restores: exact,
   threshold, budget with a CAP (so the same bounds and the same share), the lossy
   preset, over f32, bf16, f16, f64 and integer tensors, a change to NaN and back,
-  and a Checkpointer reopened halfway (its device reference is read from the store).
+  and a Checkpointer reopened halfway (its device reference is read from the store);
+  and over every other dtype (f8, bool, u16, u64), a scalar, a transposed view and
+  an empty tensor.
 - Only the selection crosses: a sparse delta copies a small share of the state.
 - A failed save puts the device reference back as it was (error feedback stays exact).
 The whole PyTorch suite also runs a second time with AMBER_DEVICE_PATH=1
@@ -151,3 +153,44 @@ def test_a_failed_save_puts_the_device_reference_back(tmp_path):
         assert (got - x).abs().max().item() <= 0.5
         assert got[2052] == 2052.0 and got[2051] == x[2051]  # deferred, stored
         w.close()
+
+
+def every_dtype_trajectory(path, policy, monkeypatch, on):
+    """f8 (both), f16 with NaN, bool, u16, u64, a scalar, a transposed view and an
+    empty tensor, as plain tensors of the state; the restored bytes per step."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4000, generator=g)
+    st = {"e4": base.to(torch.float8_e4m3fn), "e5": base.to(torch.float8_e5m2),
+          "h": base.half(), "b": torch.zeros(3000, dtype=torch.bool),
+          "u16": torch.zeros(100, dtype=torch.uint16), "u64": torch.zeros(70, dtype=torch.uint64),
+          "s": torch.tensor(1.5), "t": torch.randn(60, 50, generator=g).t(), "z": torch.zeros(0)}
+    out = []
+    with Checkpointer(path, policy=policy, chunk_elems=1024, rng=False, full_every=100) as ck:
+        for step in range(1, 9):
+            base += torch.randn(4000, generator=g) * 0.05
+            st["e4"].copy_(base.to(torch.float8_e4m3fn))
+            st["e5"].copy_(base.to(torch.float8_e5m2))
+            st["h"].copy_(base.half())
+            if step == 3:
+                st["h"][5] = float("nan")
+                st["e4"][6] = float("nan")
+            st["b"][step * 11] = True
+            st["u16"][step] = step * 1000
+            st["u64"][step] = 2 ** 40 + step
+            st["s"] += 0.25
+            st["t"] += torch.randn(60, 50, generator=g).t() * 0.01
+            ck.save(step, {"x": st})
+            ck.wait()
+            out.append(restored(path))
+        assert ck._dev is not None and bool(ck._dev.tensors) == on
+    return out
+
+
+@pytest.mark.parametrize("policy", ["exact", "threshold:0.02:0.01", "budget:0.05:0.1"])
+def test_every_dtype_restores_as_through_the_cpu_path(tmp_path, monkeypatch, policy):
+    cpu = every_dtype_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    dev = every_dtype_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
