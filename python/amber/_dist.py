@@ -33,6 +33,7 @@ stays at the last global commit.
 
 import base64
 import json
+import os
 import random
 import time
 import warnings
@@ -205,6 +206,24 @@ class _DistLoad(_at._Load):
         return local, (off, lshape)
 
 
+def _from_dcp(g, state, step):
+    """The metadata of a step written through amber.dcp, as the Checkpointer's: every
+    rank's keys and values (each rank stored those of its own items)."""
+    keys, objects = {}, {}
+    for r in range(g.world_size):
+        raw = g.meta(r)
+        try:
+            m = json.loads(raw) if raw else {}
+        except ValueError:
+            m = None
+        if not isinstance(m, dict) or not isinstance(m.get("keys", {}), dict) or \
+                not isinstance(m.get("objects", {}), dict):
+            raise _at._format_error(step, f"rank {r}", "amber.dcp metadata that does not decode")
+        keys.update(m.get("keys", {}))
+        objects.update(m.get("objects", {}))
+    return {"format": _FORMAT, "entries": _at._dcp_entries(keys, objects, state, step)}
+
+
 # ---- the Checkpointer ------------------------------------------------------------
 
 class DistCheckpointer(_at.Checkpointer):
@@ -247,7 +266,6 @@ class DistCheckpointer(_at.Checkpointer):
 
     def _open_writer(self):
         if self.rank == 0:
-            import os
             os.makedirs(self.path, exist_ok=True)
         self._gw = GlobalWriter(self.path, self._comm, **self._wopts)
         self.store = self._gw  # "open" for the base class's checks
@@ -301,7 +319,7 @@ class DistCheckpointer(_at.Checkpointer):
             e.rank = bad
             raise e from err
         if any(v["reopen"] for v in votes):
-            self._redeclare(decl, sig)
+            self._redeclare(decl, sig, state)
         else:
             self._point(decl)
         w = self._gw
@@ -339,14 +357,16 @@ class DistCheckpointer(_at.Checkpointer):
                     local, gshape, off, lshape, writes, repl = _box(t)
                 else:
                     local, gshape = t, tuple(t.shape)
-                    off, lshape, writes, repl = (0,) * t.dim(), gshape, self.rank == 0, True
+                    off, lshape, writes, repl = (0,) * t.dim(), gshape, True, True
                 if local.dtype not in _at._DTYPES:
                     raise TypeError(f"{name}: dtype {local.dtype} is not supported by amber")
-                if not writes:
-                    # declared (it is part of the step) but read from another rank
+                if repl and self.rank != 0:
+                    # declared replicated on every rank (the library takes rank 0's)
                     out.append((name, _at._DTYPES[local.dtype], gshape, off, lshape, repl, 0,
                                 local, False, False, t))
                     continue
+                if not writes:
+                    continue  # a replica of a shard that another rank writes
                 nbytes = local.numel() * local.element_size()
                 inplace = (local.device.type == "cpu" and local.is_contiguous() and
                            not local.is_conj() and not local.is_neg() and
@@ -367,7 +387,7 @@ class DistCheckpointer(_at.Checkpointer):
             self._stage = {n: b for n, b in self._stage.items() if n in names}
         return out
 
-    def _redeclare(self, decl, sig):
+    def _redeclare(self, decl, sig, state):
         """A new global writer for a new set of tensors (collective: every rank
         reopens when any rank's declarations changed)."""
         if self._gw is not None:
@@ -375,6 +395,9 @@ class DistCheckpointer(_at.Checkpointer):
             self._gw = None
         self._open_writer()
         try:
+            for k, v in state.items():  # step counters are never lossy
+                if isinstance(v, torch.optim.Optimizer):
+                    self._gw.add_policy(f"{_at._glob_escape(k)}/*/step=exact")
             for name, dt, gshape, off, lshape, repl, addr, *_ in decl:
                 self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
@@ -489,6 +512,8 @@ class DistCheckpointer(_at.Checkpointer):
                 meta = json.loads(raw) if raw else None
             except ValueError:
                 meta = None
+            if isinstance(meta, dict) and meta.get("format") == _at._DCP_FORMAT:
+                meta = _from_dcp(g, state, done)
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
                 raise AmberError(_amber.EFORMAT, f"global step {done} of {self.path} was not "
                                  "written by amber.torch's distributed Checkpointer",

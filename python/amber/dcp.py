@@ -73,7 +73,7 @@ from amber import torch as _at
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
 
-_FORMAT = "amber.dcp/1"
+_FORMAT = _at._DCP_FORMAT  # "amber.dcp/1"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -601,6 +601,68 @@ class _Boxless:
         return []
 
 
+class _Ref:
+    """A tensor of the store, by name, in a state dict rebuilt from metadata."""
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+
+class _Refs(_at._Load):
+    """Decodes amber.torch's metadata with each tensor left as a _Ref."""
+
+    def __init__(self, step):
+        super().__init__(_Boxless(), True, step)
+
+    def tensor(self, name, target=None, device=None):
+        if not isinstance(name, str):
+            self.bad(name, "a tensor reference that is not a name")
+        return _Ref(name)
+
+
+def _checkpointer_view(meta, step):
+    """A store written by amber.torch's Checkpointer (one or many ranks) as amber.dcp
+    metadata, {"keys": {DCP key: name}, "objects": {name: encoded value}}: each entry
+    rebuilt as the state dict DCP users pass (a module's {FQN: tensor}, an
+    optimizer's {"state": {FQN: {...}}, "param_groups": [...]} as get_state_dict
+    gives them, an object's state_dict, a value) and flattened as DCP flattens it."""
+    entries = meta.get("entries")
+    if not isinstance(entries, dict):
+        raise _at._format_error(step, "entries", "not a dict")
+    ld = _Refs(step)
+    nested = {}
+    for key, e in entries.items():
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind == "optimizer":
+            groups = e.get("param_groups")
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                ld.bad(key, "an optimizer entry without param_groups")
+            nested[key] = {"state": ld.dec(e.get("state"), key), "param_groups": [
+                dict(ld.dec({k: v for k, v in g.items() if k != "params"}, key),
+                     params=list(g.get("params", []))) for g in groups]}
+        elif kind in ("module", "object"):
+            nested[key] = ld.dec(e.get("state"), key)
+        elif kind in ("value", "tensor"):
+            nested[key] = ld.dec(e.get("value"), key)
+        else:
+            ld.bad(key, "an entry without a known type")
+    flat, mappings = flatten_state_dict(nested)
+    keys, objects, enc = {}, {}, _at._Flat()
+    for fqn, v in flat.items():
+        if isinstance(v, _Ref):
+            keys[fqn] = v.name
+            continue
+        name = "dcp:" + _name(mappings.get(fqn, (fqn,)))  # apart from the tensors' names
+        try:
+            objects[name] = enc.enc(v, name)
+        except TypeError:
+            raise AmberError(_amber.EFORMAT, f"step {step}: {fqn}: a value holding tensors, "
+                             "which DCP's flattening keeps whole", name="AMBER_EFORMAT") from None
+        keys[fqn] = name
+    return {"keys": keys, "objects": objects}
+
+
 class Reader(StorageReader):
     """DCP StorageReader of an amber store: checkpoint_id "STORE/step-N" or "STORE"
     (latest). Reads each requested region after every checksum of the tensors it
@@ -642,11 +704,13 @@ class Reader(StorageReader):
                 meta = json.loads(raw) if raw else None
             except ValueError:
                 meta = None
-            if not isinstance(meta, dict) or meta.get("format") != _FORMAT or \
+            if isinstance(meta, dict) and meta.get("format") == _at._FORMAT:
+                meta = _checkpointer_view(meta, r.step)
+            elif not isinstance(meta, dict) or meta.get("format") != _FORMAT or \
                     not isinstance(meta.get("keys"), dict) or \
                     not isinstance(meta.get("objects"), dict):
                 raise AmberError(_amber.EFORMAT, f"step {r.step} of {self._path} was not "
-                                 "written by amber.dcp (no amber.dcp metadata)",
+                                 "written by amber.dcp or amber.torch (no amber metadata)",
                                  name="AMBER_EFORMAT")
             infos = {i.name: i for i in r.tensors()}
             sd_meta, storage = {}, {}
@@ -696,6 +760,12 @@ class Reader(StorageReader):
                     m = json.loads(raw)
                 except ValueError:
                     m = None
+                if isinstance(m, dict) and m.get("format") == _dist._FORMAT:
+                    if r == 0:  # the Checkpointer's entries: the same on every rank
+                        m = _checkpointer_view(m, g.step)
+                        keys.update(m["keys"])
+                        objects.update(m["objects"])
+                    continue
                 if not isinstance(m, dict) or m.get("format") != _FORMAT or \
                         not isinstance(m.get("keys"), dict) or \
                         not isinstance(m.get("objects"), dict):

@@ -209,6 +209,7 @@ _DTYPE_NAMES = {str(v).replace("torch.", ""): v for v in vars(torch).values()
                 if isinstance(v, torch.dtype)}
 _NP_KINDS = set("biuf")  # numpy arrays in metadata: booleans, integers, floats
 _FORMAT = "amber.torch/1"
+_DCP_FORMAT = "amber.dcp/1"  # amber.dcp's metadata, which load() also reads
 _SKIP = object()  # an encoded value that is left out (code in a state_dict)
 
 
@@ -1246,6 +1247,9 @@ class Checkpointer:
                 meta = json.loads(raw) if raw else None
             except ValueError:
                 meta = None
+            if isinstance(meta, dict) and meta.get("format") == _DCP_FORMAT:
+                meta = {"format": _FORMAT, "entries": _dcp_entries(
+                    meta.get("keys"), meta.get("objects"), state, done)}
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
                 raise AmberError(_amber.EFORMAT, f"step {done} of {self.path} was not written by "
                                  "amber.torch (no amber.torch metadata)", name="AMBER_EFORMAT")
@@ -1293,6 +1297,61 @@ def _distributed(process_group):
     if process_group is not None and not initialized:
         raise ValueError("process_group= given, but torch.distributed is not initialized")
     return initialized and (process_group is not None or dist.get_world_size() > 1)
+
+
+def _dcp_entries(keys, objects, state, step):
+    """The entries of amber.torch's metadata for `state`, from a step written through
+    amber.dcp ({DCP key: name}, {name: encoded value}). amber.dcp names each item by its
+    path in the state dict joined by "/" (an optimizer's state from get_state_dict is
+    "<key>/state/<FQN>/exp_avg", its groups "<key>/param_groups/<i>/<field>"), so the
+    names give each state key its part without parsing DCP's dotted keys."""
+    if not isinstance(keys, dict) or not isinstance(objects, dict):
+        raise _format_error(step, "keys", "amber.dcp metadata without keys and objects")
+    by_key = {}
+    for name in keys.values():
+        if isinstance(name, str):
+            head = name.split("/", 1)[0]
+            by_key.setdefault(head, []).append(name)
+
+    def value(name):
+        return objects[name] if name in objects else {"$t": name}
+
+    def nest(key, names):
+        out = {}
+        for n in names:
+            parts = n.split("/")[1:]
+            d = out
+            for p in parts[:-1]:
+                d = d.setdefault(p, {})
+            d[parts[-1]] = value(n)
+        return out
+
+    entries = {}
+    for key, target in state.items():
+        names = by_key.get(key)
+        if not names:
+            continue
+        if isinstance(target, torch.nn.Module):
+            entries[key] = {"type": "module",
+                            "state": {n.split("/", 1)[1]: value(n) for n in names if "/" in n}}
+        elif isinstance(target, torch.optim.Optimizer):
+            st, groups = {}, {}
+            for n in names:
+                parts = n.split("/")
+                if len(parts) == 4 and parts[1] == "state":
+                    st.setdefault(parts[2], {})[parts[3]] = value(n)
+                elif len(parts) == 4 and parts[1] == "param_groups" and parts[2].isdigit():
+                    groups.setdefault(int(parts[2]), {})[parts[3]] = value(n)
+            entries[key] = {"type": "optimizer", "state": st,
+                            "param_groups": [groups[i] for i in sorted(groups)]}
+        elif names == [key]:
+            entries[key] = {"type": "tensor" if key not in objects else "value",
+                            "value": value(key)}
+        elif hasattr(target, "load_state_dict"):
+            entries[key] = {"type": "object", "state": nest(key, names)}
+        else:
+            entries[key] = {"type": "value", "value": nest(key, names)}
+    return entries
 
 
 def _glob_escape(s):
