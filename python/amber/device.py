@@ -485,8 +485,9 @@ class _Tensor:
             if self.dtype != torch.float64:
                 a, b = _f32_down(a), _f32_down(b)
             # On a CPU, in slices whose temporaries stay in cache (fresh large
-            # allocations cost page faults); a GPU's caching allocator has none.
-            step = self.n if x.device.type != "cpu" else 1 << 17
+            # allocations cost page faults); on a GPU, in slices that bound the
+            # temporaries (a few bytes per element of a slice) of a huge tensor.
+            step = 1 << 17 if x.device.type == "cpu" else 1 << 26
             parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
                      for o in range(0, self.n, step)]
             return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
