@@ -27,6 +27,9 @@ must equal a restore through the CPU path:
     the reference takes the whole chunk, as the C path stores it RAW.
 The reference moves only by what is stored (error feedback). The old values of
 what a save moved are kept until the save commits: a failed save puts them back.
+With AMBER_DEVICE_REFERENCE=host (for tight device memory) the references live in
+pinned host memory instead: each chunk's reference is copied to the device for the
+comparison, and the reference takes the selection from its host copy.
 A failed full save cannot (it replaced every value), so it marks the reference
 stale, and the next delta reloads it from the store, as the C writer does.
 
@@ -379,21 +382,31 @@ class _Host:
 class _Tensor:
     """One pre-selected tensor: its reference on the device and its host buffers."""
 
-    def __init__(self, name, index, t, code):
+    def __init__(self, name, index, t, code, host_ref=False):
         self.name, self.index, self.code = name, index, code
+        # host_ref: the reference lives in (pinned) host memory, for tight device
+        # memory; each save compares chunk by chunk, each chunk's reference copied in
+        self.host_ref = host_ref
         self.dtype, self.shape, self.device = t.dtype, tuple(t.shape), t.device
         self.n = t.numel()
         self.w = t.element_size()
-        self.ref = None     # the reference, flat, on the device
+        self.ref = None     # the reference, flat, on the device (or the host: host_ref)
         self.valid = False  # it equals the restore of the latest committed step
         pinned = t.device.type == "cuda"
         self.hidx, self.hvals, self.hwhole = _Host(pinned), _Host(pinned), _Host(pinned)
         self.undo = None    # what the save in flight moved: (idx, old values, whole chunks)
         self.copied = 0     # bytes copied to the host by the last selection
         self.sels = None    # the ctypes array handed to the library
+        self.pending = None  # host_ref: what the reference takes once the copies are done
+
+    def _new_ref(self, like):
+        if not self.host_ref:
+            return torch.empty_like(like)
+        return torch.empty(self.n, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def seed(self, live):
-        self.ref = live.detach().reshape(-1).clone()
+        self.ref = self._new_ref(live.reshape(-1))
+        self.ref.copy_(live.detach().reshape(-1))
         self.valid = True
 
     def _flat(self, live):
@@ -417,30 +430,37 @@ class _Tensor:
             for j in range(nchunks):
                 sels[j] = _ChunkSel(SELECT_WHOLE, None, base + j * chunk * self.w)
             if self.ref is None or self.ref.numel() != self.n:
-                self.ref = torch.empty_like(x)
-            self.ref.copy_(x)
+                self.ref = self._new_ref(x)
+            self.ref.copy_(host.view(self.dtype) if self.host_ref and self.n else x)
             self.undo = "full"
             self.valid = True
             self.copied = self.n * self.w
             self.sels = sels
             return sels, host
-        idx = self._select_indices(x, chunk, nchunks, spec)
+        if self.host_ref:  # chunk by chunk, each chunk's reference copied in
+            parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
+                                          chunk, 1, spec) + o for o in range(0, self.n, chunk)]
+            idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+        else:
+            idx = self._select_indices(x, self.ref, chunk, nchunks, spec)
         counts = torch.bincount(idx // chunk, minlength=nchunks).tolist() if nchunks else []
         sizes = [min(chunk, self.n - j * chunk) for j in range(nchunks)]
         dense = [1 + (m + 7) // 8 + k * self.w >= m * self.w for k, m in zip(counts, sizes)]
-        xb, rb = _bits(x), _bits(self.ref)
+        xb = _bits(x)
         whole = [j for j in range(nchunks) if dense[j] and counts[j]]
         if whole:
             keep = torch.tensor(dense, device=idx.device)[idx // chunk]
             idx = idx[~keep]
         vals = xb[idx]
-        olds = rb[idx]
-        wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
-                for j in whole]
-        rb[idx] = vals  # the reference takes what is stored, and only that
-        for j in whole:
-            rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
-        self.undo = (idx, olds, wold)
+        if not self.host_ref:
+            rb = _bits(self.ref)
+            olds = rb[idx]
+            wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
+                    for j in whole]
+            rb[idx] = vals  # the reference takes what is stored, and only that
+            for j in whole:
+                rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
+            self.undo = (idx, olds, wold)
         # compact and copy out: indices within their chunk (u32), values, whole chunks
         k = idx.numel()
         hidx = self.hidx.get(4 * k)[:4 * k].view(torch.int32)
@@ -456,6 +476,10 @@ class _Tensor:
             woff[j] = at
             at += sizes[j]
         self.copied = k * (4 + self.w) + nwhole * self.w
+        if self.host_ref:  # moved by finish(), from the host copies, once they are done
+            self.pending = (idx.to("cpu", non_blocking=True), hvals,
+                            [(j * chunk, j * chunk + sizes[j], hwhole[woff[j]:woff[j] + sizes[j]])
+                             for j in whole])
         ip, vp, wp, off = hidx.data_ptr(), hvals.data_ptr(), hwhole.data_ptr(), 0
         for j in range(nchunks):
             if j in woff:
@@ -467,9 +491,21 @@ class _Tensor:
         self.sels = sels
         return sels, (hidx, hvals, hwhole)
 
-    def _select_indices(self, x, chunk, nchunks, spec):
+    def finish(self):
+        """host_ref, after the copies: the reference takes what is stored."""
+        if self.pending is None:
+            return
+        idx, vals, whole = self.pending
+        self.pending = None
+        rb = _bits(self.ref)
+        self.undo = (idx, rb[idx], [(lo, hi, rb[lo:hi].clone()) for lo, hi, _ in whole])
+        rb[idx] = vals
+        for lo, hi, v in whole:
+            rb[lo:hi] = v
+
+    def _select_indices(self, x, r, chunk, nchunks, spec):
         kind, a, b = _parse(spec)
-        r = self.ref
+        n = x.numel()
         if kind == "exact" or self.dtype not in _FLOAT:
             kind = "exact"
         if kind != "budget" and _kernel_wanted(x):
@@ -489,14 +525,14 @@ class _Tensor:
             # temporaries (a few bytes per element of a slice) of a huge tensor.
             step = 1 << 17 if x.device.type == "cpu" else 1 << 26
             parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
-                     for o in range(0, self.n, step)]
+                     for o in range(0, n, step)]
             return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
         parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
                  + j * chunk for j in range(nchunks)]
         return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
 
     def commit(self):
-        self.undo = self.sels = None
+        self.undo = self.sels = self.pending = None
 
     def rollback(self):
         """After a failed save: the reference as it was before it."""
@@ -508,21 +544,23 @@ class _Tensor:
             rb[idx] = olds
             for lo, hi, old in wold:
                 rb[lo:hi] = old
-        self.undo = self.sels = None
+        self.undo = self.sels = self.pending = None
 
 
 class DevicePath:
     """The pre-selected tensors of one amber.Writer, by name."""
 
-    def __init__(self):
+    def __init__(self, host_ref=None):
+        # AMBER_DEVICE_REFERENCE=host: references in pinned host memory
+        self.host_ref = os.environ.get("AMBER_DEVICE_REFERENCE") == "host" \
+            if host_ref is None else host_ref
         self.tensors = {}  # name -> _Tensor
-        self.chunk = {}    # name -> chunk_elems of the last plan
         self.hold = None   # host buffers of the save in flight
         self.copied = 0    # bytes the last save copied from the devices to the host
 
     def declare(self, writer, name, dtype_code, t):
         index = add_preselected(writer, name, dtype_code, t.shape)
-        self.tensors[name] = _Tensor(name, index, t, dtype_code)
+        self.tensors[name] = _Tensor(name, index, t, dtype_code, self.host_ref)
         return index
 
     def seed(self, live):
@@ -540,7 +578,7 @@ class DevicePath:
                     host = torch.empty(dt.n, dtype=dt.dtype)
                     if dt.n:
                         r.read_into(i, host.data_ptr(), dt.n * dt.w)
-                    dt.ref = host.to(dt.device)
+                    dt.ref = host if dt.host_ref else host.to(dt.device)
                     dt.valid = True
         except (_amber.AmberError, KeyError, ValueError):
             return False
@@ -570,6 +608,8 @@ class DevicePath:
             raise
         if any(dt.device.type == "cuda" for dt in self.tensors.values()):
             torch.cuda.current_stream().synchronize()  # the library reads the host buffers
+        for dt in self.tensors.values():
+            dt.finish()
         self.hold = hold
         self.copied = sum(dt.copied for dt in self.tensors.values())
         return flags

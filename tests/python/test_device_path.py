@@ -11,8 +11,12 @@ torch operations, so only the selection crosses to the host.
   an empty tensor.
 - Only the selection crosses: a sparse delta copies a small share of the state.
 - A failed save puts the device reference back as it was (error feedback stays exact).
+- With AMBER_DEVICE_REFERENCE=host the references live in host memory, compared chunk
+  by chunk, and restores are the same.
 The whole PyTorch suite also runs a second time with AMBER_DEVICE_PATH=1
 (scripts/run-tests)."""
+import os
+
 import pytest
 import torch
 
@@ -69,6 +73,7 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7):
         out.append(restored(path))
         live_a.append(net.a.weight.detach().clone())
     kinds = [i.kind for i in ck.steps()]
+    assert ck._dev.host_ref == (os.environ.get("AMBER_DEVICE_REFERENCE") == "host")
     ck.close()
     return out, kinds, copied, live_a
 
@@ -116,12 +121,13 @@ def test_only_the_selection_crosses_to_the_host(tmp_path, monkeypatch):
         assert 0 < ck._dev.copied <= 0.01 * p.numel() * 4
 
 
-def test_a_failed_save_puts_the_device_reference_back(tmp_path):
+@pytest.mark.parametrize("host_ref", [False, True])
+def test_a_failed_save_puts_the_device_reference_back(tmp_path, host_ref):
     path = str(tmp_path / "s")
     x = torch.arange(5000, dtype=torch.float32)
     with amber.Store(path) as st:
         w = st.writer(chunk_elems=2048)
-        dp = device.DevicePath()
+        dp = device.DevicePath(host_ref=host_ref)
         dp.declare(w, "x", amber.F32, x)
         w.add_policy("threshold:0.5")
         flags = dp.before_begin(w, st, 1, 0, {"x": x}, amber.SAVE_FULL)
@@ -153,6 +159,19 @@ def test_a_failed_save_puts_the_device_reference_back(tmp_path):
         assert (got - x).abs().max().item() <= 0.5
         assert got[2052] == 2052.0 and got[2051] == x[2051]  # deferred, stored
         w.close()
+
+
+@pytest.mark.parametrize("policy", ["threshold:1e-3:1e-2", "budget:0.05:2e-2"])
+def test_a_reference_in_host_memory_restores_the_same(tmp_path, monkeypatch, policy):
+    """AMBER_DEVICE_REFERENCE=host: the references in (pinned) host memory, each
+    chunk's copied in for the comparison, moved from the host copies of the selection."""
+    cpu, _, _, _ = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
+    dev, _, copied, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    assert copied[0] > 0
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
 
 
 def every_dtype_trajectory(path, policy, monkeypatch, on):
