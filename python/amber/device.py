@@ -39,6 +39,7 @@ on any device. For CUDA tensors under exact and threshold, libamber_cuda
 with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
 import os
+import threading
 from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
     c_uint64, c_void_p
 
@@ -101,6 +102,11 @@ def set_selection(writer, index, sels, count):
     to the next save; what they point to must stay until the fence."""
     with writer._lock:
         _check(_set_selection(writer._handle(), index, sels, count), writer._h)
+
+
+def asynchronous():
+    """AMBER_DEVICE_ASYNC=1: the selection runs on a thread (see Background)."""
+    return os.environ.get("AMBER_DEVICE_ASYNC") == "1"
 
 
 def wanted(t):
@@ -585,17 +591,29 @@ class DevicePath:
         return True
 
     def before_begin(self, writer, store, step, flags, live, full_flag):
-        """Plans the save of `step`, selects every pre-selected tensor of `live`
-        (name -> tensor) and hands the selections to the writer. Returns the flags
-        the save must be begun with (a full one when a reference could not be had)."""
+        """plan() then select(): returns the flags the save must be begun with."""
+        flags, kind = self.plan(writer, store, step, flags, full_flag)
+        self.select(writer, kind, live)
+        return flags
+
+    def plan(self, writer, store, step, flags, full_flag):
+        """Plans the save of `step`: (flags, kind), the flags the save must be begun
+        with (a full one when a reference could not be had from the store)."""
         if not self.tensors:
-            return flags
+            return flags, None
         kind = plan(writer, step, flags)
         if kind == KIND_DELTA and not all(dt.valid for dt in self.tensors.values()):
             latest = store.latest()
             if latest is None or not self.load_refs(store, latest):
                 flags |= full_flag
                 kind = plan(writer, step, flags)
+        return flags, kind
+
+    def select(self, writer, kind, live):
+        """Selects every pre-selected tensor of `live` (name -> tensor) for the
+        planned save and hands the selections to the writer."""
+        if not self.tensors:
+            return
         hold = []
         try:
             for name, dt in self.tensors.items():
@@ -606,13 +624,12 @@ class DevicePath:
         except BaseException:
             self.rollback()
             raise
-        if any(dt.device.type == "cuda" for dt in self.tensors.values()):
-            torch.cuda.current_stream().synchronize()  # the library reads the host buffers
+        for d in {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}:
+            torch.cuda.current_stream(d).synchronize()  # the library reads the host buffers
         for dt in self.tensors.values():
             dt.finish()
         self.hold = hold
         self.copied = sum(dt.copied for dt in self.tensors.values())
-        return flags
 
     def commit(self):
         for dt in self.tensors.values():
@@ -623,3 +640,44 @@ class DevicePath:
         for dt in self.tensors.values():
             dt.rollback()
         self.hold = None
+
+
+class Background:
+    """The device part of a save on its own thread (AMBER_DEVICE_ASYNC=1): save()
+    returns at once and the selection, its copy to the host and the begin of the save
+    run while training computes; fence() waits (join) until they are done, so the
+    optimizer step waits only for the selection. On CUDA the thread selects on a side
+    stream that first waits for what the caller's stream had queued at save() (the
+    optimizer step that made the state)."""
+
+    def __init__(self, fn, devices):
+        self.error = None
+        self.ready = self.device = None
+        cuda = [d for d in devices if d.type == "cuda"]
+        if cuda:
+            self.device = cuda[0]
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(self.device))
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="amber-device",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            if self.device is None:
+                fn()
+                return
+            torch.cuda.set_device(self.device)
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                side.wait_event(self.ready)
+                fn()
+        except BaseException as e:  # raised by join() on the caller's thread
+            self.error = e
+
+    def join(self):
+        """Waits for the thread and raises its failure, once."""
+        self.thread.join()
+        e, self.error = self.error, None
+        if e is not None:
+            raise e

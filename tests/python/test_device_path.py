@@ -13,6 +13,9 @@ torch operations, so only the selection crosses to the host.
 - A failed save puts the device reference back as it was (error feedback stays exact).
 - With AMBER_DEVICE_REFERENCE=host the references live in host memory, compared chunk
   by chunk, and restores are the same.
+- With AMBER_DEVICE_ASYNC=1 the selection runs on a thread while training goes on
+  (the fence waits for it): restores are the same, errors of the plan still come from
+  save(), and a tensor changed in place before the fence fails the save.
 The whole PyTorch suite also runs a second time with AMBER_DEVICE_PATH=1
 (scripts/run-tests)."""
 import os
@@ -213,3 +216,60 @@ def test_every_dtype_restores_as_through_the_cpu_path(tmp_path, monkeypatch, pol
     for step, (a, b) in enumerate(zip(cpu, dev), 1):
         for name in a:
             assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def overlapped_trajectory(path, monkeypatch, on, asynchronous):
+    """Saves while training goes on: no wait() between steps; the optimizer's fence
+    hook is what orders each save before the next step. Returns each step's restore."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    monkeypatch.setenv("AMBER_DEVICE_ASYNC", "1" if asynchronous else "0")
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
+    with Checkpointer(path, policy="budget:0.05:2e-2", chunk_elems=1500, rng=False) as ck:
+        for step in range(1, 9):
+            opt.zero_grad()
+            net(torch.randn(6, 40)).backward()  # the forward pass of the next step
+            opt.step()  # fences the save in flight first
+            ck.save(step, {"net": net, "optim": opt})
+            if asynchronous and on:
+                assert ck._dev_job is not None  # the selection runs on its thread
+            with torch.no_grad():
+                net.count.add_(step)  # as a forward pass changes buffers: captured at save()
+    out = []
+    with amber.Store(path, readonly=True) as st:
+        for step in range(1, 9):
+            with st.reader(step) as r:
+                out.append({t.name: bytes(r.read(t.index)) for t in r.tensors()})
+    return out
+
+
+def test_selecting_on_a_thread_overlaps_training_and_restores_the_same(tmp_path, monkeypatch):
+    cpu = overlapped_trajectory(str(tmp_path / "cpu"), monkeypatch, False, False)
+    dev = overlapped_trajectory(str(tmp_path / "dev"), monkeypatch, True, True)
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}, tensor {name} differs"
+
+
+def test_selecting_on_a_thread_keeps_the_errors_and_the_gate(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setenv("AMBER_DEVICE_ASYNC", "1")
+    p = torch.nn.Parameter(torch.zeros(1 << 18))
+    opt = torch.optim.SGD([p], lr=1.0)
+    with Checkpointer(str(tmp_path / "s"), rng=False) as ck:
+        ck.save(1, {"p": p, "optim": opt})
+        with pytest.raises(amber.AmberError) as e:  # planned in save(): raised there
+            ck.save(1, {"p": p, "optim": opt})
+        assert e.value.name == "AMBER_EEXIST"
+        ck.save(2, {"p": p, "optim": opt})
+        with torch.no_grad():
+            p.add_(1.0)  # read by the thread until the fence: the gate refuses step 2
+        with pytest.raises(amber.AmberError) as e:
+            ck.wait()
+        assert e.value.name == "AMBER_ECHANGED" and "'p'" in str(e.value)
+        assert ck.latest() == 1
+        ck.save(3, {"p": p, "optim": opt})  # the reference went back: step 3 is right
+        ck.wait()
+        q = torch.empty(1 << 18)
+        assert ck.load({"p": q}, strict=False) == 3 and torch.equal(q, p.detach())
