@@ -22,7 +22,9 @@ Targets on a GPU (issue 15): bytes copied per delta <= 3% of the state; a delta'
 
 On a CPU it runs the same path with AMBER_DEVICE_PATH=1 (set here when absent), so it
 prints the same table for CPU tensors; there "device-to-host" means the copy out of
-the tensors' memory into amber's buffers.
+the tensors' memory into amber's buffers. AMBER_DEVICE_ASYNC=1 selects on a thread
+while the next step computes (the stall is then the wait at the fence);
+AMBER_CUDA_KERNEL=1 uses libamber_cuda's kernels for exact and threshold.
 
     gpu_bench.py [--size 124m|0.5b] [--policy lossy] [--deltas 4] [--quick] [--out DIR]
                  [--threads N]
@@ -113,6 +115,7 @@ def amber_runs(out, model, opt, gen, dev, policy, deltas):
     with Checkpointer(path, policy=policy, rng=False, full_every=1000, full_share=-1) as ck:
         t0 = now(dev)
         ck.save(1, state, full=True)
+        ck.fence()
         t1 = time.perf_counter()
         ck.wait()
         full = (ck._dev.copied, t1 - t0, time.perf_counter() - t0, ck.steps()[-1].bytes)
@@ -181,8 +184,12 @@ def main():
     finally:
         shutil.rmtree(a.out, ignore_errors=True)
     med = [statistics.median(r[i] for r in rows) for i in range(4)]
+    modes = ", ".join(f"{k}={os.environ[k]}" for k in ("AMBER_DEVICE_ASYNC", "AMBER_CUDA_KERNEL",
+                                                        "AMBER_DEVICE_REFERENCE")
+                      if os.environ.get(k))
     print(f"amber gpu_bench: {nparams / 1e6:.0f}M parameters + AdamW, {total / 1e9:.2f} GB, "
-          f"on {where}, policy {a.policy!r}, torch {torch.__version__}")
+          f"on {where}, policy {a.policy!r}, torch {torch.__version__}"
+          + (f", {modes}" if modes else ""))
     print(f"{'':28}{'copied to host':>16}{'stall s':>10}{'durable s':>11}{'size':>11}")
 
     def row(name, copied, stall, durable, size):

@@ -27,6 +27,9 @@ must equal a restore through the CPU path:
     the reference takes the whole chunk, as the C path stores it RAW.
 The reference moves only by what is stored (error feedback). The old values of
 what a save moved are kept until the save commits: a failed save puts them back.
+With AMBER_DEVICE_REFERENCE=host (for tight device memory) the references live in
+pinned host memory instead: each chunk's reference is copied to the device for the
+comparison, and the reference takes the selection from its host copy.
 A failed full save cannot (it replaced every value), so it marks the reference
 stale, and the next delta reloads it from the store, as the C writer does.
 
@@ -36,6 +39,7 @@ on any device. For CUDA tensors under exact and threshold, libamber_cuda
 with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
 import os
+import threading
 from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
     c_uint64, c_void_p
 
@@ -98,6 +102,11 @@ def set_selection(writer, index, sels, count):
     to the next save; what they point to must stay until the fence."""
     with writer._lock:
         _check(_set_selection(writer._handle(), index, sels, count), writer._h)
+
+
+def asynchronous():
+    """AMBER_DEVICE_ASYNC=1: the selection runs on a thread (see Background)."""
+    return os.environ.get("AMBER_DEVICE_ASYNC") == "1"
 
 
 def wanted(t):
@@ -379,21 +388,31 @@ class _Host:
 class _Tensor:
     """One pre-selected tensor: its reference on the device and its host buffers."""
 
-    def __init__(self, name, index, t, code):
+    def __init__(self, name, index, t, code, host_ref=False):
         self.name, self.index, self.code = name, index, code
+        # host_ref: the reference lives in (pinned) host memory, for tight device
+        # memory; each save compares chunk by chunk, each chunk's reference copied in
+        self.host_ref = host_ref
         self.dtype, self.shape, self.device = t.dtype, tuple(t.shape), t.device
         self.n = t.numel()
         self.w = t.element_size()
-        self.ref = None     # the reference, flat, on the device
+        self.ref = None     # the reference, flat, on the device (or the host: host_ref)
         self.valid = False  # it equals the restore of the latest committed step
         pinned = t.device.type == "cuda"
         self.hidx, self.hvals, self.hwhole = _Host(pinned), _Host(pinned), _Host(pinned)
         self.undo = None    # what the save in flight moved: (idx, old values, whole chunks)
         self.copied = 0     # bytes copied to the host by the last selection
         self.sels = None    # the ctypes array handed to the library
+        self.pending = None  # host_ref: what the reference takes once the copies are done
+
+    def _new_ref(self, like):
+        if not self.host_ref:
+            return torch.empty_like(like)
+        return torch.empty(self.n, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def seed(self, live):
-        self.ref = live.detach().reshape(-1).clone()
+        self.ref = self._new_ref(live.reshape(-1))
+        self.ref.copy_(live.detach().reshape(-1))
         self.valid = True
 
     def _flat(self, live):
@@ -417,30 +436,37 @@ class _Tensor:
             for j in range(nchunks):
                 sels[j] = _ChunkSel(SELECT_WHOLE, None, base + j * chunk * self.w)
             if self.ref is None or self.ref.numel() != self.n:
-                self.ref = torch.empty_like(x)
-            self.ref.copy_(x)
+                self.ref = self._new_ref(x)
+            self.ref.copy_(host.view(self.dtype) if self.host_ref and self.n else x)
             self.undo = "full"
             self.valid = True
             self.copied = self.n * self.w
             self.sels = sels
             return sels, host
-        idx = self._select_indices(x, chunk, nchunks, spec)
+        if self.host_ref:  # chunk by chunk, each chunk's reference copied in
+            parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
+                                          chunk, 1, spec) + o for o in range(0, self.n, chunk)]
+            idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+        else:
+            idx = self._select_indices(x, self.ref, chunk, nchunks, spec)
         counts = torch.bincount(idx // chunk, minlength=nchunks).tolist() if nchunks else []
         sizes = [min(chunk, self.n - j * chunk) for j in range(nchunks)]
         dense = [1 + (m + 7) // 8 + k * self.w >= m * self.w for k, m in zip(counts, sizes)]
-        xb, rb = _bits(x), _bits(self.ref)
+        xb = _bits(x)
         whole = [j for j in range(nchunks) if dense[j] and counts[j]]
         if whole:
             keep = torch.tensor(dense, device=idx.device)[idx // chunk]
             idx = idx[~keep]
         vals = xb[idx]
-        olds = rb[idx]
-        wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
-                for j in whole]
-        rb[idx] = vals  # the reference takes what is stored, and only that
-        for j in whole:
-            rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
-        self.undo = (idx, olds, wold)
+        if not self.host_ref:
+            rb = _bits(self.ref)
+            olds = rb[idx]
+            wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
+                    for j in whole]
+            rb[idx] = vals  # the reference takes what is stored, and only that
+            for j in whole:
+                rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
+            self.undo = (idx, olds, wold)
         # compact and copy out: indices within their chunk (u32), values, whole chunks
         k = idx.numel()
         hidx = self.hidx.get(4 * k)[:4 * k].view(torch.int32)
@@ -456,6 +482,10 @@ class _Tensor:
             woff[j] = at
             at += sizes[j]
         self.copied = k * (4 + self.w) + nwhole * self.w
+        if self.host_ref:  # moved by finish(), from the host copies, once they are done
+            self.pending = (idx.to("cpu", non_blocking=True), hvals,
+                            [(j * chunk, j * chunk + sizes[j], hwhole[woff[j]:woff[j] + sizes[j]])
+                             for j in whole])
         ip, vp, wp, off = hidx.data_ptr(), hvals.data_ptr(), hwhole.data_ptr(), 0
         for j in range(nchunks):
             if j in woff:
@@ -467,9 +497,21 @@ class _Tensor:
         self.sels = sels
         return sels, (hidx, hvals, hwhole)
 
-    def _select_indices(self, x, chunk, nchunks, spec):
+    def finish(self):
+        """host_ref, after the copies: the reference takes what is stored."""
+        if self.pending is None:
+            return
+        idx, vals, whole = self.pending
+        self.pending = None
+        rb = _bits(self.ref)
+        self.undo = (idx, rb[idx], [(lo, hi, rb[lo:hi].clone()) for lo, hi, _ in whole])
+        rb[idx] = vals
+        for lo, hi, v in whole:
+            rb[lo:hi] = v
+
+    def _select_indices(self, x, r, chunk, nchunks, spec):
         kind, a, b = _parse(spec)
-        r = self.ref
+        n = x.numel()
         if kind == "exact" or self.dtype not in _FLOAT:
             kind = "exact"
         if kind != "budget" and _kernel_wanted(x):
@@ -485,17 +527,18 @@ class _Tensor:
             if self.dtype != torch.float64:
                 a, b = _f32_down(a), _f32_down(b)
             # On a CPU, in slices whose temporaries stay in cache (fresh large
-            # allocations cost page faults); a GPU's caching allocator has none.
-            step = self.n if x.device.type != "cpu" else 1 << 17
+            # allocations cost page faults); on a GPU, in slices that bound the
+            # temporaries (a few bytes per element of a slice) of a huge tensor.
+            step = 1 << 17 if x.device.type == "cpu" else 1 << 26
             parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
-                     for o in range(0, self.n, step)]
+                     for o in range(0, n, step)]
             return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
         parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
                  + j * chunk for j in range(nchunks)]
         return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
 
     def commit(self):
-        self.undo = self.sels = None
+        self.undo = self.sels = self.pending = None
 
     def rollback(self):
         """After a failed save: the reference as it was before it."""
@@ -507,21 +550,23 @@ class _Tensor:
             rb[idx] = olds
             for lo, hi, old in wold:
                 rb[lo:hi] = old
-        self.undo = self.sels = None
+        self.undo = self.sels = self.pending = None
 
 
 class DevicePath:
     """The pre-selected tensors of one amber.Writer, by name."""
 
-    def __init__(self):
+    def __init__(self, host_ref=None):
+        # AMBER_DEVICE_REFERENCE=host: references in pinned host memory
+        self.host_ref = os.environ.get("AMBER_DEVICE_REFERENCE") == "host" \
+            if host_ref is None else host_ref
         self.tensors = {}  # name -> _Tensor
-        self.chunk = {}    # name -> chunk_elems of the last plan
         self.hold = None   # host buffers of the save in flight
         self.copied = 0    # bytes the last save copied from the devices to the host
 
     def declare(self, writer, name, dtype_code, t):
         index = add_preselected(writer, name, dtype_code, t.shape)
-        self.tensors[name] = _Tensor(name, index, t, dtype_code)
+        self.tensors[name] = _Tensor(name, index, t, dtype_code, self.host_ref)
         return index
 
     def seed(self, live):
@@ -539,24 +584,36 @@ class DevicePath:
                     host = torch.empty(dt.n, dtype=dt.dtype)
                     if dt.n:
                         r.read_into(i, host.data_ptr(), dt.n * dt.w)
-                    dt.ref = host.to(dt.device)
+                    dt.ref = host if dt.host_ref else host.to(dt.device)
                     dt.valid = True
         except (_amber.AmberError, KeyError, ValueError):
             return False
         return True
 
     def before_begin(self, writer, store, step, flags, live, full_flag):
-        """Plans the save of `step`, selects every pre-selected tensor of `live`
-        (name -> tensor) and hands the selections to the writer. Returns the flags
-        the save must be begun with (a full one when a reference could not be had)."""
+        """plan() then select(): returns the flags the save must be begun with."""
+        flags, kind = self.plan(writer, store, step, flags, full_flag)
+        self.select(writer, kind, live)
+        return flags
+
+    def plan(self, writer, store, step, flags, full_flag):
+        """Plans the save of `step`: (flags, kind), the flags the save must be begun
+        with (a full one when a reference could not be had from the store)."""
         if not self.tensors:
-            return flags
+            return flags, None
         kind = plan(writer, step, flags)
         if kind == KIND_DELTA and not all(dt.valid for dt in self.tensors.values()):
             latest = store.latest()
             if latest is None or not self.load_refs(store, latest):
                 flags |= full_flag
                 kind = plan(writer, step, flags)
+        return flags, kind
+
+    def select(self, writer, kind, live):
+        """Selects every pre-selected tensor of `live` (name -> tensor) for the
+        planned save and hands the selections to the writer."""
+        if not self.tensors:
+            return
         hold = []
         try:
             for name, dt in self.tensors.items():
@@ -567,11 +624,12 @@ class DevicePath:
         except BaseException:
             self.rollback()
             raise
-        if any(dt.device.type == "cuda" for dt in self.tensors.values()):
-            torch.cuda.current_stream().synchronize()  # the library reads the host buffers
+        for d in {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}:
+            torch.cuda.current_stream(d).synchronize()  # the library reads the host buffers
+        for dt in self.tensors.values():
+            dt.finish()
         self.hold = hold
         self.copied = sum(dt.copied for dt in self.tensors.values())
-        return flags
 
     def commit(self):
         for dt in self.tensors.values():
@@ -582,3 +640,44 @@ class DevicePath:
         for dt in self.tensors.values():
             dt.rollback()
         self.hold = None
+
+
+class Background:
+    """The device part of a save on its own thread (AMBER_DEVICE_ASYNC=1): save()
+    returns at once and the selection, its copy to the host and the begin of the save
+    run while training computes; fence() waits (join) until they are done, so the
+    optimizer step waits only for the selection. On CUDA the thread selects on a side
+    stream that first waits for what the caller's stream had queued at save() (the
+    optimizer step that made the state)."""
+
+    def __init__(self, fn, devices):
+        self.error = None
+        self.ready = self.device = None
+        cuda = [d for d in devices if d.type == "cuda"]
+        if cuda:
+            self.device = cuda[0]
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(self.device))
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="amber-device",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            if self.device is None:
+                fn()
+                return
+            torch.cuda.set_device(self.device)
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                side.wait_event(self.ready)
+                fn()
+        except BaseException as e:  # raised by join() on the caller's thread
+            self.error = e
+
+    def join(self):
+        """Waits for the thread and raises its failure, once."""
+        self.thread.join()
+        e, self.error = self.error, None
+        if e is not None:
+            raise e

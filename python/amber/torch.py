@@ -973,6 +973,8 @@ class Checkpointer:
         self.path = self.store.path
         self._writer = None
         self._dev = None     # amber.device.DevicePath: the writer's accelerator tensors
+        self._dev_job = None    # amber.device.Background: the device selection on a thread
+        self._dev_error = None  # its failure, raised by wait()
         self._sig = None
         self._ptrs = []
         self._stage = {}     # name -> reused staging tensor for captured tensors
@@ -1027,10 +1029,37 @@ class Checkpointer:
         for v in state.values():
             if isinstance(v, torch.optim.Optimizer):
                 self._hook(v)
+        devs = [(n, t) for n, t in flat.tensors if self._dev is not None and n in self._dev.tensors]
+        background = bool(devs) and _device.asynchronous()
+        live = dict(devs)
+        if background:
+            # Read by the thread until the fence: what training may change before
+            # the next optimizer step is captured on its device now, as _prepare
+            # captures CPU tensors; the rest is read in place and checked.
+            owned = _owned_storages(state)
+            with torch.no_grad():
+                for n, t in devs:
+                    small = t.numel() * t.element_size() <= CAPTURE_BYTES
+                    if small or _storage_key(t) not in owned:
+                        live[n] = t.clone()
+                    else:
+                        self._pinned.append(t)
+                        self._versions.append((n, t, t._version))
         self._gated = bool(self._versions)
         try:
-            full = self._select_on_device(int(step), flat, full)
-            w.begin(int(step), full=full, confirm=self._gated)
+            flags = (_amber.SAVE_FULL if full else 0) | (_amber.SAVE_CONFIRM if self._gated else 0)
+            kind = None
+            if devs:  # the kind of save, and its errors, now (amber.device)
+                flags, kind = self._dev.plan(w, self.store, int(step), flags, _amber.SAVE_FULL)
+
+            def begin():
+                if devs:
+                    self._dev.select(w, kind, live)
+                w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=self._gated)
+            if background:
+                self._dev_job = _device.Background(begin, [t.device for _, t in devs])
+            else:
+                begin()
         except BaseException:
             self._pinned = self._versions = None
             self._gated = False
@@ -1038,18 +1067,6 @@ class Checkpointer:
                 self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
-
-    def _select_on_device(self, step, flat, full):
-        """The accelerator path (amber.device): plans the save and hands the writer
-        what each device tensor's selection stores. Returns `full` as the save must
-        be begun (forced when a device reference could not be had)."""
-        if self._dev is None or not self._dev.tensors:
-            return full
-        flags = (_amber.SAVE_FULL if full else 0) | (_amber.SAVE_CONFIRM if self._gated else 0)
-        live = {n: t for n, t in flat.tensors if n in self._dev.tensors}
-        flags = self._dev.before_begin(self._writer, self.store, step, flags, live,
-                                       _amber.SAVE_FULL)
-        return bool(flags & _amber.SAVE_FULL)
 
     def _prepare(self, flat, state):
         """Declares the tensors (a new writer when the set changed), copies those
@@ -1138,6 +1155,12 @@ class Checkpointer:
             return
         t0 = time.perf_counter()
         try:
+            job, self._dev_job = self._dev_job, None
+            if job is not None:  # the device selection on its thread
+                try:
+                    job.join()
+                except BaseException as e:  # nothing began: wait() raises it
+                    self._dev_error = e
             self._writer.fence()
         finally:
             changed = self._changed()
@@ -1162,6 +1185,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             self.fence()
+            err, self._dev_error = self._dev_error, None
+            if err is not None:
+                if self._dev is not None:
+                    self._dev.rollback()
+                raise err
             try:
                 self._writer.wait()
             except BaseException:

@@ -11,8 +11,15 @@ torch operations, so only the selection crosses to the host.
   an empty tensor.
 - Only the selection crosses: a sparse delta copies a small share of the state.
 - A failed save puts the device reference back as it was (error feedback stays exact).
+- With AMBER_DEVICE_REFERENCE=host the references live in host memory, compared chunk
+  by chunk, and restores are the same.
+- With AMBER_DEVICE_ASYNC=1 the selection runs on a thread while training goes on
+  (the fence waits for it): restores are the same, errors of the plan still come from
+  save(), and a tensor changed in place before the fence fails the save.
 The whole PyTorch suite also runs a second time with AMBER_DEVICE_PATH=1
 (scripts/run-tests)."""
+import os
+
 import pytest
 import torch
 
@@ -69,6 +76,7 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7):
         out.append(restored(path))
         live_a.append(net.a.weight.detach().clone())
     kinds = [i.kind for i in ck.steps()]
+    assert ck._dev.host_ref == (os.environ.get("AMBER_DEVICE_REFERENCE") == "host")
     ck.close()
     return out, kinds, copied, live_a
 
@@ -116,12 +124,13 @@ def test_only_the_selection_crosses_to_the_host(tmp_path, monkeypatch):
         assert 0 < ck._dev.copied <= 0.01 * p.numel() * 4
 
 
-def test_a_failed_save_puts_the_device_reference_back(tmp_path):
+@pytest.mark.parametrize("host_ref", [False, True])
+def test_a_failed_save_puts_the_device_reference_back(tmp_path, host_ref):
     path = str(tmp_path / "s")
     x = torch.arange(5000, dtype=torch.float32)
     with amber.Store(path) as st:
         w = st.writer(chunk_elems=2048)
-        dp = device.DevicePath()
+        dp = device.DevicePath(host_ref=host_ref)
         dp.declare(w, "x", amber.F32, x)
         w.add_policy("threshold:0.5")
         flags = dp.before_begin(w, st, 1, 0, {"x": x}, amber.SAVE_FULL)
@@ -153,6 +162,19 @@ def test_a_failed_save_puts_the_device_reference_back(tmp_path):
         assert (got - x).abs().max().item() <= 0.5
         assert got[2052] == 2052.0 and got[2051] == x[2051]  # deferred, stored
         w.close()
+
+
+@pytest.mark.parametrize("policy", ["threshold:1e-3:1e-2", "budget:0.05:2e-2"])
+def test_a_reference_in_host_memory_restores_the_same(tmp_path, monkeypatch, policy):
+    """AMBER_DEVICE_REFERENCE=host: the references in (pinned) host memory, each
+    chunk's copied in for the comparison, moved from the host copies of the selection."""
+    cpu, _, _, _ = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
+    dev, _, copied, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    assert copied[0] > 0
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
 
 
 def every_dtype_trajectory(path, policy, monkeypatch, on):
@@ -194,3 +216,60 @@ def test_every_dtype_restores_as_through_the_cpu_path(tmp_path, monkeypatch, pol
     for step, (a, b) in enumerate(zip(cpu, dev), 1):
         for name in a:
             assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def overlapped_trajectory(path, monkeypatch, on, asynchronous):
+    """Saves while training goes on: no wait() between steps; the optimizer's fence
+    hook is what orders each save before the next step. Returns each step's restore."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    monkeypatch.setenv("AMBER_DEVICE_ASYNC", "1" if asynchronous else "0")
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
+    with Checkpointer(path, policy="budget:0.05:2e-2", chunk_elems=1500, rng=False) as ck:
+        for step in range(1, 9):
+            opt.zero_grad()
+            net(torch.randn(6, 40)).backward()  # the forward pass of the next step
+            opt.step()  # fences the save in flight first
+            ck.save(step, {"net": net, "optim": opt})
+            if asynchronous and on:
+                assert ck._dev_job is not None  # the selection runs on its thread
+            with torch.no_grad():
+                net.count.add_(step)  # as a forward pass changes buffers: captured at save()
+    out = []
+    with amber.Store(path, readonly=True) as st:
+        for step in range(1, 9):
+            with st.reader(step) as r:
+                out.append({t.name: bytes(r.read(t.index)) for t in r.tensors()})
+    return out
+
+
+def test_selecting_on_a_thread_overlaps_training_and_restores_the_same(tmp_path, monkeypatch):
+    cpu = overlapped_trajectory(str(tmp_path / "cpu"), monkeypatch, False, False)
+    dev = overlapped_trajectory(str(tmp_path / "dev"), monkeypatch, True, True)
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}, tensor {name} differs"
+
+
+def test_selecting_on_a_thread_keeps_the_errors_and_the_gate(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setenv("AMBER_DEVICE_ASYNC", "1")
+    p = torch.nn.Parameter(torch.zeros(1 << 18))
+    opt = torch.optim.SGD([p], lr=1.0)
+    with Checkpointer(str(tmp_path / "s"), rng=False) as ck:
+        ck.save(1, {"p": p, "optim": opt})
+        with pytest.raises(amber.AmberError) as e:  # planned in save(): raised there
+            ck.save(1, {"p": p, "optim": opt})
+        assert e.value.name == "AMBER_EEXIST"
+        ck.save(2, {"p": p, "optim": opt})
+        with torch.no_grad():
+            p.add_(1.0)  # read by the thread until the fence: the gate refuses step 2
+        with pytest.raises(amber.AmberError) as e:
+            ck.wait()
+        assert e.value.name == "AMBER_ECHANGED" and "'p'" in str(e.value)
+        assert ck.latest() == 1
+        ck.save(3, {"p": p, "optim": opt})  # the reference went back: step 3 is right
+        ck.wait()
+        q = torch.empty(1 << 18)
+        assert ck.load({"p": q}, strict=False) == 3 and torch.equal(q, p.detach())
