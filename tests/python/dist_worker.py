@@ -1,8 +1,10 @@
 """One rank of the distributed Checkpointer's tests (tests/python/test_dist_checkpointer.py).
 
     python dist_worker.py SCENARIO RANK WORLD INIT_FILE DIR
+    torchrun --nproc-per-node N dist_worker.py SCENARIO - - env DIR
 
-Joins a gloo process group through torch.distributed's own file:// rendezvous,
+Joins a gloo process group through torch.distributed's own file:// rendezvous (or
+torchrun's),
 trains a tiny transformer sharded with FSDP2 (fully_shard, on CPU) and AdamW, and
 runs SCENARIO against stores under DIR. Results that the test checks are written
 under DIR by rank 0 (torch.save of plain tensors: test output, not a store); an
@@ -391,6 +393,26 @@ def _checkpointer_load(model, opt, path, want):
         assert torch.equal(got[k], want[k]), f"{k} differs after the Checkpointer's load"
 
 
+def scenario_dcptiny(rank, world, d):
+    """dcp.save twice and dcp.load through amber.dcp (what test_dist_dcp runs under
+    torchrun)."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    model, opt = build(0)
+    with Writer() as w:
+        for step in (1, 2):
+            train_step(model, opt)
+            dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/t/step-{step}")
+    want = full_state(model, opt)
+    model, opt = build(3)
+    train_step(model, opt)
+    _dcp_load(model, opt, f"{d}/t")
+    got = full_state(model, opt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    if rank == 0:
+        open(f"{d}/dcptiny.ok", "w").write(str(world))
+
+
 def scenario_dcpload(rank, world, d):
     """dcp.load, at this world size, of the store the dcp scenario wrote at another."""
     want = torch.load(f"{d}/x.pt")
@@ -406,8 +428,13 @@ def scenario_dcpload(rank, world, d):
 
 
 def main():
-    scenario, rank, world, init, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        sys.argv[4], sys.argv[5]
+    scenario, rank, world, init, d = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], \
+        sys.argv[5]
+    if init == "env":  # started by torchrun, which sets RANK, WORLD_SIZE, MASTER_*
+        rank, world, init_method = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), \
+            "env://"
+    else:
+        rank, world, init_method = int(rank), int(world), f"file://{init}"
     torch.set_num_threads(1)
     if scenario in ("resume", "failures"):
         # the tiny model's tensors are below the size that save() copies: read them in
@@ -415,7 +442,7 @@ def main():
         amber.torch.CAPTURE_BYTES = 0
     # a rank killed by the test must not leave the others waiting long
     timeout = 15 if scenario == "killrun" else 60
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
         globals()[f"scenario_{scenario}"](rank, world, d)

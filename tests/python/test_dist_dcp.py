@@ -3,8 +3,12 @@ dcp.save and dcp.async_save of FSDP2 (DTensor) state through amber.dcp.Writer, d
 through amber.dcp.Reader at the same world size and at 3 ranks, and the CLI on the
 store. Bounded in time like test_dist_checkpointer's runs."""
 import json
+import os
+import signal
+import subprocess
 
-from test_dist_checkpointer import cli, ranks
+from conftest import HERE, PYTHON
+from test_dist_checkpointer import TIMEOUT, WORKER, cli, ranks
 
 
 def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
@@ -19,3 +23,22 @@ def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
     assert [s["kind"] for s in steps] == ["full", "delta", "delta", "delta"]
     assert cli("verify", f"{d}/x").returncode == 0
     ranks("dcpload", 3, d)
+
+
+def test_dcp_save_and_load_under_torchrun(tmp_path):
+    d = str(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p))
+    p = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", WORKER, "dcptiny", "-", "-", "env", d],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=TIMEOUT)
+    finally:
+        if p.poll() is None:  # torchrun and its ranks share the session
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, out
+    assert open(f"{d}/dcptiny.ok").read() == "2"
+    assert cli("verify", f"{d}/t").returncode == 0
