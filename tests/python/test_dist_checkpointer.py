@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 
-import pytest
 import torch
 
 from conftest import HERE, PYTHON, SEED, TRIALS

@@ -1,7 +1,7 @@
 """amber.dcp under a gloo process group of 2 ranks (tests/python/dist_worker.py):
 dcp.save and dcp.async_save of FSDP2 (DTensor) state through amber.dcp.Writer, dcp.load
 through amber.dcp.Reader at the same world size and at 3 ranks, and the CLI on the
-store. Bounded in time like test_dist_checkpointer's runs."""
+store; the same under torchrun. Bounded in time like test_dist_checkpointer's runs."""
 import json
 import os
 import signal
