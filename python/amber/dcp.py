@@ -126,12 +126,18 @@ class Writer(StorageWriter, AsyncStager):
     """DCP StorageWriter (and AsyncStager) into an amber store.
 
     Writer(checkpoint_id=None, policy=None, full_every=None, full_share=None,
-           threads=0, chunk_elems=0)
+           threads=0, chunk_elems=0, process_group=None)
       policy, full_every, full_share, threads, chunk_elems: as for
       amber.torch.Checkpointer ("exact" by default, "lossy", rules...).
       checkpoint_id: optional default id; DCP's checkpoint_id= overrides it.
+      process_group: the ranks that save together, the group given to dcp.save
+              (default: the world); with more than one rank the store is a
+              multi-rank store (see the module's documentation). Every rank
+              makes its Writer, and the first save is collective (it makes the
+              Writer's gloo group).
     Keep one Writer for the run and close() it at the end (it holds the store's
-    lock while open). Not thread-safe beyond what DCP does with it."""
+    lock while open; with many ranks close() completes a staged save, which is
+    collective). Not thread-safe beyond what DCP does with it."""
 
     _synchronize_after_execute = False  # staging completes with stage()'s Future
 
