@@ -22,6 +22,13 @@ def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
     # async one (step 4) too
     assert [s["kind"] for s in steps] == ["full", "delta", "delta", "delta"]
     assert cli("verify", f"{d}/x").returncode == 0
+    ex = cli("export", f"{d}/x", "-o", f"{d}/x.safetensors")
+    assert ex.returncode == 0, ex.stderr
+    import torch
+    from safetensors.torch import load_file
+    got, want = load_file(f"{d}/x.safetensors"), torch.load(f"{d}/x.pt")
+    model = {k: v for k, v in want.items() if k.startswith("model/")}
+    assert model and all(torch.equal(got[k], v) for k, v in model.items())
     ranks("dcpload", 3, d)
 
 
