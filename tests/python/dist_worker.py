@@ -414,17 +414,58 @@ def scenario_dcptiny(rank, world, d):
 
 
 def scenario_dcpload(rank, world, d):
-    """dcp.load, at this world size, of the store the dcp scenario wrote at another."""
-    want = torch.load(f"{d}/x.pt")
+    """dcp.load, at this world size, of the store the dcp scenario wrote at another
+    (DIR/x), or of one written by a single process (DIR/one, when it exists)."""
+    name = "one" if os.path.exists(f"{d}/one") else "x"
+    want = torch.load(f"{d}/{name}.pt")
     torch.manual_seed(5 + rank)
     model, opt = build(11)
     train_step(model, opt)
-    _dcp_load(model, opt, f"{d}/x")
+    _dcp_load(model, opt, f"{d}/{name}")
     got = full_state(model, opt)
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs after dcp.load at {world} ranks"
-    _checkpointer_load(model, opt, f"{d}/x", want)
+    _checkpointer_load(model, opt, f"{d}/{name}", want)
+    if name == "one":  # and amber.torch's single-process store of the same state
+        model, opt = build(14)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with Checkpointer(f"{d}/ck1") as ck:
+                state = {"model": model, "optim": opt, "extra": {}}
+                assert ck.load(state) == 4
+                assert state["extra"] == {"note": "plain"}
+                try:  # many ranks do not save into a single-process store
+                    ck.save(5, state)
+                    raise AssertionError("a save into a single-process store succeeded")
+                except amber.AmberError as e:
+                    assert "written by one process" in e.message, e.message
+        assert (rank > 0) == any("keeps its own RNG" in str(x.message) for x in w)
+        got = full_state(model, opt)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{k} differs after loading ck1"
+
+
+def save_one_process(d):
+    """The dcp scenario's model trained and saved through amber.dcp by one process
+    (no process group): DIR/one/step-4 and DIR/one.pt, for scenario_dcpload."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        train_step(model, opt)
+    with Writer() as w:
+        dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/one/step-4")
+    want = {}
+    for n, p in model.named_parameters():
+        want[f"model/{n}"] = p.detach().clone()
+        for k, v in opt.state[p].items():
+            want[f"optim/{n}/{k}"] = v.clone()
+    torch.save(want, f"{d}/one.pt")
+    with Checkpointer(f"{d}/ck1") as ck:
+        ck.save(4, {"model": model, "optim": opt, "extra": {"note": "plain"}})
 
 
 def main():

@@ -49,3 +49,14 @@ def test_dcp_save_and_load_under_torchrun(tmp_path):
     assert p.returncode == 0, out
     assert open(f"{d}/dcptiny.ok").read() == "2"
     assert cli("verify", f"{d}/t").returncode == 0
+
+
+def test_stores_saved_by_one_process_load_at_two_ranks(tmp_path):
+    """dcp.load and the distributed Checkpointer load a store that amber.dcp wrote in
+    one process, and the Checkpointer loads amber.torch's single-process store (rank
+    0 gets its RNG states, rank 1 keeps its own with a warning) but refuses to save
+    into it."""
+    import dist_worker
+    d = str(tmp_path)
+    dist_worker.save_one_process(d)
+    ranks("dcpload", 2, d)
