@@ -415,8 +415,13 @@ def scenario_dcptiny(rank, world, d):
 
 def scenario_dcpload(rank, world, d):
     """dcp.load, at this world size, of the store the dcp scenario wrote at another
-    (DIR/x), or of one written by a single process (DIR/one, when it exists)."""
-    name = "one" if os.path.exists(f"{d}/one") else "x"
+    (DIR/x), and of those written by a single process (DIR/one, DIR/ck1)."""
+    for name in ("x", "one"):
+        if os.path.exists(f"{d}/{name}"):
+            _dcpload(rank, world, d, name)
+
+
+def _dcpload(rank, world, d, name):
     want = torch.load(f"{d}/{name}.pt")
     torch.manual_seed(5 + rank)
     model, opt = build(11)

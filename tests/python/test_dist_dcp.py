@@ -12,6 +12,11 @@ from test_dist_checkpointer import TIMEOUT, WORKER, cli, ranks
 
 
 def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
+    """2 ranks save through amber.dcp (dcp.save, then dcp.async_save) and load; 3 ranks
+    load that store, and stores written by one process (amber.dcp's and amber.torch's:
+    dcp.load and the distributed Checkpointer load both, rank 0 gets the RNG states of
+    the Checkpointer's, the others keep theirs with a warning; many ranks refuse to
+    save into a single-process store)."""
     d = str(tmp_path)
     ranks("dcp", 2, d)
     ls = cli("ls", f"{d}/x", "--json")
@@ -29,6 +34,8 @@ def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
     got, want = load_file(f"{d}/x.safetensors"), torch.load(f"{d}/x.pt")
     model = {k: v for k, v in want.items() if k.startswith("model/")}
     assert model and all(torch.equal(got[k], v) for k, v in model.items())
+    import dist_worker
+    dist_worker.save_one_process(d)  # stores of one process, loaded at 3 ranks too
     ranks("dcpload", 3, d)
 
 
@@ -50,13 +57,3 @@ def test_dcp_save_and_load_under_torchrun(tmp_path):
     assert open(f"{d}/dcptiny.ok").read() == "2"
     assert cli("verify", f"{d}/t").returncode == 0
 
-
-def test_stores_saved_by_one_process_load_at_two_ranks(tmp_path):
-    """dcp.load and the distributed Checkpointer load a store that amber.dcp wrote in
-    one process, and the Checkpointer loads amber.torch's single-process store (rank
-    0 gets its RNG states, rank 1 keeps its own with a warning) but refuses to save
-    into it."""
-    import dist_worker
-    d = str(tmp_path)
-    dist_worker.save_one_process(d)
-    ranks("dcpload", 2, d)
