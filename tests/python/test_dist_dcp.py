@@ -56,4 +56,3 @@ def test_dcp_save_and_load_under_torchrun(tmp_path):
     assert p.returncode == 0, out
     assert open(f"{d}/dcptiny.ok").read() == "2"
     assert cli("verify", f"{d}/t").returncode == 0
-
