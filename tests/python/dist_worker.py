@@ -117,6 +117,10 @@ def scenario_resume(rank, world, d):
         assert ck.load(state) == 3
         assert state["extra"] == {"step": 3}, state["extra"]
         losses_c = run(model, opt, ck, 4, 6)
+        resumed = [s.kind for s in ck.steps()][3:]
+    # the first save after the restart is a delta (each rank's reference comes back
+    # from its own store)
+    assert resumed == ["delta"] * 3, resumed
     got = full_state(model, opt)
     assert losses_c == losses_a[3:], (losses_a, losses_c)
     assert set(got) == set(want)
