@@ -89,14 +89,16 @@ class TorchComm:
         return out
 
 
-def cpu_group(process_group):
+def cpu_group(process_group, own=False):
     """A group with a CPU backend over the ranks of `process_group` (None: the world):
-    the group itself when it has gloo, else a new gloo group (collective)."""
-    backend = str(dist.get_backend(process_group))
-    if "gloo" in backend:
+    the group itself when it has gloo (unless `own`), else a new gloo group, made by
+    the group's ranks alone (collective over them)."""
+    if not own and "gloo" in str(dist.get_backend(process_group)):
         return process_group
-    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-    return dist.new_group(ranks=ranks, backend="gloo")
+    if process_group is None:
+        return dist.new_group(backend="gloo")
+    return dist.new_group(ranks=dist.get_process_group_ranks(process_group), backend="gloo",
+                          use_local_synchronization=True)
 
 
 def _box(t):

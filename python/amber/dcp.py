@@ -450,8 +450,7 @@ class Writer(StorageWriter, AsyncStager):
             if self._comm is None:
                 # a gloo group of amber's own: async saves commit from DCP's thread while
                 # training uses the job's groups on its own (collective, every rank)
-                ranks = dist.get_process_group_ranks(self._pg) if self._pg is not None else None
-                self._comm = _dist.TorchComm(dist.new_group(ranks=ranks, backend="gloo"))
+                self._comm = _dist.TorchComm(_dist.cpu_group(self._pg, own=True))
             self._open_global(path)
         if step is None:
             steps = _amber.global_steps(path)

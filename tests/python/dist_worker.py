@@ -223,6 +223,7 @@ def scenario_reshard(rank, world, d):
                 assert torch.equal(got[k], want[k]), f"{name} (fresh optimizer): {k} differs"
     if cfg.get("hsdp"):
         scenario_hsdp(rank, world, d)
+        scenario_subgroups(rank, world, d)
     for name, policy in cfg.get("save", []):
         torch.manual_seed(100 + rank)
         model, opt = build(0)
@@ -236,6 +237,39 @@ def scenario_reshard(rank, world, d):
         if rank == 0:
             torch.save(want, f"{d}/{name}.pt")
             torch.save(unsharded, f"{d}/{name}-model.pt")
+
+
+def scenario_subgroups(rank, world, d):
+    """process_group=: ranks {0, 1} and {2, 3} each checkpoint their own model into
+    their own store, through the Checkpointer and through amber.dcp, and load it back."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    pair = rank // 2
+    pg = groups[pair]
+    torch.manual_seed(pair)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(f"{d}/sub{pair}", process_group=pg) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+    with Writer(process_group=pg) as w:
+        dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/subdcp{pair}/step-1",
+                 process_group=pg)
+    for load in ("ck", "dcp"):
+        torch.manual_seed(9)
+        model = GPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        if load == "ck":
+            with Checkpointer(f"{d}/sub{pair}", process_group=pg) as ck:
+                assert ck.load({"model": model, "optim": opt}) == 1
+        else:
+            _dcp_load(model, opt, f"{d}/subdcp{pair}", process_group=pg)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k]), f"group {pair} ({load}): {k} differs"
+    assert [s.world_size for s in amber.global_steps(f"{d}/sub{pair}")] == [2]
 
 
 def scenario_hsdp(rank, world, d):
@@ -329,14 +363,14 @@ def _dcp_state(model, opt):
     return {"model": msd, "optim": osd, "extra": {"note": "plain"}}
 
 
-def _dcp_load(model, opt, cid, extra=True):
+def _dcp_load(model, opt, cid, extra=True, process_group=None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from amber.dcp import Reader
     state = _dcp_state(model, opt)
     if not extra:
         del state["extra"]
-    dcp.load(state, storage_reader=Reader(), checkpoint_id=cid)
+    dcp.load(state, storage_reader=Reader(), checkpoint_id=cid, process_group=process_group)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert not extra or state["extra"] == {"note": "plain"}, state["extra"]
 
