@@ -5,7 +5,7 @@
  * optimizer step with the split save (begin / fence / wait) as one global step, and
  * resumable at any rank count.
  *
- *   mpirun -np N train_mpi STORE [--steps N] [--policy SPEC]
+ *   mpirun -np N train_mpi STORE [--steps N] [--policy SPEC] [--funneled]
  *                                [--kill-rank R --kill-at S --kill-after-us U]
  *
  * The model is y = W2 relu(W1 x + b1) + b2. Rank r of n holds rows [lo, hi) of W1
@@ -23,6 +23,12 @@
  * index, so that a resumed run sees what an uninterrupted one does at any rank
  * count. A resume reads this rank's region of every global tensor from the latest
  * global step, whatever the rank count that wrote it.
+ *
+ * MPI is initialized with MPI_THREAD_MULTIPLE when the library provides it: the
+ * communicator that libamber_mpi makes is then flagged AMBER_COMM_ANY_THREAD, and
+ * each step's global commit runs on amber's own thread from begin on, beside this
+ * program's MPI_Allgather. With --funneled (MPI_THREAD_FUNNELED) it runs
+ * inside amber_global_writer_wait, on this thread.
  *
  * With --kill-rank R (-1: every rank) --kill-at S --kill-after-us U, rank R
  * SIGKILLs itself U microseconds after it began the save of step S, wherever it
@@ -282,17 +288,17 @@ static void on_alarm(int sig) {
 
 static void usage(void) {
   if (me == 0)
-    fprintf(stderr, "usage: train_mpi STORE [--steps N] [--policy SPEC] "
+    fprintf(stderr, "usage: train_mpi STORE [--steps N] [--policy SPEC] [--funneled] "
                     "[--kill-rank R --kill-at S --kill-after-us U]\n");
   MPI_Finalize();
   exit(2);
 }
 
 int main(int argc, char **argv) {
-  int provided;
-  /* amber calls MPI only from this thread (the commit's collectives run inside
-   * amber_global_writer_wait), so FUNNELED is all it asks for. */
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int provided, funneled = 0;
+  for (int i = 1; i < argc; i++) funneled |= !strcmp(argv[i], "--funneled");
+  MPI_Init_thread(&argc, &argv, funneled ? MPI_THREAD_FUNNELED : MPI_THREAD_MULTIPLE,
+                  &provided);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   MPI_Comm_size(MPI_COMM_WORLD, &nranks);
   const char *store = NULL, *policy = NULL;
@@ -301,6 +307,7 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--policy") && i + 1 < argc) policy = argv[++i];
+    else if (!strcmp(argv[i], "--funneled")) continue;
     else if (!strcmp(argv[i], "--kill-rank") && i + 1 < argc) kill_rank = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--kill-at") && i + 1 < argc) kill_at = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--kill-after-us") && i + 1 < argc) kill_us = atoll(argv[++i]);
@@ -314,6 +321,10 @@ int main(int argc, char **argv) {
   amber_comm comm;
   amber_global_writer *gw = NULL;
   if (amber_mpi_comm_init(&comm, MPI_COMM_WORLD)) die("cannot make the communicator", NULL);
+  if (me == 0)
+    fprintf(stderr, "train_mpi: %d ranks, the global commit runs %s\n", nranks,
+            comm.flags & AMBER_COMM_ANY_THREAD ? "in the background (MPI_THREAD_MULTIPLE)"
+                                               : "inside wait() (no MPI_THREAD_MULTIPLE)");
   if (amber_global_writer_open(&gw, store, &comm, NULL)) die("cannot open the global writer", NULL);
   char name[64];
   for (int p = 0; p < NP; p++)

@@ -131,6 +131,16 @@ AMBER_API int amber_dtype_from_name(const char *name);
 /* Frees memory that the library handed to the caller (e.g. amber_store_list). */
 AMBER_API void amber_free(void *p);
 
+/* Progress of long operations, for programs that show it (the CLI on a terminal):
+ * fn(ctx, what, done, total) is called as the work advances, with `what` one of
+ * "save" (a checkpoint's chunks written), "verify" (amber_reader_verify: tensors
+ * checked) or "compact" (amber_store_compact: tensors rewritten), `done` of `total`
+ * bytes (done == total once at the end). It is called from the library's threads,
+ * possibly several at once, and must be quick and thread-safe; it must not call
+ * amber. Process-wide; NULL removes it. Set it while no operation runs. */
+typedef void (*amber_progress_fn)(void *ctx, const char *what, uint64_t done, uint64_t total);
+AMBER_API void amber_set_progress(amber_progress_fn fn, void *ctx);
+
 /* ---- Store -------------------------------------------------------------------- */
 
 typedef struct amber_store amber_store;
@@ -610,9 +620,10 @@ AMBER_API int amber_reader_verify(amber_reader *r);
  * amber_comm (libamber_mpi's amber_mpi.h makes one from an MPI_Comm). */
 
 /* The collectives amber needs. Each returns 0 or a negative AMBER_E* code, and is
- * called by every rank in the same order (collectively). amber calls them from the
- * thread that calls the amber_global_* function (for split saves, the thread of
- * amber_global_writer_wait), never from two threads at once. */
+ * called by every rank in the same order (collectively), never from two threads at
+ * once. amber calls them from the thread that calls the amber_global_* function
+ * (for split saves, the thread of amber_global_writer_wait), unless the
+ * communicator is flagged AMBER_COMM_ANY_THREAD. */
 typedef struct amber_comm {
   int rank;  /* this process's rank, 0 .. size-1 */
   int size;  /* number of ranks */
@@ -624,8 +635,16 @@ typedef struct amber_comm {
   /* Returns once every rank has called it. */
   int (*barrier)(void *ctx);
   void *ctx;              /* passed to the functions above */
-  uint64_t reserved[4];   /* must be zero */
+  uint64_t flags;         /* AMBER_COMM_* */
+  uint64_t reserved[3];   /* must be zero */
 } amber_comm;
+
+/* amber_comm.flags: the collectives may be called from a thread that amber starts,
+ * while the program goes on using its own communicators on its threads (for MPI:
+ * a duplicated communicator under MPI_THREAD_MULTIPLE, as libamber_mpi sets it).
+ * A split save's global commit then runs in the background from begin on,
+ * instead of inside amber_global_writer_wait. */
+#define AMBER_COMM_ANY_THREAD (1u << 0)
 
 /* The communicator of a job of one rank (rank 0, size 1). Static; never freed. */
 AMBER_API const amber_comm *amber_comm_self(void);
@@ -675,13 +694,17 @@ AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char
  * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL
  * (and, for begin, AMBER_SAVE_CONFIRM: see amber_global_writer_confirm). */
 AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t flags);
-/* The split save. begin and fence act on this rank's files only and call no
- * collective except one allgather at begin (to decide full or delta for the step);
- * the commit's collectives (status exchange, manifest, LATEST) run inside
- * amber_global_writer_wait, on the caller's thread: a communicator need not be
- * usable from a second thread. The cost: the global commit is not complete until
- * every rank has called wait. Ownership of the tensors' memory as for
- * amber_writer_begin/fence. */
+/* The split save. begin calls one allgather (to decide full or delta for the step)
+ * and starts this rank's part. The commit's collectives (status exchange, manifest,
+ * GLOBAL) run inside amber_global_writer_wait, on the caller's thread, so that a
+ * communicator need not be usable from a second thread; the cost is that the global
+ * commit is not complete until every rank has called wait, and that wait spends the
+ * commit's time (collectives and the manifest's fsyncs) on the caller's thread. With
+ * a communicator flagged AMBER_COMM_ANY_THREAD they run instead on a thread that
+ * begin starts (unless the save is begun with AMBER_SAVE_CONFIRM): the step commits
+ * in the background as soon as every rank's part is durable, and wait only collects
+ * the outcome. Until wait returns, set_data, add_policy and begin return
+ * AMBER_EBUSY. Ownership of the tensors' memory as for amber_writer_begin/fence. */
 AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);

@@ -10,6 +10,7 @@
  * full on every rank.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +54,12 @@ struct amber_global_writer {
   uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
   char begin_msg[256];
   double t_begin;               /* when the save in progress began */
+  /* With an AMBER_COMM_ANY_THREAD communicator: the commit of the save in progress
+   * runs on this thread, started by fence and joined by wait; until then the
+   * training thread touches nothing that it uses (w, st, the step's state). */
+  pthread_t committer;
+  int committing, commit_rc;
+  int drop_w; /* the rank writer is to be closed (after a failed step) */
   amber_global_save_stats stats; /* of the last save */
 };
 
@@ -71,7 +78,7 @@ static int mkdir_p(const char *path) {
 }
 
 /* Moves the rank store's LATEST back to `step` (state `state`; AMBER_NO_STEP:
- * empty) and removes its files of later steps. The writer must be closed. */
+ * empty) and removes its files of later steps. The rank writer must be idle. */
 static int rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
@@ -190,6 +197,7 @@ fail:
 
 void amber_global_writer_close(amber_global_writer *gw) {
   if (!gw) return;
+  if (gw->committing) pthread_join(gw->committer, NULL);
   amber_writer_close(gw->w);
   amber_store_close(gw->st);
   for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name);
@@ -205,7 +213,7 @@ int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const vo
   if (index >= gw->nt)
     return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
                        index, gw->nt);
-  if (gw->busy && gw->present && !gw->begin_rc)
+  if ((gw->busy && gw->present && !gw->begin_rc) || gw->committing)
     return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
                        gw->t[index].name);
   gw->t[index].data = data;
@@ -270,6 +278,8 @@ int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype
 }
 
 int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
+  if (gw->committing)
+    return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress (wait for it first)");
   char **np = realloc(gw->pol, (gw->npol + 1) * sizeof *np);
   if (!np) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   gw->pol = np;
@@ -313,6 +323,25 @@ static int any_local(const amber_global_writer *gw) {
   return gw->has_meta;
 }
 
+static int commit(amber_global_writer *gw);
+
+static void *commit_main(void *arg) {
+  amber_global_writer *gw = arg;
+  gw->commit_rc = commit(gw);
+  return NULL;
+}
+
+/* With a communicator usable from any thread, the rest of the save (this rank's part
+ * durable, the vote, the manifest, the outcome) goes on a thread of its own from
+ * here, overlapping the training's next forward and backward pass; wait joins it.
+ * A save that awaits a confirm keeps its commit in wait, after the verdict. If the
+ * thread cannot start, wait commits as without the flag. */
+static int start_commit(amber_global_writer *gw) {
+  if ((gw->comm.flags & AMBER_COMM_ANY_THREAD) && !gw->gated)
+    gw->committing = pthread_create(&gw->committer, NULL, commit_main, gw) == 0;
+  return 0;
+}
+
 int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
   if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
@@ -336,7 +365,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   memset(&gw->stats, 0, sizeof gw->stats);
   gw->present = any_local(gw);
   gw->gated = 0;
-  if (!gw->present) return 0;
+  if (!gw->present) return start_commit(gw);
   rc = amber__store_state(gw->st, &gw->err, &gw->prev_step, &gw->prev_state);
   if (rc == AMBER_ENOENT) gw->prev_step = AMBER_NO_STEP, rc = 0;
   if (rc == 0) rc = ensure_writer(gw);
@@ -354,16 +383,20 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
     gw->begin_rc = rc;
     snprintf(gw->begin_msg, sizeof gw->begin_msg, "%.255s", gw->err.msg);
   }
-  return 0; /* a failure here is this rank's vote, reported by wait on every rank */
+  /* a failure here is this rank's vote, reported by wait on every rank */
+  return start_commit(gw);
 }
 
 int amber_global_writer_fence(amber_global_writer *gw) {
+  /* The rank writer's fence and wait may run at once (its saver serializes them),
+   * and the committer never closes the rank writer (wait does, after the join). */
   if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
   return amber_writer_fence(gw->w);
 }
 
 int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {
   if (!gw->busy) return amber__fail(&gw->err, AMBER_EINVAL, "confirm: no save is in progress");
+  if (gw->committing) return 0; /* begun without AMBER_SAVE_CONFIRM: nothing to confirm */
   if (!gw->gated) return 0; /* this rank writes nothing, or its begin failed: its vote says so */
   gw->gated = 0;
   int rc = amber_writer_confirm(gw->w, ok, why);
@@ -502,9 +535,12 @@ static int publish(amber_global_writer *gw, const amber__manifest *m, char *why,
   return rc;
 }
 
+/* After a failed step: this rank's file of it is removed and its store's LATEST
+ * moved back (the rank writer is idle by now), and the rank writer is to be
+ * dropped (drop_writer: on the caller's thread, since a fence may still use it):
+ * its reference may hold state that no global step has. */
 static void fail_local(amber_global_writer *gw) {
-  amber_writer_close(gw->w);
-  gw->w = NULL;
+  gw->drop_w = 1;
   if (gw->present) {
     uint64_t l;
     if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
@@ -513,9 +549,33 @@ static void fail_local(amber_global_writer *gw) {
   gw->force_full = 1;
 }
 
+static void drop_writer(amber_global_writer *gw) {
+  if (!gw->drop_w) return;
+  amber_writer_close(gw->w);
+  gw->w = NULL, gw->drop_w = 0;
+}
+
 int amber_global_writer_wait(amber_global_writer *gw) {
   if (!gw->busy) return 0;
+  int rc;
+  if (gw->committing) { /* the commit ran (or runs) on its own thread */
+    pthread_join(gw->committer, NULL);
+    gw->committing = 0;
+    rc = gw->commit_rc;
+    /* its message becomes this thread's too (amber_last_error(NULL)) */
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", gw->err.msg);
+  } else {
+    rc = commit(gw);
+  }
   gw->busy = 0;
+  drop_writer(gw);
+  return rc;
+}
+
+/* The rest of the save after the fence: this rank's part made durable, every rank's
+ * vote, rank 0's manifest, the outcome; rollback on failure. On the caller's thread
+ * (wait) or on the committer (fence). */
+static int commit(amber_global_writer *gw) {
   int rc = gw->begin_rc;
   char msg[512];
   snprintf(msg, sizeof msg, "%s", gw->begin_msg);

@@ -38,6 +38,9 @@ void amber__err_adopt(amber__err *e);
 
 /* ---- little-endian encode/decode ---- */
 
+/* Reports progress to the hook of amber_set_progress, if one is installed. */
+void amber__progress(const char *what, uint64_t done, uint64_t total);
+
 /* Seconds on the monotonic clock, for the figures of amber_*_save_stats. */
 static inline double amber__now(void) {
   struct timespec ts;

@@ -512,6 +512,11 @@ int amber_reader_verify(amber_reader *r) {
    * makes: checksums, frame sizes, decodability. */
   int rc = 0;
   const amber__index *ix = &target(r)->ix;
-  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) rc = verify_tensor(r, (size_t)i);
+  uint64_t total = 0, done = 0;
+  for (uint64_t i = 0; i < ix->n_tensors; i++) total += ix->tensors[i].nbytes;
+  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) {
+    rc = verify_tensor(r, (size_t)i);
+    if (!rc) amber__progress("verify", done += ix->tensors[i].nbytes, total);
+  }
   return rc;
 }

@@ -23,6 +23,7 @@
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,6 +81,8 @@ typedef struct assembly {
   amber__scratch *ws;      /* one per pool worker */
   size_t max_chunk_bytes, max_chunk_elems;
   int have_scratch;        /* allocated (lazily: a full-only writer needs none) */
+  _Atomic uint64_t done;   /* bytes of the save's chunks written, for amber__progress */
+  uint64_t total;          /* and of all of them */
 } assembly;
 
 /* The reference state (decl.ref): exactly what restoring the latest checkpoint yields. */
@@ -469,6 +472,11 @@ static void copy_job(void *ctx, int worker, size_t j) {
   c->checksum = amber__copy_hashed(ref, src, bytes);
 }
 
+/* A chunk of the save is done: counted for the progress hook. */
+static void chunk_done(amber_writer *w, uint64_t bytes) {
+  amber__progress("save", atomic_fetch_add(&w->as.done, bytes) + bytes, w->as.total);
+}
+
 static void append_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   (void)worker;
@@ -478,9 +486,10 @@ static void append_job(void *ctx, int worker, size_t j) {
   const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype);
+  size_t bytes = (size_t)amber__chunk_n(t, jj) * isz;
   amber__ckpt_append(w->as.out, &w->as.chunks[j],
-                     w->dc.d[ti].ref + (size_t)(jj * t->chunk_elems * isz),
-       (size_t)amber__chunk_n(t, jj) * isz);
+                     w->dc.d[ti].ref + (size_t)(jj * t->chunk_elems * isz), bytes);
+  chunk_done(w, bytes);
 }
 
 static void chunk_job(void *ctx, int worker, size_t j) {
@@ -504,6 +513,7 @@ static void chunk_job(void *ctx, int worker, size_t j) {
     amber__chunk_delta(&w->as.ws[worker], &src, &w->as.chunks[j]);
   else
     amber__chunk_full(&w->as.ws[worker], &src, &w->as.chunks[j]);
+  chunk_done(w, src.n * isz);
 }
 
 /* Writes header, chunks, index, footer to a new temporary file next to `dst`
@@ -517,6 +527,9 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
   snprintf(tmp, 4200, "%s", amber__ckpt_tmp(w->as.out));
   int nw = amber__pool_size(w->pool);
   for (int i = 0; i < nw; i++) w->as.ws[i].scan_s = w->as.ws[i].encode_s = 0;
+  atomic_store(&w->as.done, 0);
+  w->as.total = 0;
+  for (size_t i = 0; i < w->dc.n; i++) w->as.total += w->dc.d[i].t.nbytes;
   double t0 = amber__now();
   if (!w->delta && w->two_phase && w->ref.keep && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
     amber__pool_for(w->pool, (size_t)w->as.n_chunks, copy_job, w);

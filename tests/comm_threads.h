@@ -59,6 +59,10 @@ static void *tc_main(void *p) {
   return NULL;
 }
 
+/* Flags of the communicators that tc_run makes (AMBER_COMM_ANY_THREAD: its
+ * collectives work from any thread, one at a time per rank, which they do). */
+static uint64_t tc_flags;
+
 /* Runs fn on n ranks (threads, n <= 64) and waits for all of them. */
 static inline void tc_run(int n, void (*fn)(const amber_comm *, void *), void *arg) {
   tc_world w;
@@ -78,6 +82,7 @@ static inline void tc_run(int n, void (*fn)(const amber_comm *, void *), void *a
     rs[i].comm.broadcast = tc_broadcast;
     rs[i].comm.barrier = tc_barrier;
     rs[i].comm.ctx = &rs[i];
+    rs[i].comm.flags = tc_flags;
     pthread_create(&th[i], NULL, tc_main, &rs[i]);
   }
   for (int i = 0; i < n; i++) pthread_join(th[i], NULL);

@@ -600,6 +600,68 @@ static void test_compact_and_prune_refuse_while_a_global_writer_is_open(void) {
   CHECK(rank_files_kind(p, 1, 3) == AMBER_KIND_DELTA);
 }
 
+/* With an AMBER_COMM_ANY_THREAD communicator the commit of a split save runs from
+ * begin on: the step is committed before any rank calls wait. */
+static void background_main(const amber_comm *c, void *arg) {
+  const char *p = arg;
+  amber_global_writer *gw = NULL;
+  RCHECK(amber_global_writer_open(&gw, p, c, NULL) == 0);
+  if (!gw) return;
+  int64_t g[2] = {ROWS, COLS}, off[2], sh[2];
+  part(c->rank, c->size, 1, off, sh);
+  float w[ROWS * COLS], b[BIAS];
+  int64_t bshape[1] = {BIAS};
+  fill_w(w, off, sh, 1);
+  for (int i = 0; i < BIAS; i++) b[i] = bval(i, 1);
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+  RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bshape, NULL, NULL, b,
+                                 AMBER_SHARD_REPLICATED) == 0);
+  RCHECK(amber_global_writer_save(gw, 1, 0) == 0);
+  fill_w(w, off, sh, 2);
+  for (int i = 0; i < BIAS; i++) b[i] = bval(i, 2);
+  RCHECK(amber_global_writer_begin(gw, 2, 0) == 0);
+  RCHECK(amber_global_writer_fence(gw) == 0);
+  /* While the commit runs, the writer refuses what would race with it. */
+  RCHECK(amber_global_writer_add_policy(gw, "exact") == AMBER_EBUSY);
+  RCHECK(amber_global_writer_set_data(gw, 0, w) == AMBER_EBUSY);
+  RCHECK(amber_global_writer_begin(gw, 3, 0) == AMBER_EBUSY);
+  int seen = 0;
+  for (int i = 0; i < 2000 && !seen; i++) { /* up to 10 s */
+    amber_global_step_info *info = NULL;
+    size_t n = 0;
+    if (amber_global_list(p, &info, &n) == 0 && n == 2) seen = 1;
+    amber_free(info);
+    if (!seen) usleep(5000);
+  }
+  RCHECK(seen); /* committed without anyone in wait */
+  RCHECK(amber_global_writer_wait(gw) == 0);
+  amber_global_save_stats st;
+  RCHECK(amber_global_writer_save_stats(gw, &st) == 0 && st.part.kind == AMBER_KIND_DELTA);
+  RCHECK(amber_global_writer_wait(gw) == 0); /* nothing in progress */
+  amber_global_writer_close(gw);
+}
+
+static void test_any_thread_comm_commits_split_saves_in_the_background(void) {
+  const char *p = tu_tmpdir();
+  tc_flags = AMBER_COMM_ANY_THREAD;
+  atomic_store(&rank_fails, 0);
+  tc_run(3, background_main, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  check_read(p, 2, 2, 2, 0, 0);
+  /* A failure in a background commit (step 4, a split save, on rank 1) reaches
+   * every rank's wait, commits nothing, and the next step is full. */
+  const char *q = tu_tmpdir();
+  run_job(q, 3, 0, 1, 6, 1, 4, NULL);
+  tc_flags = 0;
+  amber_global_step_info *info;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(q, &info, &n));
+  CHECK(n == 5);
+  if (n == 5) CHECK(info[3].step == 5 && info[3].kind == AMBER_KIND_FULL);
+  amber_free(info);
+  for (uint64_t s = 5; s <= 6; s++) check_read(q, s, s, 4, 1, 0);
+}
+
 /* Per-rank metadata, set_data and the confirm verdict: each rank's metadata comes
  * back as that rank's (rank 1 holds only a replicated tensor and still gets its
  * own); a repointed tensor is saved from its new memory; a rank that refuses its
@@ -691,6 +753,7 @@ int main(void) {
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
   TEST_RUN(test_compact_makes_a_global_step_full_on_every_rank);
   TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
+  TEST_RUN(test_any_thread_comm_commits_split_saves_in_the_background);
   TEST_RUN(test_rank_metadata_set_data_and_confirm);
   return tu_finish();
 }

@@ -23,6 +23,7 @@
 #define N_P 10000u /* the pre-selected tensor: chunks of 4096, a tail of 1808 */
 #define N_Q 3000u  /* an i32 pre-selected tensor: always exact */
 #define N_C 5000u  /* a tensor the writer scans itself */
+#define N_H 6000u  /* a bf16 pre-selected tensor: compared in f32 */
 #define CHUNK 4096u
 
 /* What a device keeps for one pre-selected tensor: its reference, the buffers
@@ -109,6 +110,15 @@ static void step_f32(float *x, size_t n, uint64_t *rng) {
   }
 }
 
+/* bf16 moves by whole units of its last place, a few elements by more */
+static void step_bf16(uint16_t *x, size_t n, uint64_t *rng) {
+  for (size_t i = 0; i < n; i++) {
+    uint64_t u = tu_rand(rng);
+    if ((u & 7) == 0) x[i] = (uint16_t)(x[i] + (u >> 8) % 5 - 2);
+    if ((u & 255) == 1) x[i] = (uint16_t)(x[i] ^ 0x0100); /* a larger jump */
+  }
+}
+
 static void step_i32(int32_t *x, size_t n, uint64_t *rng) {
   for (size_t i = 0; i < n; i++)
     if ((tu_rand(rng) & 31) == 0) x[i] += (int32_t)(tu_rand(rng) % 7) - 3;
@@ -143,12 +153,14 @@ static void add_rules(amber_writer *w, const char *policy) {
 }
 
 /* One trajectory under `policy` for tensor p, saved twice: by the CPU path
- * (every tensor scanned by the writer) and with p and q pre-selected. */
+ * (every tensor scanned by the writer) and with p, q and h pre-selected. */
 static void same_restore_as_cpu_path(const char *policy) {
   float *p = calloc(N_P, 4), *c = calloc(N_C, 4);
   int32_t *q = calloc(N_Q, 4);
   float *got = calloc(N_P, 4), *want = calloc(N_P, 4);
   int32_t *qgot = calloc(N_Q, 4), *qwant = calloc(N_Q, 4);
+  uint16_t *h = calloc(N_H, 2), *hgot = calloc(N_H, 2), *hwant = calloc(N_H, 2);
+  for (size_t i = 0; i < N_H; i++) h[i] = (uint16_t)(0x3f80 + i % 200); /* 1.0 .. 1.8 */
   float *cgot = calloc(N_C, 4), *cwant = calloc(N_C, 4);
   uint64_t rng = 1234;
   tu_fill_random(p, N_P * 4, 1);
@@ -157,25 +169,29 @@ static void same_restore_as_cpu_path(const char *policy) {
   const char *dir_cpu = tu_tmpdir(), *dir_dev = tu_tmpdir();
   amber_store *sa = NULL, *sb = NULL;
   amber_writer *wa = open_writer(&sa, dir_cpu, 6), *wb = open_writer(&sb, dir_dev, 6);
-  int64_t sp = N_P, sq = N_Q, sc = N_C;
-  size_t ip = 9, iq = 9;
+  int64_t sp = N_P, sq = N_Q, sc = N_C, sh = N_H;
+  size_t ip = 9, iq = 9, ih = 9;
   CHECK_OK(amber_writer_add(wa, "p", AMBER_F32, 1, &sp, p, NULL));
   CHECK_OK(amber_writer_add(wa, "q", AMBER_I32, 1, &sq, q, NULL));
   CHECK_OK(amber_writer_add(wa, "c", AMBER_F32, 1, &sc, c, NULL));
+  CHECK_OK(amber_writer_add(wa, "h", AMBER_BF16, 1, &sh, h, NULL));
   CHECK_OK(amber_writer_add_preselected(wb, "p", AMBER_F32, 1, &sp, &ip));
   CHECK_OK(amber_writer_add_preselected(wb, "q", AMBER_I32, 1, &sq, &iq));
   CHECK_OK(amber_writer_add(wb, "c", AMBER_F32, 1, &sc, c, NULL));
+  CHECK_OK(amber_writer_add_preselected(wb, "h", AMBER_BF16, 1, &sh, &ih));
   add_rules(wa, policy);
   add_rules(wb, policy);
-  dev dp, dq;
+  dev dp, dq, dh;
   dev_init(&dp, AMBER_F32, N_P, (uint8_t *)p);
   dev_init(&dq, AMBER_I32, N_Q, (uint8_t *)q);
+  dev_init(&dh, AMBER_BF16, N_H, (uint8_t *)h);
   int deltas = 0;
   for (uint64_t s = 1; s <= 14 && wa && wb && !tu_failures; s++) {
     if (s > 1) {
       step_f32(p, N_P, &rng);
       step_f32(c, N_C, &rng);
       step_i32(q, N_Q, &rng);
+      step_bf16(h, N_H, &rng);
     }
     if (s == 9) p[77] = NAN; /* a change to NaN is always stored */
     if (s == 10) p[77] = 1.5f;
@@ -184,8 +200,10 @@ static void same_restore_as_cpu_path(const char *policy) {
     deltas += kind == AMBER_KIND_DELTA;
     dev_select(&dp, wb, ip, kind == AMBER_KIND_FULL);
     dev_select(&dq, wb, iq, kind == AMBER_KIND_FULL);
+    dev_select(&dh, wb, ih, kind == AMBER_KIND_FULL);
     CHECK_OK(amber_writer_set_selection(wb, ip, dp.sel, dp.nchunks));
     CHECK_OK(amber_writer_set_selection(wb, iq, dq.sel, dq.nchunks));
+    CHECK_OK(amber_writer_set_selection(wb, ih, dh.sel, dh.nchunks));
     CHECK_OK(amber_writer_save(wa, s, 0));
     if (s % 2) { /* the split save too */
       CHECK_OK(amber_writer_begin(wb, s, 0));
@@ -198,6 +216,10 @@ static void same_restore_as_cpu_path(const char *policy) {
     CHECK_OK(restore(sb, "p", got, N_P * 4));
     CHECK_OK(restore(sa, "q", qwant, N_Q * 4));
     CHECK_OK(restore(sb, "q", qgot, N_Q * 4));
+    CHECK_OK(restore(sa, "h", hwant, N_H * 2));
+    CHECK_OK(restore(sb, "h", hgot, N_H * 2));
+    CHECK(memcmp(hgot, hwant, N_H * 2) == 0);
+    CHECK(memcmp(hgot, dh.ref, N_H * 2) == 0);
     CHECK_OK(restore(sa, "c", cwant, N_C * 4));
     CHECK_OK(restore(sb, "c", cgot, N_C * 4));
     CHECK(memcmp(got, want, N_P * 4) == 0);
@@ -216,6 +238,8 @@ static void same_restore_as_cpu_path(const char *policy) {
   amber_store_close(sb);
   dev_free(&dp);
   dev_free(&dq);
+  dev_free(&dh);
+  free(h), free(hgot), free(hwant);
   free(p), free(c), free(q), free(got), free(want), free(qgot), free(qwant);
   free(cgot), free(cwant);
 }
@@ -225,11 +249,11 @@ static void test_exact_selection_restores_as_the_cpu_path(void) {
 }
 
 static void test_threshold_selection_restores_as_the_cpu_path(void) {
-  same_restore_as_cpu_path("p=threshold:1e-3:1e-2");
+  same_restore_as_cpu_path("[ph]=threshold:1e-3:1e-2");
 }
 
 static void test_budget_selection_restores_as_the_cpu_path(void) {
-  same_restore_as_cpu_path("p=budget:0.02:0.05");
+  same_restore_as_cpu_path("[ph]=budget:0.02:0.05");
 }
 
 /* A writer with one pre-selected f32 tensor of N_P elements, at its first

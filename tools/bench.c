@@ -353,6 +353,8 @@ static void usage(FILE *f) {
              "  --ranks     under mpirun: each rank saves 1/N of the state as one global\n"
              "              step; each rank's save, the global commit's own cost, and a\n"
              "              single-rank save of the same total bytes (no --json)\n"
+             "  --funneled  ranks mode: MPI_THREAD_FUNNELED, so the global commit runs\n"
+             "              inside wait() (default MPI_THREAD_MULTIPLE: in the background)\n"
              "  --compute-ms  async mode: compute between optimizer steps (default 1500)\n"
              "  --deltas    delta mode: number of deltas after the full (default 20)\n"
              "  --policy    delta mode: policy rule (default budget:0.02)\n"
@@ -388,6 +390,8 @@ int amber__bench_main(int argc, char **argv) {
       mode = 2;
     } else if (!strcmp(a, "--ranks")) {
       mode = 3;
+    } else if (!strcmp(a, "--funneled")) {
+      o.funneled = 1;
     } else if (!strcmp(a, "--compute-ms") && i + 1 < argc && !parse_u64(argv[i + 1], &v)) {
       o.compute_ms = (int)(v > 600000 ? 600000 : v);
       i++;

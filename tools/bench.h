@@ -31,6 +31,7 @@ typedef struct bench_opts {
   int deltas;         /* delta mode: number of deltas */
   const char *policy; /* delta mode: policy rule */
   int compute_ms;     /* async mode: compute between optimizer steps */
+  int funneled;       /* ranks mode: MPI_THREAD_FUNNELED, the commit inside wait() */
 } bench_opts;
 
 int amber__bench_state(bench_state *s, uint64_t total_bytes);

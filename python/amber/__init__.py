@@ -693,7 +693,9 @@ _BARRIER = ctypes.CFUNCTYPE(c_int, c_void_p)
 class _Comm(Structure):
     _fields_ = [("rank", c_int), ("size", c_int), ("allgather", _ALLGATHER),
                 ("broadcast", _BROADCAST), ("barrier", _BARRIER), ("ctx", c_void_p),
-                ("reserved", c_uint64 * 4)]
+                ("flags", c_uint64), ("reserved", c_uint64 * 3)]
+    # flags stays 0: a Python communicator is called on the thread that saves (the
+    # commit of a split save runs in wait), never from the library's own threads
 
 
 class _GlobalStepInfo(Structure):

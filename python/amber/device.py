@@ -31,8 +31,9 @@ A failed full save cannot (it replaced every value), so it marks the reference
 stale, and the next delta reloads it from the store, as the C writer does.
 
 Each step is a few torch operations per tensor (budget: per chunk), so it runs
-on any device; a fused CUDA kernel (one pass over live and reference) is the
-planned faster implementation of the same contract.
+on any device. For CUDA tensors under exact and threshold, libamber_cuda
+(src/cuda/select.cu, built by nvcc) selects in two kernels instead; it is used
+with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
 import os
 from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
@@ -177,6 +178,47 @@ def _flags(x, r, abs_b, rel_b, cap_b):
     return sel, key, df
 
 
+def _candidates(x, r, abs_b, rel_b, cap_b, keys):
+    """(indices, keys or None, change) of what _flags selects, in fewer passes: for a
+    finite change the rule is `d > min(bound, cap)` (a reference that is not finite
+    makes the change not finite), so only the rare elements whose change is not
+    finite (NaN, Inf, overflow) take _flags' full rule. `change` is |x - r| in the
+    precision of the comparison (f32 for every dtype but f64)."""
+    f64 = x.dtype == torch.float64
+    fx, fr = (x, r) if x.dtype in (torch.float32, torch.float64) else (x.float(), r.float())
+    d = fx - fr
+    d.abs_()
+    if rel_b:
+        b = fr.abs()
+        b.mul_(rel_b).add_(abs_b)
+        if not f64:
+            b.sub_(_TINY).clamp_min_(0.0)
+        lim = b.clamp_max_(cap_b) if cap_b != float("inf") else b
+    else:
+        lim = min(abs_b if f64 else max(abs_b - _TINY, 0.0), cap_b)
+    sel = d > lim
+    special = None
+    if d.numel() and not torch.isfinite(d.amax()):  # NaN propagates through amax
+        special = (~torch.isfinite(d)).nonzero().squeeze(1)
+        sel[special] = False
+    idx = sel.nonzero().squeeze(1)
+    key = None
+    if keys:
+        dk = d[idx]
+        if f64:
+            dk = torch.where(dk > 3e38, torch.full_like(dk, 3e38), dk).float()
+        kb = dk.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        key = torch.where(d[idx] > cap_b, torch.full_like(kb, _FORCED), kb)
+    if special is not None and special.numel():
+        ssel, skey, _ = _flags(x[special], r[special], abs_b, rel_b, cap_b)
+        idx = torch.cat([idx, special[ssel]])
+        order = idx.argsort()
+        idx = idx[order]
+        if keys:
+            key = torch.cat([key, skey[ssel]])[order]
+    return idx, key, d
+
+
 def _sample_d(x, r):
     """budget_threshold's sampled changes as f32: f32 in f32, the rest via f64."""
     if x.dtype == torch.float32:
@@ -231,14 +273,13 @@ def _budget_chunk(x, r, frac, cap):
         strict = False
     if x.dtype == torch.float64:
         strict = False
-        sel, key, df = _flags(x, r, abs_, 0.0, cap)
+        idx, key, df = _candidates(x, r, abs_, 0.0, cap, True)
     else:
         abs_f = hi if strict else _f32_down(abs_)
-        sel, key, df = _flags(x, r, abs_f, 0.0, _f32_down(cap))
-    idx = sel.nonzero().squeeze(1)
+        idx, key, df = _candidates(x, r, abs_f, 0.0, _f32_down(cap), True)
     k = idx.numel()
     if k > budget:  # budget_cut: keep forced, the largest by 12-bit buckets, ties first
-        keys = key[idx]
+        keys = key  # per candidate
         forced = keys == _FORCED
         bucket = keys >> 20
         hist = torch.bincount(bucket[~forced], minlength=4096)
@@ -251,10 +292,74 @@ def _budget_chunk(x, r, frac, cap):
         keep = forced | (bucket > cut) | (eq & (eq.cumsum(0) <= partial))
         return idx[keep]
     if strict and k < budget:  # fill_band: more from the cluster, in index order
-        band = ~sel & (df > lo) & (df <= hi)
+        band = (df > lo) & (df <= hi)
+        band[idx] = False  # candidates are in the reference already
         more = band.nonzero().squeeze(1)[:budget - k]
         return torch.cat([idx, more]).sort().values
     return idx
+
+
+# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu) ----------------------------
+
+_cuda = None  # the loaded library, False when there is none
+
+
+def _cuda_lib():
+    """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
+    loaded libamber (the package or the build directory)."""
+    global _cuda
+    if _cuda is None:
+        _cuda = False
+        paths = [os.environ.get("AMBER_CUDA_LIBRARY"),
+                 os.path.join(os.path.dirname(_amber.library_path()), "libamber_cuda.so")]
+        for path in paths:
+            if path and os.path.exists(path):
+                import ctypes
+                lib = ctypes.CDLL(path)
+                lib.amber_cuda_tiles.restype = c_uint64
+                lib.amber_cuda_tiles.argtypes = [c_uint64]
+                lib.amber_cuda_supports.argtypes = [c_int, c_int]
+                args = [c_int, c_int, c_int, c_void_p, c_void_p, c_uint64, ctypes.c_double,
+                        ctypes.c_double]
+                lib.amber_cuda_count.argtypes = args + [c_void_p, c_void_p]
+                lib.amber_cuda_write.argtypes = args + [c_void_p, c_void_p, c_void_p]
+                _cuda = lib
+                break
+    return _cuda or None
+
+
+def _kernel_wanted(x):
+    """The kernels run for CUDA tensors with AMBER_CUDA_KERNEL=1: they have not yet
+    been checked on a GPU (tests/gpu/run.sh does), so the portable path is the
+    default."""
+    return x.device.type == "cuda" and os.environ.get("AMBER_CUDA_KERNEL") == "1" and \
+        _cuda_lib() is not None
+
+
+def _kernel_indices(x, r, kind, code, abs_b, rel_b):
+    """The selected indices (int64, increasing) by libamber_cuda's two passes, on the
+    current stream; None when the kernels do not cover (kind, dtype)."""
+    lib = _cuda_lib()
+    k = 1 if kind == "threshold" else 0
+    if not lib.amber_cuda_supports(k, code):
+        return None
+    n = x.numel()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    tiles = int(lib.amber_cuda_tiles(n))
+    counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
+    a = (k, code, x.element_size(), x.data_ptr(), r.data_ptr(), n, abs_b, rel_b)
+    rc = lib.amber_cuda_count(*a, counts.data_ptr(), stream)
+    if rc:
+        raise RuntimeError(f"amber_cuda_count failed: CUDA error {-rc}")
+    ends = counts.to(torch.int64).cumsum(0)
+    total = int(ends[-1]) if tiles else 0
+    out = torch.empty(total, dtype=torch.int64, device=x.device)
+    if total:
+        starts = ends - counts  # each tile's offset: an exclusive scan
+        rc = lib.amber_cuda_write(*a, starts.data_ptr(), out.data_ptr(), stream)
+        if rc:
+            raise RuntimeError(f"amber_cuda_write failed: CUDA error {-rc}")
+    return out
 
 
 class _Host:
@@ -274,8 +379,8 @@ class _Host:
 class _Tensor:
     """One pre-selected tensor: its reference on the device and its host buffers."""
 
-    def __init__(self, name, index, t):
-        self.name, self.index = name, index
+    def __init__(self, name, index, t, code):
+        self.name, self.index, self.code = name, index, code
         self.dtype, self.shape, self.device = t.dtype, tuple(t.shape), t.device
         self.n = t.numel()
         self.w = t.element_size()
@@ -284,6 +389,7 @@ class _Tensor:
         pinned = t.device.type == "cuda"
         self.hidx, self.hvals, self.hwhole = _Host(pinned), _Host(pinned), _Host(pinned)
         self.undo = None    # what the save in flight moved: (idx, old values, whole chunks)
+        self.copied = 0     # bytes copied to the host by the last selection
         self.sels = None    # the ctypes array handed to the library
 
     def seed(self, live):
@@ -315,6 +421,7 @@ class _Tensor:
             self.ref.copy_(x)
             self.undo = "full"
             self.valid = True
+            self.copied = self.n * self.w
             self.sels = sels
             return sels, host
         idx = self._select_indices(x, chunk, nchunks, spec)
@@ -348,6 +455,7 @@ class _Tensor:
             hwhole[at:at + sizes[j]].copy_(xb[j * chunk:j * chunk + sizes[j]], non_blocking=True)
             woff[j] = at
             at += sizes[j]
+        self.copied = k * (4 + self.w) + nwhole * self.w
         ip, vp, wp, off = hidx.data_ptr(), hvals.data_ptr(), hwhole.data_ptr(), 0
         for j in range(nchunks):
             if j in woff:
@@ -363,16 +471,28 @@ class _Tensor:
         kind, a, b = _parse(spec)
         r = self.ref
         if kind == "exact" or self.dtype not in _FLOAT:
+            kind = "exact"
+        if kind != "budget" and _kernel_wanted(x):
+            if kind == "threshold" and self.dtype != torch.float64:
+                a, b = _f32_down(a), _f32_down(b)
+            idx = _kernel_indices(x, r, kind, self.code, a, b)
+            if idx is not None:
+                return idx
+            kind, a, b = _parse(spec)  # not covered: the portable path
+        if kind == "exact" or self.dtype not in _FLOAT:
             return (_bits(x) != _bits(r)).nonzero().squeeze(1)
         if kind == "threshold":
-            if self.dtype == torch.float64:
-                sel, _, _ = _flags(x, r, a, b, float("inf"))
-            else:
-                sel, _, _ = _flags(x, r, _f32_down(a), _f32_down(b), float("inf"))
-            return sel.nonzero().squeeze(1)
+            if self.dtype != torch.float64:
+                a, b = _f32_down(a), _f32_down(b)
+            # On a CPU, in slices whose temporaries stay in cache (fresh large
+            # allocations cost page faults); a GPU's caching allocator has none.
+            step = self.n if x.device.type != "cpu" else 1 << 17
+            parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
+                     for o in range(0, self.n, step)]
+            return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
         parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
                  + j * chunk for j in range(nchunks)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=x.device)
+        return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
 
     def commit(self):
         self.undo = self.sels = None
@@ -397,10 +517,11 @@ class DevicePath:
         self.tensors = {}  # name -> _Tensor
         self.chunk = {}    # name -> chunk_elems of the last plan
         self.hold = None   # host buffers of the save in flight
+        self.copied = 0    # bytes the last save copied from the devices to the host
 
     def declare(self, writer, name, dtype_code, t):
         index = add_preselected(writer, name, dtype_code, t.shape)
-        self.tensors[name] = _Tensor(name, index, t)
+        self.tensors[name] = _Tensor(name, index, t, dtype_code)
         return index
 
     def seed(self, live):
@@ -449,6 +570,7 @@ class DevicePath:
         if any(dt.device.type == "cuda" for dt in self.tensors.values()):
             torch.cuda.current_stream().synchronize()  # the library reads the host buffers
         self.hold = hold
+        self.copied = sum(dt.copied for dt in self.tensors.values())
         return flags
 
     def commit(self):

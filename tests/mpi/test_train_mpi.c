@@ -8,9 +8,10 @@
  *   bit-exactly: the state hash printed after the resume is the one the previous
  *   run ended with.
  * - SIGKILL of one rank at a random moment, or of every rank at once (the whole
- *   job): the store is left at a global commit that `amber verify` accepts, no
- *   older than the step before the one being saved, and a resumed run restores it
- *   and ends bit-identical to an uninterrupted run.
+ *   job), with the commit in the background or inside wait(): the store is left at
+ *   a global commit that `amber verify` accepts, no older than the step before the
+ *   one being saved, and a resumed run restores it and ends bit-identical to an
+ *   uninterrupted run.
  *
  * The kill trials run AMBER_TRIALS times (3 by default, `make test-long` 50),
  * seeded from AMBER_SEED (printed, so that a failing trial can be replayed). Every
@@ -80,6 +81,20 @@ static int verify(const char *store) {
   return tu_system("%s verify %s > /dev/null", AMBER_CLI, store);
 }
 
+/* Whether the last run on `store` said so on stderr. */
+static int said(const char *store, const char *what) {
+  char path[4300];
+  snprintf(path, sizeof path, "%s.out.err", store);
+  size_t n = 0;
+  uint8_t *b = tu_read_file(path, &n);
+  int found = b && memmem(b, n, what, strlen(what)) != NULL;
+  free(b);
+  return found;
+}
+
+/* The first part runs with the commit inside wait() (--funneled), the rest and
+ * the uninterrupted run with the commit in the background (MPI_THREAD_MULTIPLE):
+ * where the commit runs changes nothing of the state. */
 static void test_resume_at_same_rank_count_is_bit_identical(void) {
   const char *tmp = tu_tmpdir();
   char a[4200], b[4200], la[512], lb[512], r[512];
@@ -88,7 +103,9 @@ static void test_resume_at_same_rank_count_is_bit_identical(void) {
   CHECK(run(2, a, STEPS, "", la, r, sizeof la) == 0);
   CHECK(strncmp(la, "final step 24 ", 14) == 0);
   CHECK(r[0] == 0);
-  CHECK(run(2, b, STEPS / 2, "", lb, r, sizeof lb) == 0);
+  CHECK(said(a, "the global commit runs in the background"));
+  CHECK(run(2, b, STEPS / 2, "--funneled", lb, r, sizeof lb) == 0);
+  CHECK(said(b, "the global commit runs inside wait()"));
   CHECK(run(2, b, STEPS, "", lb, r, sizeof lb) == 0);
   CHECK(strncmp(r, "resumed from step 12 ", 21) == 0);
   CHECK(strcmp(la, lb) == 0);
@@ -144,12 +161,13 @@ static void test_sigkill_of_a_rank_or_the_job_leaves_a_verified_store(void) {
     int at = 2 + (int)(tu_rand(&seed) % (STEPS - 2));
     int rank = whole ? -1 : (int)(tu_rand(&seed) % (uint64_t)np);
     long us = (long)(tu_rand(&seed) % 20000);
-    snprintf(extra, sizeof extra, "--kill-rank %d --kill-at %d --kill-after-us %ld", rank, at,
-             us);
+    snprintf(extra, sizeof extra, "--kill-rank %d --kill-at %d --kill-after-us %ld%s", rank, at,
+             us, t % 4 >= 2 ? " --funneled" : "");
     int rc = run(np, s, STEPS, extra, line, r, sizeof line);
     uint64_t last = latest_global(s);
-    printf("     trial %ld: %d ranks, %s at step %d + %ld us: %s, store at step %" PRId64 "\n",
-           t, np, whole ? "every rank" : "one rank", at, us,
+    printf("     trial %ld: %d ranks, commit %s, %s at step %d + %ld us: %s, store at step %"
+           PRId64 "\n", t, np, t % 4 >= 2 ? "in wait()" : "in the background",
+           whole ? "every rank" : "one rank", at, us,
            rc == 0 ? "ran to the end" : "killed", last == AMBER_NO_STEP ? (int64_t)-1 : (int64_t)last);
     killed += rc != 0;
     /* The step before the one being saved was committed everywhere before any

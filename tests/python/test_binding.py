@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 import amber
+from amber import device
 from conftest import ROOT, run_python
 
 STRUCTS = {
@@ -21,6 +22,7 @@ STRUCTS = {
     "amber_comm": amber._Comm,
     "amber_global_step_info": amber._GlobalStepInfo,
     "amber_global_tensor": amber._GlobalTensor,
+    "amber_chunk_sel": device._ChunkSel,  # the accelerator path's pre-selected chunks
 }
 
 
