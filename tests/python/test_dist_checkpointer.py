@@ -164,6 +164,8 @@ def _kill_trials(tmp_path, name, victims):
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     pass
+            hung = [r for r, p in enumerate(procs) if p.poll() is None]
+            assert not hung, f"ranks {hung} still running 60 s after the kill"
         finally:
             for p in procs:
                 if p.poll() is None:
