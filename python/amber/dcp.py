@@ -465,8 +465,12 @@ class Writer(StorageWriter, AsyncStager):
 
     def _stage_global(self, state_dict):
         """stage() with many ranks: see _declare_global."""
-        flat, mappings = flatten_state_dict(state_dict)
-        self._begin_global(*self._declare_global(flat, mappings))
+        try:
+            flat, mappings = flatten_state_dict(state_dict)
+            part, err = self._declare_global(flat, mappings), None
+        except Exception as e:  # still a vote: the other ranks wait for it
+            part, err = ([], {}, {}), e
+        self._begin_global(*part, err=err)
         fut = Future()
         self._staged = fut
 
@@ -515,11 +519,14 @@ class Writer(StorageWriter, AsyncStager):
                                  "planner's state dict")
         return self._declare_global(state, mappings)
 
-    def _begin_global(self, decl, objects, names):
+    def _begin_global(self, decl, objects, names, err=None):
         """Declares this rank's shards (a new global writer, on every rank, when any
-        rank's changed), sets its metadata and begins the step (collective)."""
-        err, rows, pinned, meta_json = None, [], [], None
+        rank's changed), sets its metadata and begins the step (collective). `err`:
+        this rank could not even list its part; every rank learns of it here."""
+        rows, pinned, meta_json = [], [], None
         try:
+            if err is not None:
+                raise err
             enc = _at._Flat()
             meta_objects = {}
             for name, v in objects.items():
@@ -548,7 +555,7 @@ class Writer(StorageWriter, AsyncStager):
         except Exception as e:  # every rank learns of it before any begins
             err = e
         sig = [r[:6] for r in rows]
-        votes = self._comm.gather_objects(
+        votes = self._comm.gather_objects(  # every rank's readiness, before any begins
             {"err": None if err is None else f"{type(err).__name__}: {err}",
              "reopen": self._sig is None or sig != self._sig})
         bad = next((r for r, v in enumerate(votes) if v["err"]), None)
@@ -575,7 +582,11 @@ class Writer(StorageWriter, AsyncStager):
         fut = torch.futures.Future()
         try:
             if self._begun is None:  # dcp.save: this rank's final plan, begun now
-                self._begin_global(*self._plan_global(plan, planner))
+                try:
+                    part, err = self._plan_global(plan, planner), None
+                except Exception as e:  # still a vote: the other ranks wait for it
+                    part, err = ([], {}, {}), e
+                self._begin_global(*part, err=err)
             names, _ = self._begun
             if self._staged is not None:
                 self._staged.result()
