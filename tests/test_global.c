@@ -17,6 +17,8 @@
 
 #include "amber.h"
 #include "comm_threads.h"
+#include "format.h"
+#include "store.h"
 #include "testutil.h"
 
 static atomic_int rank_fails;
@@ -59,6 +61,7 @@ typedef struct job {
   const char *policy;
   int expect_fail_seen;
   uint32_t full_every;   /* 0: the default */
+  uint64_t chunk_elems;  /* 0: the default */
 } job;
 
 /* This rank's box of "w" when it is split in `n` parts along one dimension. */
@@ -83,6 +86,7 @@ static void rank_main(const amber_comm *c, void *arg) {
   amber_writer_opts wo;
   amber_writer_opts_init(&wo);
   wo.full_every = jb->full_every;
+  wo.chunk_elems = jb->chunk_elems;
   int rc = amber_global_writer_open(&gw, jb->path, c, &wo);
   RCHECK(rc == 0);
   if (rc < 0) return;
@@ -123,7 +127,7 @@ static void rank_main(const amber_comm *c, void *arg) {
 
 static void run_job(const char *path, int n, int by_cols, uint64_t first, uint64_t last,
                     int fail_rank, uint64_t fail_step, const char *policy) {
-  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0};
+  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0, 0};
   atomic_store(&rank_fails, 0);
   tc_run(n, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -495,7 +499,7 @@ static void test_missing_rank_file_names_the_rank_and_tensor(void) {
 
 static void test_prune_keeps_what_the_kept_steps_need(void) {
   const char *p = tu_tmpdir();
-  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2}; /* full at 1 and 4 */
+  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2, 0}; /* full at 1 and 4 */
   atomic_store(&rank_fails, 0);
   tc_run(4, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -733,6 +737,63 @@ static void test_rank_metadata_set_data_and_confirm(void) {
   CHECK_RC(amber_global_reader_open(&g, p, 2), AMBER_ENOENT);
 }
 
+/* A region read restores only the chunks of a shard that hold part of it: with a
+ * row per chunk, a damaged row of rank 1's file fails exactly the reads that need
+ * it (naming the corruption), and rows around it still read bit-exactly. */
+static void test_region_read_restores_only_the_chunks_it_needs(void) {
+  const char *p = tu_tmpdir();
+  job jb = {p, 0, 1, 1, -1, 0, NULL, 0, 0, COLS}; /* by rows; one row per chunk */
+  atomic_store(&rank_fails, 0);
+  tc_run(2, rank_main, &jb);
+  CHECK(atomic_load(&rank_fails) == 0);
+  /* find the payload of rank 1's third row (global row ROWS/2 + 2) */
+  char dir[4200], f[4300];
+  snprintf(dir, sizeof dir, "%s/rank-00001", p);
+  snprintf(f, sizeof f, "%s/ckpt-%020d.amber", dir, 1);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  amber_store *st;
+  CHECK_OK(amber_store_open(&st, dir, &so));
+  if (!st) return;
+  amber_reader *r;
+  CHECK_OK(amber_reader_open(&r, st, 1, NULL));
+  size_t li = 0;
+  CHECK_OK(amber_reader_find(r, "w", &li));
+  const amber__index *ix = amber__reader_index(r);
+  const amber__tensor *t = &ix->tensors[li];
+  CHECK(t->chunk_elems == COLS && t->n_chunks == ROWS / 2);
+  const amber__chunk *ch = &ix->chunks[t->first_chunk + 2];
+  long pos = (long)(ch->offset + ch->size / 2);
+  amber_reader_close(r);
+  amber_store_close(st);
+  CHECK(tu_flip_byte(f, pos, 0x20) == 0);
+
+  amber_global_reader *g;
+  CHECK_OK(amber_global_reader_open(&g, p, 1));
+  if (!g) return;
+  size_t wi;
+  CHECK_OK(amber_global_reader_find(g, "w", &wi));
+  float got[ROWS * COLS], want[ROWS * COLS];
+  /* rows ROWS/2 .. ROWS/2+1 and ROWS/2+3 .. end: everything but the damaged row */
+  int64_t off[2] = {ROWS / 2, 0}, sh[2] = {2, COLS};
+  fill_w(want, off, sh, 1);
+  CHECK_OK(amber_global_reader_read(g, wi, off, sh, got, 2 * COLS * sizeof(float)));
+  CHECK(memcmp(got, want, 2 * COLS * sizeof(float)) == 0);
+  off[0] = ROWS / 2 + 3, sh[0] = ROWS / 2 - 3;
+  fill_w(want, off, sh, 1);
+  CHECK_OK(amber_global_reader_read(g, wi, off, sh, got, (size_t)sh[0] * COLS * sizeof(float)));
+  CHECK(memcmp(got, want, (size_t)sh[0] * COLS * sizeof(float)) == 0);
+  /* the damaged row, and a column (which crosses every row), fail */
+  off[0] = ROWS / 2 + 2, sh[0] = 1;
+  CHECK(amber_global_reader_read(g, wi, off, sh, got, COLS * sizeof(float)) == AMBER_ECORRUPT);
+  CHECK(strstr(amber_last_error(g), "rank 1") != NULL);
+  int64_t coff[2] = {0, 3}, csh[2] = {ROWS, 1};
+  CHECK(amber_global_reader_read(g, wi, coff, csh, got, ROWS * sizeof(float)) == AMBER_ECORRUPT);
+  CHECK(amber_global_reader_verify(g) < 0);
+  amber_global_reader_close(g);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -755,5 +816,6 @@ int main(void) {
   TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
   TEST_RUN(test_any_thread_comm_commits_split_saves_in_the_background);
   TEST_RUN(test_rank_metadata_set_data_and_confirm);
+  TEST_RUN(test_region_read_restores_only_the_chunks_it_needs);
   return tu_finish();
 }
