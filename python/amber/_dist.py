@@ -32,6 +32,7 @@ stays at the last global commit.
 """
 
 import base64
+import ctypes
 import json
 import os
 import random
@@ -88,14 +89,16 @@ class TorchComm:
         return out
 
 
-def cpu_group(process_group):
+def cpu_group(process_group, own=False):
     """A group with a CPU backend over the ranks of `process_group` (None: the world):
-    the group itself when it has gloo, else a new gloo group (collective)."""
-    backend = str(dist.get_backend(process_group))
-    if "gloo" in backend:
+    the group itself when it has gloo (unless `own`), else a new gloo group, made by
+    the group's ranks alone (collective over them)."""
+    if not own and "gloo" in str(dist.get_backend(process_group)):
         return process_group
-    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-    return dist.new_group(ranks=ranks, backend="gloo")
+    if process_group is None:
+        return dist.new_group(backend="gloo")
+    return dist.new_group(ranks=dist.get_process_group_ranks(process_group), backend="gloo",
+                          use_local_synchronization=True)
 
 
 def _box(t):
@@ -198,6 +201,34 @@ class _Boxes:
             self.read_into(*it)
 
 
+class _WholeBoxes:
+    """A single-process store's Reader as _Load reads with boxes: a box is cut out of
+    the whole tensor, read once per call."""
+
+    def __init__(self, reader):
+        self.r = reader
+
+    def tensors(self):
+        return self.r.tensors()
+
+    def read_into(self, index, address, size, box=None):
+        if box is None:
+            return self.r.read_into(index, address, size)
+        info = self.r.tensors()[index]
+        whole = torch.empty(info.shape, dtype=_at._TORCH[info.dtype])
+        self.r.read_into(index, whole.data_ptr() if whole.numel() else 0, info.nbytes)
+        part = whole
+        for dim, (o, n) in enumerate(zip(*box)):
+            part = part.narrow(dim, o, n)
+        if size:
+            dst = torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=torch.uint8)
+            dst.copy_(part.contiguous().view(-1).view(torch.uint8))
+
+    def read_many(self, items):
+        for it in items:
+            self.read_into(*it)
+
+
 class _DistLoad(_at._Load):
     def box(self, target):
         if not _at._is_dtensor(target):
@@ -262,13 +293,12 @@ class DistCheckpointer(_at.Checkpointer):
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
         self.skipped = 0
         self.seeded = False
-        self._open_writer()
+        self._closed = False  # the global writer is opened by the first save (collective)
 
     def _open_writer(self):
         if self.rank == 0:
             os.makedirs(self.path, exist_ok=True)
         self._gw = GlobalWriter(self.path, self._comm, **self._wopts)
-        self.store = self._gw  # "open" for the base class's checks
         try:
             for r in self._rules:
                 self._gw.add_policy(r)
@@ -278,11 +308,16 @@ class DistCheckpointer(_at.Checkpointer):
 
     @property
     def closed(self):
-        return self._gw is None
+        return self._closed
 
     def _open(self):
-        if self._gw is None:
+        if self._closed:
             raise ValueError("Checkpointer is closed")
+
+    def _single_store(self):
+        """Whether `path` holds a store written by one process (no global step)."""
+        return not _amber.is_global_store(self.path) and \
+            os.path.exists(os.path.join(self.path, "LATEST"))
 
     # -- saving --
     def save(self, step, state, full=False):
@@ -298,6 +333,9 @@ class DistCheckpointer(_at.Checkpointer):
             if self.rng and "rng" in state:
                 raise ValueError("state key 'rng' is reserved for the RNG states "
                                  "(or pass rng=False)")
+            if self._single_store():
+                raise ValueError(f"{self.path} holds a store written by one process, which "
+                                 "many ranks load but do not save into: save to a new path")
             flat, meta = _at._flatten(state, False, dist=True)
             meta["format"] = _FORMAT
             meta["step"] = int(step)
@@ -452,7 +490,7 @@ class DistCheckpointer(_at.Checkpointer):
 
     def close(self):
         """Completes the step in progress (collective) and releases the writer."""
-        if self._gw is None:
+        if self._closed:
             return
         try:
             self.wait()
@@ -466,7 +504,7 @@ class DistCheckpointer(_at.Checkpointer):
         if self._gw is not None:
             self._gw.close()
             self._gw = None
-        self.store = None
+        self._closed = True
         self._pinned = self._versions = None
         self._stage = {}
 
@@ -502,6 +540,8 @@ class DistCheckpointer(_at.Checkpointer):
                                       "Checkpointer yet")
         self.wait()
         self.skipped = 0
+        if self._single_store():
+            return self._load_single(state, step, strict)
         if step is None and not _amber.global_steps(self.path):
             return None
         with GlobalReader(self.path, step) as g:
@@ -536,5 +576,42 @@ class DistCheckpointer(_at.Checkpointer):
                     warnings.warn(f"amber: global step {done} was written by "
                                   f"{g.world_size} ranks: rank {self.rank} keeps its own RNG "
                                   "states", RuntimeWarning, stacklevel=2)
+            ld.apply()
+        return done
+
+    def _load_single(self, state, step, strict):
+        """load() of a store written by one process (amber.torch or amber.dcp): every
+        rank reads its boxes out of the whole tensors; rank 0 gets the RNG states,
+        the others keep theirs."""
+        with _amber.Store(self.path, readonly=True, create=False) as st, \
+                st.reader(step) as r:
+            done = r.step
+            raw = r.meta()
+            try:
+                meta = json.loads(raw) if raw else None
+            except ValueError:
+                meta = None
+            if isinstance(meta, dict) and meta.get("format") == _at._DCP_FORMAT:
+                meta = {"format": _at._FORMAT, "entries": _at._dcp_entries(
+                    meta.get("keys"), meta.get("objects"), state, done)}
+            if not isinstance(meta, dict) or meta.get("format") != _at._FORMAT or \
+                    not isinstance(meta.get("entries"), dict):
+                raise AmberError(_amber.EFORMAT, f"step {done} of {self.path} was not written "
+                                 "by amber.torch or amber.dcp", name="AMBER_EFORMAT")
+            names = _at._Names(state)
+            ld = _DistLoad(_WholeBoxes(r), strict, done)
+            for key, target in state.items():
+                e = meta["entries"].get(key)
+                if e is None:
+                    ld.mismatch(key, f"not in the checkpoint of step {done}")
+                    continue
+                ld.entry(key, e, target, state, names)
+            if self.rng and "rng" in meta:
+                if self.rank == 0:
+                    ld.rng(meta["rng"])
+                else:
+                    warnings.warn(f"amber: step {done} of {self.path} was written by one "
+                                  f"process: rank {self.rank} keeps its own RNG states",
+                                  RuntimeWarning, stacklevel=3)
             ld.apply()
         return done

@@ -126,12 +126,18 @@ class Writer(StorageWriter, AsyncStager):
     """DCP StorageWriter (and AsyncStager) into an amber store.
 
     Writer(checkpoint_id=None, policy=None, full_every=None, full_share=None,
-           threads=0, chunk_elems=0)
+           threads=0, chunk_elems=0, process_group=None)
       policy, full_every, full_share, threads, chunk_elems: as for
       amber.torch.Checkpointer ("exact" by default, "lossy", rules...).
       checkpoint_id: optional default id; DCP's checkpoint_id= overrides it.
+      process_group: the ranks that save together, the group given to dcp.save
+              (default: the world); with more than one rank the store is a
+              multi-rank store (see the module's documentation). Every rank
+              makes its Writer, and the first save is collective (it makes the
+              Writer's gloo group).
     Keep one Writer for the run and close() it at the end (it holds the store's
-    lock while open). Not thread-safe beyond what DCP does with it."""
+    lock while open; with many ranks close() completes a staged save, which is
+    collective). Not thread-safe beyond what DCP does with it."""
 
     _synchronize_after_execute = False  # staging completes with stage()'s Future
 
@@ -444,8 +450,7 @@ class Writer(StorageWriter, AsyncStager):
             if self._comm is None:
                 # a gloo group of amber's own: async saves commit from DCP's thread while
                 # training uses the job's groups on its own (collective, every rank)
-                ranks = dist.get_process_group_ranks(self._pg) if self._pg is not None else None
-                self._comm = _dist.TorchComm(dist.new_group(ranks=ranks, backend="gloo"))
+                self._comm = _dist.TorchComm(_dist.cpu_group(self._pg, own=True))
             self._open_global(path)
         if step is None:
             steps = _amber.global_steps(path)
@@ -460,8 +465,12 @@ class Writer(StorageWriter, AsyncStager):
 
     def _stage_global(self, state_dict):
         """stage() with many ranks: see _declare_global."""
-        flat, mappings = flatten_state_dict(state_dict)
-        self._begin_global(*self._declare_global(flat, mappings))
+        try:
+            flat, mappings = flatten_state_dict(state_dict)
+            part, err = self._declare_global(flat, mappings), None
+        except Exception as e:  # still a vote: the other ranks wait for it
+            part, err = ([], {}, {}), e
+        self._begin_global(*part, err=err)
         fut = Future()
         self._staged = fut
 
@@ -510,11 +519,14 @@ class Writer(StorageWriter, AsyncStager):
                                  "planner's state dict")
         return self._declare_global(state, mappings)
 
-    def _begin_global(self, decl, objects, names):
+    def _begin_global(self, decl, objects, names, err=None):
         """Declares this rank's shards (a new global writer, on every rank, when any
-        rank's changed), sets its metadata and begins the step (collective)."""
-        err, rows, pinned, meta_json = None, [], [], None
+        rank's changed), sets its metadata and begins the step (collective). `err`:
+        this rank could not even list its part; every rank learns of it here."""
+        rows, pinned, meta_json = [], [], None
         try:
+            if err is not None:
+                raise err
             enc = _at._Flat()
             meta_objects = {}
             for name, v in objects.items():
@@ -543,7 +555,7 @@ class Writer(StorageWriter, AsyncStager):
         except Exception as e:  # every rank learns of it before any begins
             err = e
         sig = [r[:6] for r in rows]
-        votes = self._comm.gather_objects(
+        votes = self._comm.gather_objects(  # every rank's readiness, before any begins
             {"err": None if err is None else f"{type(err).__name__}: {err}",
              "reopen": self._sig is None or sig != self._sig})
         bad = next((r for r, v in enumerate(votes) if v["err"]), None)
@@ -570,7 +582,11 @@ class Writer(StorageWriter, AsyncStager):
         fut = torch.futures.Future()
         try:
             if self._begun is None:  # dcp.save: this rank's final plan, begun now
-                self._begin_global(*self._plan_global(plan, planner))
+                try:
+                    part, err = self._plan_global(plan, planner), None
+                except Exception as e:  # still a vote: the other ranks wait for it
+                    part, err = ([], {}, {}), e
+                self._begin_global(*part, err=err)
             names, _ = self._begun
             if self._staged is not None:
                 self._staged.result()

@@ -1,8 +1,10 @@
 """One rank of the distributed Checkpointer's tests (tests/python/test_dist_checkpointer.py).
 
     python dist_worker.py SCENARIO RANK WORLD INIT_FILE DIR
+    torchrun --nproc-per-node N dist_worker.py SCENARIO - - env DIR
 
-Joins a gloo process group through torch.distributed's own file:// rendezvous,
+Joins a gloo process group through torch.distributed's own file:// rendezvous (or
+torchrun's),
 trains a tiny transformer sharded with FSDP2 (fully_shard, on CPU) and AdamW, and
 runs SCENARIO against stores under DIR. Results that the test checks are written
 under DIR by rank 0 (torch.save of plain tensors: test output, not a store); an
@@ -115,6 +117,10 @@ def scenario_resume(rank, world, d):
         assert ck.load(state) == 3
         assert state["extra"] == {"step": 3}, state["extra"]
         losses_c = run(model, opt, ck, 4, 6)
+        resumed = [s.kind for s in ck.steps()][3:]
+    # the first save after the restart is a delta (each rank's reference comes back
+    # from its own store)
+    assert resumed == ["delta"] * 3, resumed
     got = full_state(model, opt)
     assert losses_c == losses_a[3:], (losses_a, losses_c)
     assert set(got) == set(want)
@@ -217,6 +223,7 @@ def scenario_reshard(rank, world, d):
                 assert torch.equal(got[k], want[k]), f"{name} (fresh optimizer): {k} differs"
     if cfg.get("hsdp"):
         scenario_hsdp(rank, world, d)
+        scenario_subgroups(rank, world, d)
     for name, policy in cfg.get("save", []):
         torch.manual_seed(100 + rank)
         model, opt = build(0)
@@ -230,6 +237,39 @@ def scenario_reshard(rank, world, d):
         if rank == 0:
             torch.save(want, f"{d}/{name}.pt")
             torch.save(unsharded, f"{d}/{name}-model.pt")
+
+
+def scenario_subgroups(rank, world, d):
+    """process_group=: ranks {0, 1} and {2, 3} each checkpoint their own model into
+    their own store, through the Checkpointer and through amber.dcp, and load it back."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    pair = rank // 2
+    pg = groups[pair]
+    torch.manual_seed(pair)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(f"{d}/sub{pair}", process_group=pg) as ck:
+        ck.save(1, {"model": model, "optim": opt})
+    with Writer(process_group=pg) as w:
+        dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/subdcp{pair}/step-1",
+                 process_group=pg)
+    for load in ("ck", "dcp"):
+        torch.manual_seed(9)
+        model = GPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_step(model, opt)
+        if load == "ck":
+            with Checkpointer(f"{d}/sub{pair}", process_group=pg) as ck:
+                assert ck.load({"model": model, "optim": opt}) == 1
+        else:
+            _dcp_load(model, opt, f"{d}/subdcp{pair}", process_group=pg)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k]), f"group {pair} ({load}): {k} differs"
+    assert [s.world_size for s in amber.global_steps(f"{d}/sub{pair}")] == [2]
 
 
 def scenario_hsdp(rank, world, d):
@@ -323,14 +363,14 @@ def _dcp_state(model, opt):
     return {"model": msd, "optim": osd, "extra": {"note": "plain"}}
 
 
-def _dcp_load(model, opt, cid, extra=True):
+def _dcp_load(model, opt, cid, extra=True, process_group=None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from amber.dcp import Reader
     state = _dcp_state(model, opt)
     if not extra:
         del state["extra"]
-    dcp.load(state, storage_reader=Reader(), checkpoint_id=cid)
+    dcp.load(state, storage_reader=Reader(), checkpoint_id=cid, process_group=process_group)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert not extra or state["extra"] == {"note": "plain"}, state["extra"]
 
@@ -391,23 +431,94 @@ def _checkpointer_load(model, opt, path, want):
         assert torch.equal(got[k], want[k]), f"{k} differs after the Checkpointer's load"
 
 
+def scenario_dcptiny(rank, world, d):
+    """dcp.save twice and dcp.load through amber.dcp (what test_dist_dcp runs under
+    torchrun)."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    model, opt = build(0)
+    with Writer() as w:
+        for step in (1, 2):
+            train_step(model, opt)
+            dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/t/step-{step}")
+    want = full_state(model, opt)
+    model, opt = build(3)
+    train_step(model, opt)
+    _dcp_load(model, opt, f"{d}/t")
+    got = full_state(model, opt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    if rank == 0:
+        open(f"{d}/dcptiny.ok", "w").write(str(world))
+
+
 def scenario_dcpload(rank, world, d):
-    """dcp.load, at this world size, of the store the dcp scenario wrote at another."""
-    want = torch.load(f"{d}/x.pt")
+    """dcp.load, at this world size, of the store the dcp scenario wrote at another
+    (DIR/x), and of those written by a single process (DIR/one, DIR/ck1)."""
+    for name in ("x", "one"):
+        if os.path.exists(f"{d}/{name}"):
+            _dcpload(rank, world, d, name)
+
+
+def _dcpload(rank, world, d, name):
+    want = torch.load(f"{d}/{name}.pt")
     torch.manual_seed(5 + rank)
     model, opt = build(11)
     train_step(model, opt)
-    _dcp_load(model, opt, f"{d}/x")
+    _dcp_load(model, opt, f"{d}/{name}")
     got = full_state(model, opt)
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs after dcp.load at {world} ranks"
-    _checkpointer_load(model, opt, f"{d}/x", want)
+    _checkpointer_load(model, opt, f"{d}/{name}", want)
+    if name == "one":  # and amber.torch's single-process store of the same state
+        model, opt = build(14)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with Checkpointer(f"{d}/ck1") as ck:
+                state = {"model": model, "optim": opt, "extra": {}}
+                assert ck.load(state) == 4
+                assert state["extra"] == {"note": "plain"}
+                try:  # many ranks do not save into a single-process store
+                    ck.save(5, state)
+                    raise AssertionError("a save into a single-process store succeeded")
+                except amber.AmberError as e:
+                    assert "written by one process" in e.message, e.message
+        assert (rank > 0) == any("keeps its own RNG" in str(x.message) for x in w)
+        got = full_state(model, opt)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{k} differs after loading ck1"
+
+
+def save_one_process(d):
+    """The dcp scenario's model trained and saved through amber.dcp by one process
+    (no process group): DIR/one/step-4 and DIR/one.pt, for scenario_dcpload."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        train_step(model, opt)
+    with Writer() as w:
+        dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/one/step-4")
+    want = {}
+    for n, p in model.named_parameters():
+        want[f"model/{n}"] = p.detach().clone()
+        for k, v in opt.state[p].items():
+            want[f"optim/{n}/{k}"] = v.clone()
+    torch.save(want, f"{d}/one.pt")
+    with Checkpointer(f"{d}/ck1") as ck:
+        ck.save(4, {"model": model, "optim": opt, "extra": {"note": "plain"}})
 
 
 def main():
-    scenario, rank, world, init, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-        sys.argv[4], sys.argv[5]
+    scenario, rank, world, init, d = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], \
+        sys.argv[5]
+    if init == "env":  # started by torchrun, which sets RANK, WORLD_SIZE, MASTER_*
+        rank, world, init_method = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), \
+            "env://"
+    else:
+        rank, world, init_method = int(rank), int(world), f"file://{init}"
     torch.set_num_threads(1)
     if scenario in ("resume", "failures"):
         # the tiny model's tensors are below the size that save() copies: read them in
@@ -415,7 +526,7 @@ def main():
         amber.torch.CAPTURE_BYTES = 0
     # a rank killed by the test must not leave the others waiting long
     timeout = 15 if scenario == "killrun" else 60
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
         globals()[f"scenario_{scenario}"](rank, world, d)

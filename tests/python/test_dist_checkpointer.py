@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 
-import pytest
 import torch
 
 from conftest import HERE, PYTHON, SEED, TRIALS
@@ -102,7 +101,8 @@ def test_load_at_other_world_sizes_hsdp_and_export(tmp_path):
     load the 4 ranks' step (4->3 uneven, 4->2); amber export of the 4 ranks' step
     equals the unsharded state, read back with safetensors. The 4 ranks also save HSDP
     state (a 2x2 mesh) and load it into HSDP and FSDP (scenario_hsdp): each shard is
-    written once, by the replica at coordinate 0."""
+    written once, by the replica at coordinate 0; and two groups of 2 of them save and
+    load their own stores with process_group= (scenario_subgroups)."""
     d = str(tmp_path)
     thr, bud = "threshold:1e-3", "budget:0.1:2e-3"
     json.dump({"load": [], "saved_world": {},
@@ -164,6 +164,8 @@ def _kill_trials(tmp_path, name, victims):
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     pass
+            hung = [r for r, p in enumerate(procs) if p.poll() is None]
+            assert not hung, f"ranks {hung} still running 60 s after the kill"
         finally:
             for p in procs:
                 if p.poll() is None:
