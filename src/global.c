@@ -60,6 +60,13 @@ struct amber_global_writer {
   pthread_t committer;
   int committing, commit_rc;
   int drop_w; /* the rank writer is to be closed (after a failed step) */
+  /* Retention (opts.keep_last): after each committed step rank 0 removes the
+   * manifests of the steps before the newest keep_last, then every rank prunes its
+   * own store, keeping what the kept steps need. */
+  uint64_t keep_last;
+  int prune_rc;         /* this rank's part of the prune after the last commit */
+  size_t pruned;        /* files it removed (on rank 0: manifests too) */
+  amber__err prune_err; /* its message when it failed */
   amber_global_save_stats stats; /* of the last save */
 };
 
@@ -135,7 +142,10 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   uint64_t s = gw->latest;
   while (s != AMBER_NO_STEP && n < UINT32_MAX) {
     amber__manifest m;
-    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) break;
+    /* A parent whose manifest retention removed: the chain's length is unknown, so
+     * the next step is full (a chain stays bounded across resumes). */
+    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0)
+      return s == gw->latest ? n : UINT32_MAX;
     uint32_t kind = m.kind;
     if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
       amber__manifest_free(&m);
@@ -165,7 +175,8 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
   gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
   gw->opts.full_share = -1;
-  gw->opts.keep_last = 0;
+  gw->keep_last = gw->opts.keep_last;
+  gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
   amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
   if (mkdir_p(gw->rankdir) < 0) {
     rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
@@ -555,6 +566,65 @@ static void drop_writer(amber_global_writer *gw) {
   gw->w = NULL, gw->drop_w = 0;
 }
 
+/* ---- retention ---- */
+
+/* Rank 0, after publishing a step: removes the manifests of the steps before the
+ * newest keep_last and returns the oldest step kept (AMBER_NO_STEP: nothing to
+ * prune, or the removal failed, so that no rank removes files). Manifests first:
+ * a crash in between leaves rank files that no step names, never a step whose
+ * files are gone. */
+static uint64_t prune_manifests(amber_global_writer *gw) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  uint64_t oldest = AMBER_NO_STEP;
+  int rc = amber_global_list(gw->path, &gs, &n);
+  if (rc < 0) {
+    amber__fail(&gw->prune_err, rc, "%s", amber_last_error(NULL));
+  } else if (n > gw->keep_last) {
+    char p[4200];
+    for (size_t i = 0; rc == 0 && i < n - gw->keep_last; i++) {
+      amber__global_manifest_path(gw->path, gs[i].step, p, sizeof p);
+      if (unlink(p) < 0 && errno != ENOENT)
+        rc = amber__fail(&gw->prune_err, amber__errno_code(errno), "cannot remove %s: %s", p,
+                         strerror(errno));
+      else gw->pruned++;
+    }
+    if (rc == 0 && amber__fsync_dir(gw->path) < 0)
+      rc = amber__fail(&gw->prune_err, AMBER_EIO, "%s: fsync of the directory failed",
+                       gw->path);
+    if (rc == 0) oldest = gs[n - gw->keep_last].step;
+  }
+  amber_free(gs);
+  gw->prune_rc = rc;
+  return oldest;
+}
+
+/* Every rank, once rank 0 has removed the old manifests: prunes its own store so
+ * that it keeps every file of steps from `oldest` on and their chains. */
+static void prune_rank_store(amber_global_writer *gw, uint64_t oldest) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0, keep = 0, removed = 0;
+  int rc = amber__store_list(gw->st, &gw->prune_err, &info, &n);
+  for (size_t i = 0; rc == 0 && i < n; i++) keep += info[i].step >= oldest;
+  free(info);
+  /* a rank with no file in the kept steps keeps its older ones (nothing reads them) */
+  if (rc == 0 && keep) rc = amber__store_prune(gw->st, &gw->prune_err, keep, &removed);
+  if (rc < 0) {
+    char m[sizeof gw->prune_err.msg];
+    snprintf(m, sizeof m, "%s", gw->prune_err.msg);
+    amber__fail(&gw->prune_err, rc, "rank %d: %s", gw->comm.rank, m);
+  }
+  gw->pruned += removed;
+  if (gw->prune_rc == 0) gw->prune_rc = rc;
+}
+
+int amber_global_writer_prune_status(const amber_global_writer *gw, size_t *removed,
+                                     const char **message) {
+  if (removed) *removed = gw ? gw->pruned : 0;
+  if (message) *message = gw && gw->prune_rc ? gw->prune_err.msg : NULL;
+  return gw ? gw->prune_rc : AMBER_EINVAL;
+}
+
 int amber_global_writer_wait(amber_global_writer *gw) {
   if (!gw->busy) return 0;
   int rc;
@@ -620,8 +690,10 @@ static int commit(amber_global_writer *gw) {
     snprintf(why, sizeof why, "%.*s", (int)ml, (const char *)p + 30);
   }
   /* Every rank has the same votes: rank 0 alone writes, then says how it went. */
-  uint8_t res[4 + 256];
+  uint8_t res[4 + 256 + 8]; /* i32 rc, message, u64 oldest step kept (retention) */
   memset(res, 0, sizeof res);
+  amber__put64(res + 260, AMBER_NO_STEP);
+  gw->prune_rc = 0, gw->pruned = 0;
   if (bad < 0 && gw->comm.rank == 0) {
     amber__manifest m;
     char w2[256] = "";
@@ -631,6 +703,7 @@ static int commit(amber_global_writer *gw) {
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
+    if (mrc == 0 && gw->keep_last) amber__put64(res + 260, prune_manifests(gw));
     t_manifest = amber__now();
   }
   free(all);
@@ -664,6 +737,9 @@ static int commit(amber_global_writer *gw) {
   gw->latest = gw->step;
   gw->force_full = 0;
   gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  /* Retention never fails the save: amber_global_writer_prune_status tells. */
+  uint64_t oldest = amber__get64(res + 260);
+  if (gw->keep_last && oldest != AMBER_NO_STEP) prune_rank_store(gw, oldest);
   return 0;
 }
 
