@@ -264,9 +264,8 @@ class DistCheckpointer(_at.Checkpointer):
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
                  readonly=False, threads=0, chunk_elems=0, keep_last=None,
                  process_group=None):
-        if keep_last is not None:
-            raise NotImplementedError("keep_last is not supported by the distributed "
-                                      "Checkpointer yet (use amber.global_prune between runs)")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         if readonly:
             raise NotImplementedError("readonly is not supported by the distributed "
                                       "Checkpointer; any rank may read a step with "
@@ -274,6 +273,9 @@ class DistCheckpointer(_at.Checkpointer):
         self._rules = _at._rules(policy)
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
+        if keep_last:
+            self._wopts["keep_last"] = keep_last
+        self._prune_msg = None
         self.rng = rng
         self.readonly = False
         self.process_group = process_group
@@ -487,6 +489,13 @@ class DistCheckpointer(_at.Checkpointer):
             self._gw.wait()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
+        if "keep_last" in self._wopts:
+            rc, _, msg = self._gw.prune_status()
+            if rc and msg != self._prune_msg:  # once per distinct failure
+                warnings.warn(f"amber: global step saved, but old ones could not be removed "
+                              f"on rank {self.rank} (keep_last={self._wopts['keep_last']}): "
+                              f"{msg}", _amber.PruneWarning, stacklevel=2)
+            self._prune_msg = msg if rc else None
 
     def close(self):
         """Completes the step in progress (collective) and releases the writer."""
@@ -533,17 +542,18 @@ class DistCheckpointer(_at.Checkpointer):
         latest) and returns it, or None for an empty store. Collective in that
         every rank should call it (it completes the step in progress first). Each
         live DTensor gets the box it holds now, read from the shards that overlap
-        it, whatever world size and sharding wrote the step."""
+        it, whatever world size and sharding wrote the step. fallback=True: the
+        newest global step from `step` back that verifies whole on every rank, agreed
+        by all (`skipped` counts the steps passed over)."""
         self._open()
-        if fallback:
-            raise NotImplementedError("fallback is not supported by the distributed "
-                                      "Checkpointer yet")
         self.wait()
         self.skipped = 0
         if self._single_store():
-            return self._load_single(state, step, strict)
+            return self._load_single(state, step, strict, fallback)
         if step is None and not _amber.global_steps(self.path):
             return None
+        if fallback:
+            step = self._agree_on_step(step)
         with GlobalReader(self.path, step) as g:
             done = g.step
             own = self.rank < g.world_size
@@ -579,13 +589,47 @@ class DistCheckpointer(_at.Checkpointer):
             ld.apply()
         return done
 
-    def _load_single(self, state, step, strict):
+    def _agree_on_step(self, step):
+        """load(fallback=True): the newest global step (from `step`, default the
+        latest, back) that verifies whole on every rank, agreed collectively: each
+        rank verifies each candidate (manifest and every rank's files it needs; the
+        reads are repeated on each rank, which also covers ranks that see the store
+        through different mounts), then all learn every rank's verdict. Sets
+        `skipped`; raises AmberError naming each rank's reason when none verifies."""
+        cands = [s.step for s in _amber.global_steps(self.path)
+                 if step is None or s.step <= step]
+        if step is not None and step not in cands:
+            cands = [step] + cands  # not committed: GlobalReader names why below
+        why = []
+        for s in reversed(cands):
+            try:
+                with GlobalReader(self.path, s) as g:
+                    g.verify()
+                mine = None
+            except AmberError as e:
+                mine = str(e)
+            votes = self._comm.gather_objects(mine)
+            bad = [(r, v) for r, v in enumerate(votes) if v]
+            if not bad:
+                if self.skipped:
+                    warnings.warn(f"amber: {self.path}: loading global step {s}, the newest "
+                                  f"that verifies on every rank ({'; '.join(why)})",
+                                  RuntimeWarning, stacklevel=3)
+                return s
+            self.skipped += 1
+            r, v = bad[0]
+            why.append(f"step {s}: rank {r}: {v}")
+        raise AmberError(_amber.ECORRUPT, f"{self.path}: no global step verifies on every "
+                         f"rank: {'; '.join(why) or 'no step committed'}", name="AMBER_ECORRUPT")
+
+    def _load_single(self, state, step, strict, fallback=False):
         """load() of a store written by one process (amber.torch or amber.dcp): every
         rank reads its boxes out of the whole tensors; rank 0 gets the RNG states,
         the others keep theirs."""
         with _amber.Store(self.path, readonly=True, create=False) as st, \
-                st.reader(step) as r:
+                st.reader(step, fallback=fallback) as r:
             done = r.step
+            self.skipped = r.skipped
             raw = r.meta()
             try:
                 meta = json.loads(raw) if raw else None

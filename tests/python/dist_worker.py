@@ -357,6 +357,66 @@ def scenario_killcheck(rank, world, d):
         json.dump({"step": step}, open(f"{d}/killcheck.json", "w"))
 
 
+def scenario_retention(rank, world, d):
+    """keep_last=2 with a full every 3rd step: after each step the store holds the
+    newest 2 global steps and each rank's store their files back to their full step;
+    then load(fallback=True) passes over a step damaged on one rank's file (every
+    rank agrees on the older step) and fails, naming the rank, when none verifies."""
+    torch.manual_seed(100 + rank)
+    model, opt = build(0)
+    saved = {}
+    with Checkpointer(f"{d}/r", keep_last=2, full_every=2) as ck:
+        for step in range(1, 7):
+            train_step(model, opt)
+            ck.save(step, {"model": model, "optim": opt, "extra": {"step": step}})
+            ck.wait()
+            saved[step] = full_state(model, opt)
+            steps = [s.step for s in ck.steps()]
+            assert steps == list(range(max(1, step - 1), step + 1)), (step, steps)
+            full = max(f for f in (1, 4) if f <= steps[0])  # 1 F, 2-3 D, 4 F, 5-6 D
+            files = sorted(int(f[5:25]) for f in os.listdir(f"{d}/r/rank-0000{rank}")
+                           if f.startswith("ckpt-") and f.endswith(".amber"))
+            assert files == list(range(full, step + 1)), (step, files)
+    model, opt = build(3)
+    train_step(model, opt)
+    state = {"model": model, "optim": opt, "extra": {}}
+    with Checkpointer(f"{d}/r") as ck:
+        assert ck.load(state) == 6
+        got = full_state(model, opt)
+        for k in saved[6]:
+            assert torch.equal(got[k], saved[6][k]), f"{k} differs at step 6"
+        dist.barrier()
+        if rank == 0:  # damages rank 1's file of step 6 (a delta)
+            f = f"{d}/r/rank-00001/ckpt-{6:020d}.amber"
+            b = bytearray(open(f, "rb").read())
+            b[len(b) // 2] ^= 0xFF
+            open(f, "wb").write(bytes(b))
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert ck.load(state, fallback=True) == 5
+        assert ck.skipped == 1, ck.skipped
+        assert any("step 6: rank" in str(x.message) for x in w), [str(x.message) for x in w]
+        got = full_state(model, opt)
+        for k in saved[5]:
+            assert torch.equal(got[k], saved[5][k]), f"{k} differs at step 5 (fallback)"
+        assert state["extra"] == {"step": 5}, state["extra"]
+        dist.barrier()
+        if rank == 0:  # and the full step 4, which step 5 needs
+            f = f"{d}/r/rank-00000/ckpt-{4:020d}.amber"
+            b = bytearray(open(f, "rb").read())
+            b[len(b) // 2] ^= 0xFF
+            open(f, "wb").write(bytes(b))
+        dist.barrier()
+        try:
+            ck.load(state, fallback=True)
+            raise AssertionError("load(fallback=True) with no step that verifies succeeded")
+        except amber.AmberError as e:
+            assert e.name == "AMBER_ECORRUPT", e
+            assert "no global step verifies on every rank" in e.message, e.message
+            assert "step 6: rank" in e.message and "step 5: rank" in e.message, e.message
+
+
 def _dcp_state(model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)

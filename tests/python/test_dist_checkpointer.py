@@ -83,6 +83,12 @@ def test_a_failing_rank_fails_the_step_on_every_rank_and_the_store_keeps_its_las
     assert cli("verify", f"{d}/f").returncode == 0
 
 
+def test_keep_last_prunes_each_step_and_fallback_agrees_on_a_step_that_verifies(tmp_path):
+    d = str(tmp_path)
+    ranks("retention", 2, d)
+    assert [s["step"] for s in json.loads(cli("ls", f"{d}/r", "--json").stdout)] == [5, 6]
+
+
 def test_ddp_replicated_state_is_written_once_and_loads_on_every_rank(tmp_path):
     d = str(tmp_path)
     ranks("ddp", 2, d)
