@@ -658,7 +658,9 @@ typedef struct amber_global_writer amber_global_writer;
 /* Opens the global writer of store directory `path` (created if missing) for this
  * rank. Collective. opts: each rank's writer options (NULL: defaults); its
  * full_every is applied to the whole step (full or delta is decided for the step,
- * not per rank), its keep_last to the global steps (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
+ * not per rank), its full_share to each rank's own files (a rank whose deltas reach
+ * the share makes the whole step full), its keep_last to the global steps
+ * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
  * usable until amber_global_writer_close. */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,

@@ -10,6 +10,7 @@
  * full on every rank.
  */
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cadence.h"
 #include "global.h"
 
 typedef struct gtensor {
@@ -34,7 +36,8 @@ struct amber_global_writer {
   char *path;
   char rankdir[4096];
   amber_writer_opts opts; /* the rank writers' */
-  uint32_t full_every;    /* the step's cadence */
+  uint32_t full_every;    /* the step's cadence: deltas between fulls at most */
+  amber__cadence share;   /* and this rank's full_share (its own files' bytes) */
   amber_store *st;
   amber_writer *w; /* NULL until the first save, and after a rollback */
   gtensor *t;
@@ -159,11 +162,34 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   return n;
 }
 
+/* The full_share counters from this rank's own chain (its files since its last
+ * full one): each rank weighs its own deltas, and any rank's call makes the whole
+ * step full (begin's allgather). */
+static void learn_share(amber_global_writer *gw) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  uint64_t want, full_bytes = 0, deltas = 0, delta_bytes = 0;
+  if (amber_store_latest(gw->st, &want) == 0 && amber__store_list(gw->st, NULL, &info, &n) == 0)
+    for (size_t i = n; i-- > 0;) {
+      if (info[i].step != want) continue;
+      if (info[i].kind == AMBER_KIND_FULL) {
+        full_bytes = info[i].bytes;
+        break;
+      }
+      deltas++, delta_bytes += info[i].bytes;
+      want = info[i].parent;
+    }
+  free(info);
+  amber__cadence_learn(&gw->share, full_bytes, deltas, delta_bytes);
+}
+
 int amber_global_writer_open(amber_global_writer **out, const char *path,
                              const amber_comm *comm, const amber_writer_opts *opts) {
   *out = NULL;
   int rc = amber__comm_check(comm, NULL);
   if (rc < 0) return rc;
+  if (opts && isnan(opts->full_share))
+    return amber__fail(NULL, AMBER_EINVAL, "full_share is NaN");
   amber_global_writer *gw = calloc(1, sizeof *gw);
   if (!gw || !(gw->path = strdup(path))) {
     free(gw);
@@ -174,6 +200,8 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   else amber_writer_opts_init(&gw->opts);
   gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
   gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
+  double share = gw->opts.full_share == 0 ? AMBER__DEFAULT_FULL_SHARE : gw->opts.full_share;
+  amber__cadence_init(&gw->share, UINT32_MAX, share);
   gw->opts.full_share = -1;
   gw->keep_last = gw->opts.keep_last;
   gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
@@ -196,6 +224,7 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   rc = remove_leftovers(gw);
   if (rc < 0) goto fail;
   gw->deltas = count_deltas(gw);
+  learn_share(gw);
   rc = comm->barrier(comm->ctx);
   if (rc < 0) goto fail;
   *out = gw;
@@ -363,7 +392,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   double t0 = amber__now();
   /* Full or delta for the whole step: one byte per rank. */
   uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
-                 gw->deltas >= gw->full_every;
+                 gw->deltas >= gw->full_every || amber__cadence_decide(&gw->share);
   uint8_t *all = malloc((size_t)gw->comm.size);
   if (!all) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   int rc = gw->comm.allgather(gw->comm.ctx, &want, 1, all);
@@ -737,6 +766,9 @@ static int commit(amber_global_writer *gw) {
   gw->latest = gw->step;
   gw->force_full = 0;
   gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  if (gw->present)
+    amber__cadence_record(&gw->share, gw->stats.part.kind != AMBER_KIND_FULL,
+                          gw->stats.part.bytes);
   /* Retention never fails the save: amber_global_writer_prune_status tells. */
   uint64_t oldest = amber__get64(res + 260);
   if (gw->keep_last && oldest != AMBER_NO_STEP) prune_rank_store(gw, oldest);

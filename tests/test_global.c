@@ -63,6 +63,7 @@ typedef struct job {
   uint32_t full_every;   /* 0: the default */
   uint64_t chunk_elems;  /* 0: the default */
   uint64_t keep_last;    /* retention; then the store is checked after each step */
+  double full_share;     /* 0: the default */
 } job;
 
 static void check_retention(const job *jb, const amber_comm *c, amber_global_writer *gw,
@@ -92,6 +93,7 @@ static void rank_main(const amber_comm *c, void *arg) {
   wo.full_every = jb->full_every;
   wo.chunk_elems = jb->chunk_elems;
   wo.keep_last = jb->keep_last;
+  wo.full_share = jb->full_share;
   int rc = amber_global_writer_open(&gw, jb->path, c, &wo);
   RCHECK(rc == 0);
   if (rc < 0) return;
@@ -133,7 +135,8 @@ static void rank_main(const amber_comm *c, void *arg) {
 
 static void run_job(const char *path, int n, int by_cols, uint64_t first, uint64_t last,
                     int fail_rank, uint64_t fail_step, const char *policy) {
-  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0, 0, 0};
+  /* deltas whatever their size: the tests pin the chains (full_share has its own) */
+  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0, 0, 0, -1};
   atomic_store(&rank_fails, 0);
   tc_run(n, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -505,7 +508,7 @@ static void test_missing_rank_file_names_the_rank_and_tensor(void) {
 
 static void test_prune_keeps_what_the_kept_steps_need(void) {
   const char *p = tu_tmpdir();
-  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2, 0, 0}; /* full at 1 and 4 */
+  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2, 0, 0, -1}; /* full at 1 and 4 */
   atomic_store(&rank_fails, 0);
   tc_run(4, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -574,20 +577,42 @@ static void check_retention(const job *jb, const amber_comm *c, amber_global_wri
   c->barrier(c->ctx);
 }
 
+/* full_share in the global writer: each rank weighs its own deltas against its last
+ * full file, and any rank's call makes the whole step full (the manifest says full
+ * only when every rank's file is). Without it (negative) every later step is a
+ * delta; restores are exact either way. */
+static void test_full_share_makes_whole_steps_full(void) {
+  for (int on = 0; on < 2; on++) {
+    const char *p = tu_tmpdir();
+    job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 1000, 0, 0, on ? 0.3 : -1.0};
+    atomic_store(&rank_fails, 0);
+    tc_run(3, rank_main, &jb);
+    CHECK(atomic_load(&rank_fails) == 0);
+    amber_global_step_info *info = NULL;
+    size_t n = 0, fulls = 0;
+    CHECK_OK(amber_global_list(p, &info, &n));
+    CHECK(n == 6);
+    for (size_t i = 1; i < n; i++) fulls += info[i].kind == AMBER_KIND_FULL;
+    amber_free(info);
+    CHECK(on ? fulls > 0 : fulls == 0);
+    for (uint64_t s = 1; s <= 6; s++) check_read(p, s, s, 2, 1, 0);
+  }
+}
+
 static void test_keep_last_in_the_global_writer_prunes_after_each_step(void) {
   for (int bg = 0; bg < 2; bg++) { /* the commit inside wait, then in the background */
     const char *p = tu_tmpdir();
     tc_flags = bg ? AMBER_COMM_ANY_THREAD : 0;
     ret_n = 0;
     /* full every 3rd step; step 5 fails on rank 1 (nothing pruned, the next is full) */
-    job jb = {p, 0, 1, 8, 1, 5, NULL, 0, 2, 0, 2};
+    job jb = {p, 0, 1, 8, 1, 5, NULL, 0, 2, 0, 2, -1};
     atomic_store(&rank_fails, 0);
     tc_run(3, rank_main, &jb);
     CHECK(atomic_load(&rank_fails) == 0);
     CHECK(ret_n == 7);
     /* A writer reopened on the pruned store, at another keep_last: the chain's
      * manifests are gone, so its first step is full; retention goes on. */
-    job j2 = {p, 0, 9, 11, -1, 0, NULL, 0, 2, 0, 1};
+    job j2 = {p, 0, 9, 11, -1, 0, NULL, 0, 2, 0, 1, -1};
     atomic_store(&rank_fails, 0);
     tc_run(3, rank_main, &j2);
     tc_flags = 0;
@@ -818,7 +843,7 @@ static void test_rank_metadata_set_data_and_confirm(void) {
  * it (naming the corruption), and rows around it still read bit-exactly. */
 static void test_region_read_restores_only_the_chunks_it_needs(void) {
   const char *p = tu_tmpdir();
-  job jb = {p, 0, 1, 1, -1, 0, NULL, 0, 0, COLS, 0}; /* by rows; one row per chunk */
+  job jb = {p, 0, 1, 1, -1, 0, NULL, 0, 0, COLS, 0, 0}; /* by rows; one row per chunk */
   atomic_store(&rank_fails, 0);
   tc_run(2, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -889,6 +914,7 @@ int main(void) {
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
   TEST_RUN(test_keep_last_in_the_global_writer_prunes_after_each_step);
+  TEST_RUN(test_full_share_makes_whole_steps_full);
   TEST_RUN(test_compact_makes_a_global_step_full_on_every_rank);
   TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
   TEST_RUN(test_any_thread_comm_commits_split_saves_in_the_background);
