@@ -578,10 +578,12 @@ static int publish(amber_global_writer *gw, const amber__manifest *m, char *why,
 /* After a failed step: this rank's file of it is removed and its store's LATEST
  * moved back (the rank writer is idle by now), and the rank writer is to be
  * dropped (drop_writer: on the caller's thread, since a fence may still use it):
- * its reference may hold state that no global step has. */
-static void fail_local(amber_global_writer *gw) {
+ * its reference may hold state that no global step has. After a failed collective
+ * (`rollback` 0) the file stays: this rank cannot know whether rank 0 published the
+ * step (a manifest naming it), and the next writer on the store removes it if not. */
+static void fail_local(amber_global_writer *gw, int rollback) {
   gw->drop_w = 1;
-  if (gw->present) {
+  if (gw->present && rollback) {
     uint64_t l;
     if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
       rank_rollback(gw, gw->prev_step, gw->prev_state);
@@ -704,7 +706,7 @@ static int commit(amber_global_writer *gw) {
   double t_vote = amber__now(), t_manifest = t_vote;
   if (crc < 0) { /* the collective itself failed: nobody can know the outcome */
     free(lens);
-    fail_local(gw);
+    fail_local(gw, 0);
     return amber__fail(&gw->err, crc, "step %llu not committed: collective failed",
                        (unsigned long long)gw->step);
   }
@@ -719,6 +721,7 @@ static int commit(amber_global_writer *gw) {
     snprintf(why, sizeof why, "%.*s", (int)ml, (const char *)p + 30);
   }
   /* Every rank has the same votes: rank 0 alone writes, then says how it went. */
+  int published = 0;
   uint8_t res[4 + 256 + 8]; /* i32 rc, message, u64 oldest step kept (retention) */
   memset(res, 0, sizeof res);
   amber__put64(res + 260, AMBER_NO_STEP);
@@ -729,6 +732,7 @@ static int commit(amber_global_writer *gw) {
     int mrc = build_manifest(gw, all, lens, offs, &m, w2, sizeof w2);
     if (mrc == AMBER_ENOMEM && !w2[0]) snprintf(w2, sizeof w2, "out of memory");
     if (mrc == 0) mrc = publish(gw, &m, w2, sizeof w2);
+    published = mrc == 0;
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
@@ -740,8 +744,15 @@ static int commit(amber_global_writer *gw) {
   if (bad < 0) {
     crc = gw->comm.broadcast(gw->comm.ctx, res, sizeof res, 0);
     if (crc < 0) {
-      fail_local(gw);
-      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed",
+      fail_local(gw, 0);
+      if (published) { /* the step is in GLOBAL: the other ranks may not know it */
+        gw->latest = gw->step;
+        return amber__fail(&gw->err, crc, "step %llu was committed (GLOBAL names it), but the "
+                           "broadcast of the outcome to the other ranks failed",
+                           (unsigned long long)gw->step);
+      }
+      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed (the step "
+                         "is committed only if rank 0 wrote it: see GLOBAL)",
                          (unsigned long long)gw->step);
     }
     brc = (int)amber__get32(res);
@@ -751,7 +762,7 @@ static int commit(amber_global_writer *gw) {
     }
   }
   if (bad >= 0) {
-    fail_local(gw);
+    fail_local(gw, 1);
     return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
                        (unsigned long long)gw->step, bad, amber_strerror(brc), why);
   }

@@ -623,6 +623,64 @@ static void test_keep_last_in_the_global_writer_prunes_after_each_step(void) {
   }
 }
 
+/* A collective that fails once rank 0 has published the step (the broadcast of the
+ * outcome, lost on every rank, as when a peer dies then): every rank's save fails,
+ * rank 0's saying the step was committed, and no rank removes its file of it, so the
+ * store stays whole at that step; a new writer then goes on from it. */
+static void lost_outcome_main(const amber_comm *c, void *arg) {
+  const char *p = arg;
+  amber_global_writer *gw = NULL;
+  amber_writer_opts wo;
+  amber_writer_opts_init(&wo);
+  wo.full_share = -1;
+  for (uint64_t s = 1; s <= 3; s++) {
+    if (s != 2) RCHECK(amber_global_writer_open(&gw, p, c, &wo) == 0);
+    if (!gw) return;
+    int64_t g[2] = {ROWS, COLS}, off[2], sh[2], bshape[1] = {BIAS};
+    part(c->rank, c->size, 0, off, sh);
+    float w[ROWS * COLS], b[BIAS];
+    fill_w(w, off, sh, s);
+    for (int i = 0; i < BIAS; i++) b[i] = bval(i, s);
+    if (s != 2) {
+      RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+      RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bshape, NULL, NULL, b,
+                                     AMBER_SHARD_REPLICATED) == 0);
+    } else {
+      RCHECK(amber_global_writer_set_data(gw, 0, w) == 0);
+      RCHECK(amber_global_writer_set_data(gw, 1, b) == 0);
+      c->barrier(c->ctx);
+      if (c->rank == 0) atomic_store(&tc_broadcast_fails, (1ull << c->size) - 1);
+      c->barrier(c->ctx);
+    }
+    int rc = amber_global_writer_save(gw, s, 0);
+    if (s == 2) {
+      RCHECK(rc == AMBER_EIO);
+      RCHECK(strstr(amber_last_error(gw), c->rank ? "broadcast of the outcome failed"
+                                                  : "step 2 was committed") != NULL);
+      if (c->rank == 0) fprintf(stderr, "  (expected) %s\n", amber_last_error(gw));
+    } else {
+      RCHECK(rc == 0);
+    }
+    c->barrier(c->ctx);
+    if (s != 1) amber_global_writer_close(gw), gw = NULL;
+  }
+}
+
+static void test_a_lost_outcome_after_the_publish_leaves_the_step_whole(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  tc_run(3, lost_outcome_main, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_step_info *info = NULL;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3);
+  amber_free(info);
+  check_read(p, 2, 2, 2, 1, 0);
+  check_read(p, 3, 3, 4, 0, 0);
+  CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+}
+
 /* The kind of every rank's file of global step `step` (-1 when a file is missing). */
 static int rank_files_kind(const char *p, int n, uint64_t step) {
   int kind = AMBER_KIND_FULL;
@@ -915,6 +973,7 @@ int main(void) {
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
   TEST_RUN(test_keep_last_in_the_global_writer_prunes_after_each_step);
   TEST_RUN(test_full_share_makes_whole_steps_full);
+  TEST_RUN(test_a_lost_outcome_after_the_publish_leaves_the_step_whole);
   TEST_RUN(test_compact_makes_a_global_step_full_on_every_rank);
   TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
   TEST_RUN(test_any_thread_comm_commits_split_saves_in_the_background);
