@@ -795,8 +795,13 @@ class _CommBridge:
         err, self.error = self.error, None
         if rc < 0 and err is not None:
             e = _error(rc, handle)
-            raise AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: {err})",
-                             name=e.name) from err
+            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
+                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
+                e.rank = err.ranks[0]
+            else:
+                e = AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: "
+                               f"{err})", name=e.name)
+            raise e from err
         return _check(rc, handle)
 
 

@@ -36,6 +36,7 @@ import ctypes
 import json
 import os
 import random
+import socket
 import time
 import warnings
 
@@ -54,38 +55,101 @@ except ImportError:
 _FORMAT = "amber.torch.dist/1"
 
 
+class RankLostError(RuntimeError):
+    """A collective of the Checkpointer failed because rank(s) `ranks` of its group
+    are gone (their process no longer exists); the message names them and carries
+    torch.distributed's own error, which is chained."""
+
+    def __init__(self, ranks, message):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def _dead(pid):
+    """Whether process `pid` of this host has ended (gone, or a zombie: a SIGKILLed
+    rank whose parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+
+
 class TorchComm:
     """amber's collectives (see amber.GlobalWriter) over a torch.distributed group,
     which must have a CPU backend (gloo): allgather of equal-length blobs, broadcast
-    from a group rank, barrier."""
+    from a group rank, barrier.
+
+    A collective that fails because a rank died gives only the transport's words
+    (gloo: "Connection reset by peer", with an address); so the first collective
+    also gathers every rank's host and process id, and a failure then names the
+    ranks of this host whose process has ended (RankLostError). Ranks on other hosts
+    cannot be checked that way: the error then says so, with torch's message."""
 
     def __init__(self, group=None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self._peers = None  # [(host, pid)] by group rank, from the first collective
+
+    def _call(self, what, fn):
+        try:
+            if self._peers is None:
+                out = [None] * self.size
+                dist.all_gather_object(out, (socket.gethostname(), os.getpid()),
+                                       group=self.group)
+                self._peers = out
+            return fn()
+        except RuntimeError as e:  # torch.distributed's errors (DistBackendError, ...)
+            raise self._lost(what, e) from e
+
+    def _lost(self, what, err):
+        if not self._peers:
+            return err
+        host = socket.gethostname()
+        time.sleep(0.2)  # the peer's death reaches the socket before its process table entry
+        gone = [r for r, (h, pid) in enumerate(self._peers)
+                if r != self.rank and h == host and _dead(pid)]
+        if not gone:
+            return err
+        remote = sum(h != host for h, _ in self._peers)
+        which = ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in gone)
+        return RankLostError(gone, f"{which} of the group ended during a collective ({what}) "
+                             f"on rank {self.rank}" +
+                             (f"; {remote} rank(s) on other hosts not checked" if remote else "") +
+                             f": torch.distributed: {str(err).strip()[:300]}")
 
     def allgather(self, data):
         if not data:
             return b""
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
+        self._call("all_gather", lambda: dist.all_gather(out, t, group=self.group))
         return b"".join(o.numpy().tobytes() for o in out)
 
     def broadcast(self, data, root):
         if not data:
             return b""
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(t, group=self.group, group_src=root)
+        self._call("broadcast", lambda: dist.broadcast(t, group=self.group, group_src=root))
         return t.numpy().tobytes()
 
     def barrier(self):
-        dist.barrier(group=self.group)
+        self._call("barrier", lambda: dist.barrier(group=self.group))
 
     def gather_objects(self, obj):
         """Every rank's `obj` (small, JSON-able), in rank order."""
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._call("all_gather_object",
+                   lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
 

@@ -335,6 +335,24 @@ def scenario_killrun(rank, world, d):
                 f.write(str(step))
 
 
+def scenario_killsave(rank, world, d):
+    """Saves every step (only the Checkpointer's collectives: no FSDP here) until the
+    test kills rank 1; the survivor's error must name rank 1: written to
+    DIR/killsave-RANK.txt, and the rank ends."""
+    w = torch.zeros(1 << 16)
+    with Checkpointer(f"{d}/ks") as ck:
+        try:
+            for step in range(1, 100000):
+                w[step % w.numel()] += 1
+                ck.save(step, {"w": w})
+                with open(f"{d}/progress-{rank}", "w") as f:
+                    f.write(str(step))
+        except Exception as e:
+            with open(f"{d}/killsave-{rank}.txt", "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+            os._exit(3)
+
+
 def scenario_killcheck(rank, world, d):
     """After the kill: the store's latest global step loads, and holds exactly what
     an uninterrupted run has at that step."""
@@ -586,7 +604,7 @@ def main():
         # place, as a real model's are, so the fence and its version check are exercised
         amber.torch.CAPTURE_BYTES = 0
     # a rank killed by the test must not leave the others waiting long
-    timeout = 15 if scenario == "killrun" else 60
+    timeout = 15 if scenario in ("killrun", "killsave") else 60
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
