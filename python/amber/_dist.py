@@ -663,7 +663,7 @@ class DistCheckpointer(_at.Checkpointer):
         cands = [s.step for s in _amber.global_steps(self.path)
                  if step is None or s.step <= step]
         if step is not None and step not in cands:
-            cands = [step] + cands  # not committed: GlobalReader names why below
+            return step  # not a committed step: the load's GlobalReader says so
         why = []
         for s in reversed(cands):
             try:
