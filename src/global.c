@@ -5,7 +5,8 @@
  * deltas: everything a single-rank save has); the global commit then exchanges
  * every rank's status and state id with one allgather, rank 0 writes the step's
  * manifest durably and moves STORE/GLOBAL, and a broadcast tells every rank the
- * outcome. A step that fails anywhere is rolled back everywhere: each rank moves
+ * outcome. A step that fails anywhere is rolled back everywhere (unless a collective
+ * itself failed: see fail_local): each rank moves
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
