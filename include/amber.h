@@ -658,7 +658,9 @@ typedef struct amber_global_writer amber_global_writer;
 /* Opens the global writer of store directory `path` (created if missing) for this
  * rank. Collective. opts: each rank's writer options (NULL: defaults); its
  * full_every is applied to the whole step (full or delta is decided for the step,
- * not per rank). What a rank that died in an earlier save left (files of steps
+ * not per rank), its full_share to each rank's own files (a rank whose deltas reach
+ * the share makes the whole step full), its keep_last to the global steps
+ * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
  * usable until amber_global_writer_close. */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
@@ -736,6 +738,18 @@ typedef struct amber_global_save_stats {
  * are unspecified). Not collective. Returns 0, or AMBER_EINVAL for a NULL argument. */
 AMBER_API int amber_global_writer_save_stats(const amber_global_writer *gw,
                                              amber_global_save_stats *out);
+/* With opts.keep_last: the outcome of this rank's part of the prune that followed
+ * the last committed step (call it after amber_global_writer_save or _wait). Rank 0
+ * removes the manifests of the steps before the newest keep_last, then every rank
+ * prunes its own store, keeping every file the kept steps need (as
+ * amber_global_prune); in the background with an AMBER_COMM_ANY_THREAD
+ * communicator, else inside wait. A failed prune does not fail the save; the next
+ * step's prune tries again. Returns 0 or the prune's error code; *removed (may be
+ * NULL) gets the files this rank removed (on rank 0, manifests included),
+ * *message (may be NULL) the error message, owned by the writer and valid until
+ * the next save. Not collective. */
+AMBER_API int amber_global_writer_prune_status(const amber_global_writer *gw, size_t *removed,
+                                               const char **message);
 /* Closes the writer (waiting for a save in progress, whose result is lost: call
  * wait first). Not collective. Accepts NULL. */
 AMBER_API void amber_global_writer_close(amber_global_writer *gw);

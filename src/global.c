@@ -5,11 +5,13 @@
  * deltas: everything a single-rank save has); the global commit then exchanges
  * every rank's status and state id with one allgather, rank 0 writes the step's
  * manifest durably and moves STORE/GLOBAL, and a broadcast tells every rank the
- * outcome. A step that fails anywhere is rolled back everywhere: each rank moves
+ * outcome. A step that fails anywhere is rolled back everywhere (unless a collective
+ * itself failed: see fail_local): each rank moves
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cadence.h"
 #include "global.h"
 
 typedef struct gtensor {
@@ -34,7 +37,8 @@ struct amber_global_writer {
   char *path;
   char rankdir[4096];
   amber_writer_opts opts; /* the rank writers' */
-  uint32_t full_every;    /* the step's cadence */
+  uint32_t full_every;    /* the step's cadence: deltas between fulls at most */
+  amber__cadence share;   /* and this rank's full_share (its own files' bytes) */
   amber_store *st;
   amber_writer *w; /* NULL until the first save, and after a rollback */
   gtensor *t;
@@ -60,6 +64,13 @@ struct amber_global_writer {
   pthread_t committer;
   int committing, commit_rc;
   int drop_w; /* the rank writer is to be closed (after a failed step) */
+  /* Retention (opts.keep_last): after each committed step rank 0 removes the
+   * manifests of the steps before the newest keep_last, then every rank prunes its
+   * own store, keeping what the kept steps need. */
+  uint64_t keep_last;
+  int prune_rc;         /* this rank's part of the prune after the last commit */
+  size_t pruned;        /* files it removed (on rank 0: manifests too) */
+  amber__err prune_err; /* its message when it failed */
   amber_global_save_stats stats; /* of the last save */
 };
 
@@ -135,7 +146,10 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   uint64_t s = gw->latest;
   while (s != AMBER_NO_STEP && n < UINT32_MAX) {
     amber__manifest m;
-    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) break;
+    /* A parent whose manifest retention removed: the chain's length is unknown, so
+     * the next step is full (a chain stays bounded across resumes). */
+    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0)
+      return s == gw->latest ? n : UINT32_MAX;
     uint32_t kind = m.kind;
     if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
       amber__manifest_free(&m);
@@ -149,11 +163,34 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   return n;
 }
 
+/* The full_share counters from this rank's own chain (its files since its last
+ * full one): each rank weighs its own deltas, and any rank's call makes the whole
+ * step full (begin's allgather). */
+static void learn_share(amber_global_writer *gw) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  uint64_t want, full_bytes = 0, deltas = 0, delta_bytes = 0;
+  if (amber_store_latest(gw->st, &want) == 0 && amber__store_list(gw->st, NULL, &info, &n) == 0)
+    for (size_t i = n; i-- > 0;) {
+      if (info[i].step != want) continue;
+      if (info[i].kind == AMBER_KIND_FULL) {
+        full_bytes = info[i].bytes;
+        break;
+      }
+      deltas++, delta_bytes += info[i].bytes;
+      want = info[i].parent;
+    }
+  free(info);
+  amber__cadence_learn(&gw->share, full_bytes, deltas, delta_bytes);
+}
+
 int amber_global_writer_open(amber_global_writer **out, const char *path,
                              const amber_comm *comm, const amber_writer_opts *opts) {
   *out = NULL;
   int rc = amber__comm_check(comm, NULL);
   if (rc < 0) return rc;
+  if (opts && isnan(opts->full_share))
+    return amber__fail(NULL, AMBER_EINVAL, "full_share is NaN");
   amber_global_writer *gw = calloc(1, sizeof *gw);
   if (!gw || !(gw->path = strdup(path))) {
     free(gw);
@@ -164,8 +201,11 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   else amber_writer_opts_init(&gw->opts);
   gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
   gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
+  double share = gw->opts.full_share == 0 ? AMBER__DEFAULT_FULL_SHARE : gw->opts.full_share;
+  amber__cadence_init(&gw->share, UINT32_MAX, share);
   gw->opts.full_share = -1;
-  gw->opts.keep_last = 0;
+  gw->keep_last = gw->opts.keep_last;
+  gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
   amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
   if (mkdir_p(gw->rankdir) < 0) {
     rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
@@ -185,6 +225,7 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   rc = remove_leftovers(gw);
   if (rc < 0) goto fail;
   gw->deltas = count_deltas(gw);
+  learn_share(gw);
   rc = comm->barrier(comm->ctx);
   if (rc < 0) goto fail;
   *out = gw;
@@ -352,7 +393,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   double t0 = amber__now();
   /* Full or delta for the whole step: one byte per rank. */
   uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
-                 gw->deltas >= gw->full_every;
+                 gw->deltas >= gw->full_every || amber__cadence_decide(&gw->share);
   uint8_t *all = malloc((size_t)gw->comm.size);
   if (!all) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   int rc = gw->comm.allgather(gw->comm.ctx, &want, 1, all);
@@ -538,10 +579,12 @@ static int publish(amber_global_writer *gw, const amber__manifest *m, char *why,
 /* After a failed step: this rank's file of it is removed and its store's LATEST
  * moved back (the rank writer is idle by now), and the rank writer is to be
  * dropped (drop_writer: on the caller's thread, since a fence may still use it):
- * its reference may hold state that no global step has. */
-static void fail_local(amber_global_writer *gw) {
+ * its reference may hold state that no global step has. After a failed collective
+ * (`rollback` 0) the file stays: this rank cannot know whether rank 0 published the
+ * step (a manifest naming it), and the next writer on the store removes it if not. */
+static void fail_local(amber_global_writer *gw, int rollback) {
   gw->drop_w = 1;
-  if (gw->present) {
+  if (gw->present && rollback) {
     uint64_t l;
     if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
       rank_rollback(gw, gw->prev_step, gw->prev_state);
@@ -553,6 +596,65 @@ static void drop_writer(amber_global_writer *gw) {
   if (!gw->drop_w) return;
   amber_writer_close(gw->w);
   gw->w = NULL, gw->drop_w = 0;
+}
+
+/* ---- retention ---- */
+
+/* Rank 0, after publishing a step: removes the manifests of the steps before the
+ * newest keep_last and returns the oldest step kept (AMBER_NO_STEP: nothing to
+ * prune, or the removal failed, so that no rank removes files). Manifests first:
+ * a crash in between leaves rank files that no step names, never a step whose
+ * files are gone. */
+static uint64_t prune_manifests(amber_global_writer *gw) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  uint64_t oldest = AMBER_NO_STEP;
+  int rc = amber_global_list(gw->path, &gs, &n);
+  if (rc < 0) {
+    amber__fail(&gw->prune_err, rc, "%s", amber_last_error(NULL));
+  } else if (n > gw->keep_last) {
+    char p[4200];
+    for (size_t i = 0; rc == 0 && i < n - gw->keep_last; i++) {
+      amber__global_manifest_path(gw->path, gs[i].step, p, sizeof p);
+      if (unlink(p) < 0 && errno != ENOENT)
+        rc = amber__fail(&gw->prune_err, amber__errno_code(errno), "cannot remove %s: %s", p,
+                         strerror(errno));
+      else gw->pruned++;
+    }
+    if (rc == 0 && amber__fsync_dir(gw->path) < 0)
+      rc = amber__fail(&gw->prune_err, AMBER_EIO, "%s: fsync of the directory failed",
+                       gw->path);
+    if (rc == 0) oldest = gs[n - gw->keep_last].step;
+  }
+  amber_free(gs);
+  gw->prune_rc = rc;
+  return oldest;
+}
+
+/* Every rank, once rank 0 has removed the old manifests: prunes its own store so
+ * that it keeps every file of steps from `oldest` on and their chains. */
+static void prune_rank_store(amber_global_writer *gw, uint64_t oldest) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0, keep = 0, removed = 0;
+  int rc = amber__store_list(gw->st, &gw->prune_err, &info, &n);
+  for (size_t i = 0; rc == 0 && i < n; i++) keep += info[i].step >= oldest;
+  free(info);
+  /* a rank with no file in the kept steps keeps its older ones (nothing reads them) */
+  if (rc == 0 && keep) rc = amber__store_prune(gw->st, &gw->prune_err, keep, &removed);
+  if (rc < 0) {
+    char m[sizeof gw->prune_err.msg];
+    snprintf(m, sizeof m, "%s", gw->prune_err.msg);
+    amber__fail(&gw->prune_err, rc, "rank %d: %s", gw->comm.rank, m);
+  }
+  gw->pruned += removed;
+  if (gw->prune_rc == 0) gw->prune_rc = rc;
+}
+
+int amber_global_writer_prune_status(const amber_global_writer *gw, size_t *removed,
+                                     const char **message) {
+  if (removed) *removed = gw ? gw->pruned : 0;
+  if (message) *message = gw && gw->prune_rc ? gw->prune_err.msg : NULL;
+  return gw ? gw->prune_rc : AMBER_EINVAL;
 }
 
 int amber_global_writer_wait(amber_global_writer *gw) {
@@ -605,7 +707,7 @@ static int commit(amber_global_writer *gw) {
   double t_vote = amber__now(), t_manifest = t_vote;
   if (crc < 0) { /* the collective itself failed: nobody can know the outcome */
     free(lens);
-    fail_local(gw);
+    fail_local(gw, 0);
     return amber__fail(&gw->err, crc, "step %llu not committed: collective failed",
                        (unsigned long long)gw->step);
   }
@@ -620,17 +722,22 @@ static int commit(amber_global_writer *gw) {
     snprintf(why, sizeof why, "%.*s", (int)ml, (const char *)p + 30);
   }
   /* Every rank has the same votes: rank 0 alone writes, then says how it went. */
-  uint8_t res[4 + 256];
+  int published = 0;
+  uint8_t res[4 + 256 + 8]; /* i32 rc, message, u64 oldest step kept (retention) */
   memset(res, 0, sizeof res);
+  amber__put64(res + 260, AMBER_NO_STEP);
+  gw->prune_rc = 0, gw->pruned = 0;
   if (bad < 0 && gw->comm.rank == 0) {
     amber__manifest m;
     char w2[256] = "";
     int mrc = build_manifest(gw, all, lens, offs, &m, w2, sizeof w2);
     if (mrc == AMBER_ENOMEM && !w2[0]) snprintf(w2, sizeof w2, "out of memory");
     if (mrc == 0) mrc = publish(gw, &m, w2, sizeof w2);
+    published = mrc == 0;
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
+    if (mrc == 0 && gw->keep_last) amber__put64(res + 260, prune_manifests(gw));
     t_manifest = amber__now();
   }
   free(all);
@@ -638,8 +745,15 @@ static int commit(amber_global_writer *gw) {
   if (bad < 0) {
     crc = gw->comm.broadcast(gw->comm.ctx, res, sizeof res, 0);
     if (crc < 0) {
-      fail_local(gw);
-      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed",
+      fail_local(gw, 0);
+      if (published) { /* the step is in GLOBAL: the other ranks may not know it */
+        gw->latest = gw->step;
+        return amber__fail(&gw->err, crc, "step %llu was committed (GLOBAL names it), but the "
+                           "broadcast of the outcome to the other ranks failed",
+                           (unsigned long long)gw->step);
+      }
+      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed (the step "
+                         "is committed only if rank 0 wrote it: see GLOBAL)",
                          (unsigned long long)gw->step);
     }
     brc = (int)amber__get32(res);
@@ -649,7 +763,7 @@ static int commit(amber_global_writer *gw) {
     }
   }
   if (bad >= 0) {
-    fail_local(gw);
+    fail_local(gw, 1);
     return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
                        (unsigned long long)gw->step, bad, amber_strerror(brc), why);
   }
@@ -664,6 +778,12 @@ static int commit(amber_global_writer *gw) {
   gw->latest = gw->step;
   gw->force_full = 0;
   gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  if (gw->present)
+    amber__cadence_record(&gw->share, gw->stats.part.kind != AMBER_KIND_FULL,
+                          gw->stats.part.bytes);
+  /* Retention never fails the save: amber_global_writer_prune_status tells. */
+  uint64_t oldest = amber__get64(res + 260);
+  if (gw->keep_last && oldest != AMBER_NO_STEP) prune_rank_store(gw, oldest);
   return 0;
 }
 

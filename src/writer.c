@@ -46,7 +46,6 @@
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
-#define DEFAULT_FULL_SHARE 0.5
 
 /* One declared tensor. */
 typedef struct decl {
@@ -167,7 +166,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w->opts.chunk_elems) w->opts.chunk_elems = DEFAULT_CHUNK_ELEMS;
   if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
-  if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
+  if (w->opts.full_share == 0) w->opts.full_share = AMBER__DEFAULT_FULL_SHARE;
   amber__cadence_init(&w->cadence, w->opts.full_every, w->opts.full_share);
   amber__saver_init(&w->saver, run_begun, w);
   st->writers++;

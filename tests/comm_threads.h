@@ -9,6 +9,7 @@
 #define AMBER_COMM_THREADS_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,13 +39,21 @@ static int tc_allgather(void *ctx, const void *send, size_t len, void *recv) {
   return 0;
 }
 
+/* Ranks (bit r: rank r) whose next broadcast fails with AMBER_EIO after it has
+ * run (the data reached nobody through it): a connection lost once rank 0 has sent,
+ * as when a peer dies. Each rank clears its own bit as it fails. */
+static _Atomic unsigned long long tc_broadcast_fails;
+
 static int tc_broadcast(void *ctx, void *buf, size_t len, int root) {
   tc_rank *r = ctx;
   if (r->rank == root) r->w->slot[root] = buf;
   pthread_barrier_wait(&r->w->bar);
-  if (r->rank != root && len) memcpy(buf, r->w->slot[root], len);
+  unsigned long long bit = 1ull << r->rank;
+  int fail = (atomic_load(&tc_broadcast_fails) & bit) != 0;
+  if (r->rank != root && len && !fail) memcpy(buf, r->w->slot[root], len);
   pthread_barrier_wait(&r->w->bar);
-  return 0;
+  if (fail) atomic_fetch_and(&tc_broadcast_fails, ~bit);
+  return fail ? AMBER_EIO : 0;
 }
 
 static int tc_barrier(void *ctx) {

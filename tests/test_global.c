@@ -62,7 +62,12 @@ typedef struct job {
   int expect_fail_seen;
   uint32_t full_every;   /* 0: the default */
   uint64_t chunk_elems;  /* 0: the default */
+  uint64_t keep_last;    /* retention; then the store is checked after each step */
+  double full_share;     /* 0: the default */
 } job;
+
+static void check_retention(const job *jb, const amber_comm *c, amber_global_writer *gw,
+                            uint64_t s, int ok);
 
 /* This rank's box of "w" when it is split in `n` parts along one dimension. */
 static void part(int rank, int n, int by_cols, int64_t *off, int64_t *shape) {
@@ -87,6 +92,8 @@ static void rank_main(const amber_comm *c, void *arg) {
   amber_writer_opts_init(&wo);
   wo.full_every = jb->full_every;
   wo.chunk_elems = jb->chunk_elems;
+  wo.keep_last = jb->keep_last;
+  wo.full_share = jb->full_share;
   int rc = amber_global_writer_open(&gw, jb->path, c, &wo);
   RCHECK(rc == 0);
   if (rc < 0) return;
@@ -120,6 +127,7 @@ static void rank_main(const amber_comm *c, void *arg) {
     } else {
       RCHECK(rc == 0);
     }
+    if (jb->keep_last) check_retention(jb, c, gw, s, rc == 0);
   }
   amber_global_writer_close(gw);
   free(w);
@@ -127,7 +135,8 @@ static void rank_main(const amber_comm *c, void *arg) {
 
 static void run_job(const char *path, int n, int by_cols, uint64_t first, uint64_t last,
                     int fail_rank, uint64_t fail_step, const char *policy) {
-  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0, 0};
+  /* deltas whatever their size: the tests pin the chains (full_share has its own) */
+  job jb = {path, by_cols, first, last, fail_rank, fail_step, policy, 0, 0, 0, 0, -1};
   atomic_store(&rank_fails, 0);
   tc_run(n, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -499,7 +508,7 @@ static void test_missing_rank_file_names_the_rank_and_tensor(void) {
 
 static void test_prune_keeps_what_the_kept_steps_need(void) {
   const char *p = tu_tmpdir();
-  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2, 0}; /* full at 1 and 4 */
+  job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 2, 0, 0, -1}; /* full at 1 and 4 */
   atomic_store(&rank_fails, 0);
   tc_run(4, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -520,6 +529,156 @@ static void test_prune_keeps_what_the_kept_steps_need(void) {
   }
   CHECK(tu_system("%s prune %s --keep-last 1 > /dev/null", AMBER_CLI, p) == 0);
   check_read(p, 6, 6, 2, 0, 0);
+}
+
+/* Retention in the global writer: after each step (rank 0 checks while the others
+ * wait) the store holds the newest keep_last committed steps, each rank's store
+ * exactly their files and the chain back to their full step, and every kept step
+ * reads back bit-exactly at another sharding. */
+static uint64_t ret_committed[64], ret_full[64];
+static size_t ret_n;
+
+static void check_retention(const job *jb, const amber_comm *c, amber_global_writer *gw,
+                            uint64_t s, int ok) {
+  size_t removed = 0;
+  const char *msg = NULL;
+  RCHECK(amber_global_writer_prune_status(gw, &removed, &msg) == 0 && msg == NULL);
+  c->barrier(c->ctx);
+  if (c->rank == 0 && ok) {
+    amber_global_save_stats st;
+    RCHECK(amber_global_writer_save_stats(gw, &st) == 0);
+    ret_committed[ret_n] = s, ret_full[ret_n++] = st.part.kind == AMBER_KIND_FULL;
+  }
+  if (c->rank == 0) {
+    size_t keep = ret_n < jb->keep_last ? ret_n : (size_t)jb->keep_last, n = 0;
+    amber_global_step_info *info = NULL;
+    RCHECK(amber_global_list(jb->path, &info, &n) == 0 && n == keep);
+    for (size_t i = 0; i < n && n == keep; i++) {
+      RCHECK(info[i].step == ret_committed[ret_n - keep + i]);
+      check_read(jb->path, info[i].step, info[i].step, 3, 1, 0);
+    }
+    amber_free(info);
+    size_t start = ret_n - keep; /* back to the full step the oldest kept one needs */
+    while (start > 0 && !ret_full[start]) start--;
+    for (int r = 0; r < c->size; r++)
+      for (uint64_t t = 1; t <= s; t++) {
+        int want = 0;
+        for (size_t i = start; i < ret_n; i++) want |= ret_committed[i] == t;
+        char f[4200];
+        snprintf(f, sizeof f, "%s/rank-%05d/ckpt-%020llu.amber", jb->path, r,
+                 (unsigned long long)t);
+        struct stat sb;
+        int have = stat(f, &sb) == 0 && S_ISREG(sb.st_mode);
+        if (have != want) fprintf(stderr, "  rank %d step %llu: file %d, want %d\n", r,
+                                  (unsigned long long)t, have, want);
+        RCHECK(have == want);
+      }
+  }
+  c->barrier(c->ctx);
+}
+
+/* full_share in the global writer: each rank weighs its own deltas against its last
+ * full file, and any rank's call makes the whole step full (the manifest says full
+ * only when every rank's file is). Without it (negative) every later step is a
+ * delta; restores are exact either way. */
+static void test_full_share_makes_whole_steps_full(void) {
+  for (int on = 0; on < 2; on++) {
+    const char *p = tu_tmpdir();
+    job jb = {p, 0, 1, 6, -1, 0, NULL, 0, 1000, 0, 0, on ? 0.3 : -1.0};
+    atomic_store(&rank_fails, 0);
+    tc_run(3, rank_main, &jb);
+    CHECK(atomic_load(&rank_fails) == 0);
+    amber_global_step_info *info = NULL;
+    size_t n = 0, fulls = 0;
+    CHECK_OK(amber_global_list(p, &info, &n));
+    CHECK(n == 6);
+    for (size_t i = 1; i < n; i++) fulls += info[i].kind == AMBER_KIND_FULL;
+    amber_free(info);
+    CHECK(on ? fulls > 0 : fulls == 0);
+    for (uint64_t s = 1; s <= 6; s++) check_read(p, s, s, 2, 1, 0);
+  }
+}
+
+static void test_keep_last_in_the_global_writer_prunes_after_each_step(void) {
+  for (int bg = 0; bg < 2; bg++) { /* the commit inside wait, then in the background */
+    const char *p = tu_tmpdir();
+    tc_flags = bg ? AMBER_COMM_ANY_THREAD : 0;
+    ret_n = 0;
+    /* full every 3rd step; step 5 fails on rank 1 (nothing pruned, the next is full) */
+    job jb = {p, 0, 1, 8, 1, 5, NULL, 0, 2, 0, 2, -1};
+    atomic_store(&rank_fails, 0);
+    tc_run(3, rank_main, &jb);
+    CHECK(atomic_load(&rank_fails) == 0);
+    CHECK(ret_n == 7);
+    /* A writer reopened on the pruned store, at another keep_last: the chain's
+     * manifests are gone, so its first step is full; retention goes on. */
+    job j2 = {p, 0, 9, 11, -1, 0, NULL, 0, 2, 0, 1, -1};
+    atomic_store(&rank_fails, 0);
+    tc_run(3, rank_main, &j2);
+    tc_flags = 0;
+    CHECK(atomic_load(&rank_fails) == 0);
+    CHECK(ret_n == 10 && ret_full[7]);
+    check_read(p, 11, 11, 2, 0, 0);
+    CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
+  }
+}
+
+/* A collective that fails once rank 0 has published the step (the broadcast of the
+ * outcome, lost on every rank, as when a peer dies then): every rank's save fails,
+ * rank 0's saying the step was committed, and no rank removes its file of it, so the
+ * store stays whole at that step; a new writer then goes on from it. */
+static void lost_outcome_main(const amber_comm *c, void *arg) {
+  const char *p = arg;
+  amber_global_writer *gw = NULL;
+  amber_writer_opts wo;
+  amber_writer_opts_init(&wo);
+  wo.full_share = -1;
+  for (uint64_t s = 1; s <= 3; s++) {
+    if (s != 2) RCHECK(amber_global_writer_open(&gw, p, c, &wo) == 0);
+    if (!gw) return;
+    int64_t g[2] = {ROWS, COLS}, off[2], sh[2], bshape[1] = {BIAS};
+    part(c->rank, c->size, 0, off, sh);
+    float w[ROWS * COLS], b[BIAS];
+    fill_w(w, off, sh, s);
+    for (int i = 0; i < BIAS; i++) b[i] = bval(i, s);
+    if (s != 2) {
+      RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+      RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bshape, NULL, NULL, b,
+                                     AMBER_SHARD_REPLICATED) == 0);
+    } else {
+      RCHECK(amber_global_writer_set_data(gw, 0, w) == 0);
+      RCHECK(amber_global_writer_set_data(gw, 1, b) == 0);
+      c->barrier(c->ctx);
+      if (c->rank == 0) atomic_store(&tc_broadcast_fails, (1ull << c->size) - 1);
+      c->barrier(c->ctx);
+    }
+    int rc = amber_global_writer_save(gw, s, 0);
+    if (s == 2) {
+      RCHECK(rc == AMBER_EIO);
+      RCHECK(strstr(amber_last_error(gw), c->rank ? "broadcast of the outcome failed"
+                                                  : "step 2 was committed") != NULL);
+      if (c->rank == 0) fprintf(stderr, "  (expected) %s\n", amber_last_error(gw));
+    } else {
+      RCHECK(rc == 0);
+    }
+    c->barrier(c->ctx);
+    if (s != 1) amber_global_writer_close(gw), gw = NULL;
+  }
+}
+
+static void test_a_lost_outcome_after_the_publish_leaves_the_step_whole(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  tc_run(3, lost_outcome_main, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_step_info *info = NULL;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3);
+  amber_free(info);
+  check_read(p, 2, 2, 2, 1, 0);
+  check_read(p, 3, 3, 4, 0, 0);
+  CHECK(tu_system("%s verify %s > /dev/null", AMBER_CLI, p) == 0);
 }
 
 /* The kind of every rank's file of global step `step` (-1 when a file is missing). */
@@ -742,7 +901,7 @@ static void test_rank_metadata_set_data_and_confirm(void) {
  * it (naming the corruption), and rows around it still read bit-exactly. */
 static void test_region_read_restores_only_the_chunks_it_needs(void) {
   const char *p = tu_tmpdir();
-  job jb = {p, 0, 1, 1, -1, 0, NULL, 0, 0, COLS}; /* by rows; one row per chunk */
+  job jb = {p, 0, 1, 1, -1, 0, NULL, 0, 0, COLS, 0, 0}; /* by rows; one row per chunk */
   atomic_store(&rank_fails, 0);
   tc_run(2, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -812,6 +971,9 @@ int main(void) {
   TEST_RUN(test_save_stats_split_a_rank_part_from_the_global_commit);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);
+  TEST_RUN(test_keep_last_in_the_global_writer_prunes_after_each_step);
+  TEST_RUN(test_full_share_makes_whole_steps_full);
+  TEST_RUN(test_a_lost_outcome_after_the_publish_leaves_the_step_whole);
   TEST_RUN(test_compact_makes_a_global_step_full_on_every_rank);
   TEST_RUN(test_compact_and_prune_refuse_while_a_global_writer_is_open);
   TEST_RUN(test_any_thread_comm_commits_split_saves_in_the_background);

@@ -723,6 +723,8 @@ _gw_fence = _fn("amber_global_writer_fence", c_int, _H)
 _gw_wait = _fn("amber_global_writer_wait", c_int, _H)
 _gw_confirm = _fn("amber_global_writer_confirm", c_int, _H, c_int, c_char_p)
 _gw_close = _fn("amber_global_writer_close", None, _H)
+_gw_prune_status = _fn("amber_global_writer_prune_status", c_int, _H, POINTER(c_size_t),
+                       POINTER(c_char_p))
 _g_is_store = _fn("amber_global_is_store", c_int, c_char_p)
 _g_list = _fn("amber_global_list", c_int, c_char_p, POINTER(POINTER(_GlobalStepInfo)),
               POINTER(c_size_t))
@@ -793,8 +795,13 @@ class _CommBridge:
         err, self.error = self.error, None
         if rc < 0 and err is not None:
             e = _error(rc, handle)
-            raise AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: {err})",
-                             name=e.name) from err
+            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
+                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
+                e.rank = err.ranks[0]
+            else:
+                e = AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: "
+                               f"{err})", name=e.name)
+            raise e from err
         return _check(rc, handle)
 
 
@@ -897,6 +904,16 @@ class GlobalWriter(_Handle):
         every rank, naming the rank that failed."""
         with self._lock:
             self._call(_gw_wait(self._handle()), self._h)
+
+    def prune_status(self):
+        """With keep_last: (code, removed, message) of this rank's part of the prune
+        after the last committed step (rank 0 removes the older steps' manifests,
+        every rank its files that no kept step needs). A failed prune (code < 0)
+        does not fail the save; the next step's prune tries again. Not collective."""
+        with self._lock:
+            n, msg = c_size_t(), c_char_p()
+            rc = _gw_prune_status(self._handle(), byref(n), byref(msg))
+            return (rc, n.value, msg.value.decode("utf-8", "replace") if msg.value else None)
 
 
 class GlobalStepInfo:

@@ -36,6 +36,7 @@ import ctypes
 import json
 import os
 import random
+import socket
 import time
 import warnings
 
@@ -54,38 +55,101 @@ except ImportError:
 _FORMAT = "amber.torch.dist/1"
 
 
+class RankLostError(RuntimeError):
+    """A collective of the Checkpointer failed because rank(s) `ranks` of its group
+    are gone (their process no longer exists); the message names them and carries
+    torch.distributed's own error, which is chained."""
+
+    def __init__(self, ranks, message):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def _dead(pid):
+    """Whether process `pid` of this host has ended (gone, or a zombie: a SIGKILLed
+    rank whose parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+
+
 class TorchComm:
     """amber's collectives (see amber.GlobalWriter) over a torch.distributed group,
     which must have a CPU backend (gloo): allgather of equal-length blobs, broadcast
-    from a group rank, barrier."""
+    from a group rank, barrier.
+
+    A collective that fails because a rank died gives only the transport's words
+    (gloo: "Connection reset by peer", with an address); so the first collective
+    also gathers every rank's host and process id, and a failure then names the
+    ranks of this host whose process has ended (RankLostError). Ranks on other hosts
+    cannot be checked that way: the error then says so, with torch's message."""
 
     def __init__(self, group=None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        self._peers = None  # [(host, pid)] by group rank, from the first collective
+
+    def _call(self, what, fn):
+        try:
+            if self._peers is None:
+                out = [None] * self.size
+                dist.all_gather_object(out, (socket.gethostname(), os.getpid()),
+                                       group=self.group)
+                self._peers = out
+            return fn()
+        except RuntimeError as e:  # torch.distributed's errors (DistBackendError, ...)
+            raise self._lost(what, e) from e
+
+    def _lost(self, what, err):
+        if not self._peers:
+            return err
+        host = socket.gethostname()
+        time.sleep(0.2)  # the peer's death reaches the socket before its process table entry
+        gone = [r for r, (h, pid) in enumerate(self._peers)
+                if r != self.rank and h == host and _dead(pid)]
+        if not gone:
+            return err
+        remote = sum(h != host for h, _ in self._peers)
+        which = ", ".join(f"rank {r} (pid {self._peers[r][1]})" for r in gone)
+        return RankLostError(gone, f"{which} of the group ended during a collective ({what}) "
+                             f"on rank {self.rank}" +
+                             (f"; {remote} rank(s) on other hosts not checked" if remote else "") +
+                             f": torch.distributed: {str(err).strip()[:300]}")
 
     def allgather(self, data):
         if not data:
             return b""
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t, group=self.group)
+        self._call("all_gather", lambda: dist.all_gather(out, t, group=self.group))
         return b"".join(o.numpy().tobytes() for o in out)
 
     def broadcast(self, data, root):
         if not data:
             return b""
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(t, group=self.group, group_src=root)
+        self._call("broadcast", lambda: dist.broadcast(t, group=self.group, group_src=root))
         return t.numpy().tobytes()
 
     def barrier(self):
-        dist.barrier(group=self.group)
+        self._call("barrier", lambda: dist.barrier(group=self.group))
 
     def gather_objects(self, obj):
         """Every rank's `obj` (small, JSON-able), in rank order."""
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._call("all_gather_object",
+                   lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
 
@@ -264,9 +328,8 @@ class DistCheckpointer(_at.Checkpointer):
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
                  readonly=False, threads=0, chunk_elems=0, keep_last=None,
                  process_group=None):
-        if keep_last is not None:
-            raise NotImplementedError("keep_last is not supported by the distributed "
-                                      "Checkpointer yet (use amber.global_prune between runs)")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         if readonly:
             raise NotImplementedError("readonly is not supported by the distributed "
                                       "Checkpointer; any rank may read a step with "
@@ -274,6 +337,9 @@ class DistCheckpointer(_at.Checkpointer):
         self._rules = _at._rules(policy)
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
+        if keep_last:
+            self._wopts["keep_last"] = keep_last
+        self._prune_msg = None
         self.rng = rng
         self.readonly = False
         self.process_group = process_group
@@ -487,6 +553,13 @@ class DistCheckpointer(_at.Checkpointer):
             self._gw.wait()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
+        if "keep_last" in self._wopts:
+            rc, _, msg = self._gw.prune_status()
+            if rc and msg != self._prune_msg:  # once per distinct failure
+                warnings.warn(f"amber: global step saved, but old ones could not be removed "
+                              f"on rank {self.rank} (keep_last={self._wopts['keep_last']}): "
+                              f"{msg}", _amber.PruneWarning, stacklevel=2)
+            self._prune_msg = msg if rc else None
 
     def close(self):
         """Completes the step in progress (collective) and releases the writer."""
@@ -533,17 +606,18 @@ class DistCheckpointer(_at.Checkpointer):
         latest) and returns it, or None for an empty store. Collective in that
         every rank should call it (it completes the step in progress first). Each
         live DTensor gets the box it holds now, read from the shards that overlap
-        it, whatever world size and sharding wrote the step."""
+        it, whatever world size and sharding wrote the step. fallback=True: the
+        newest global step from `step` back that verifies whole on every rank, agreed
+        by all (`skipped` counts the steps passed over)."""
         self._open()
-        if fallback:
-            raise NotImplementedError("fallback is not supported by the distributed "
-                                      "Checkpointer yet")
         self.wait()
         self.skipped = 0
         if self._single_store():
-            return self._load_single(state, step, strict)
+            return self._load_single(state, step, strict, fallback)
         if step is None and not _amber.global_steps(self.path):
             return None
+        if fallback:
+            step = self._agree_on_step(step)
         with GlobalReader(self.path, step) as g:
             done = g.step
             own = self.rank < g.world_size
@@ -579,13 +653,47 @@ class DistCheckpointer(_at.Checkpointer):
             ld.apply()
         return done
 
-    def _load_single(self, state, step, strict):
+    def _agree_on_step(self, step):
+        """load(fallback=True): the newest global step (from `step`, default the
+        latest, back) that verifies whole on every rank, agreed collectively: each
+        rank verifies each candidate (manifest and every rank's files it needs; the
+        reads are repeated on each rank, which also covers ranks that see the store
+        through different mounts), then all learn every rank's verdict. Sets
+        `skipped`; raises AmberError naming each rank's reason when none verifies."""
+        cands = [s.step for s in _amber.global_steps(self.path)
+                 if step is None or s.step <= step]
+        if step is not None and step not in cands:
+            return step  # not a committed step: the load's GlobalReader says so
+        why = []
+        for s in reversed(cands):
+            try:
+                with GlobalReader(self.path, s) as g:
+                    g.verify()
+                mine = None
+            except AmberError as e:
+                mine = str(e)
+            votes = self._comm.gather_objects(mine)
+            bad = [(r, v) for r, v in enumerate(votes) if v]
+            if not bad:
+                if self.skipped:
+                    warnings.warn(f"amber: {self.path}: loading global step {s}, the newest "
+                                  f"that verifies on every rank ({'; '.join(why)})",
+                                  RuntimeWarning, stacklevel=3)
+                return s
+            self.skipped += 1
+            r, v = bad[0]
+            why.append(f"step {s}: rank {r}: {v}")
+        raise AmberError(_amber.ECORRUPT, f"{self.path}: no global step verifies on every "
+                         f"rank: {'; '.join(why) or 'no step committed'}", name="AMBER_ECORRUPT")
+
+    def _load_single(self, state, step, strict, fallback=False):
         """load() of a store written by one process (amber.torch or amber.dcp): every
         rank reads its boxes out of the whole tensors; rank 0 gets the RNG states,
         the others keep theirs."""
         with _amber.Store(self.path, readonly=True, create=False) as st, \
-                st.reader(step) as r:
+                st.reader(step, fallback=fallback) as r:
             done = r.step
+            self.skipped = r.skipped
             raw = r.meta()
             try:
                 meta = json.loads(raw) if raw else None

@@ -106,13 +106,14 @@ def scenario_resume(rank, world, d):
     want = full_state(model, opt)
     torch.manual_seed(100 + rank)
     model, opt = build(0)
-    with Checkpointer(f"{d}/b") as ck:
+    # the tiny model's AdamW deltas are dense: full_share would make some steps full
+    with Checkpointer(f"{d}/b", full_share=-1) as ck:
         run(model, opt, ck, 1, 3)
         kinds = [s.kind for s in ck.steps()]
     del model, opt
     torch.manual_seed(999)  # the restart's own RNG and weights, which the load replaces
     model, opt = build(7)
-    with Checkpointer(f"{d}/b") as ck:
+    with Checkpointer(f"{d}/b", full_share=-1) as ck:
         state = {"model": model, "optim": opt, "extra": {}}
         assert ck.load(state) == 3
         assert state["extra"] == {"step": 3}, state["extra"]
@@ -334,6 +335,24 @@ def scenario_killrun(rank, world, d):
                 f.write(str(step))
 
 
+def scenario_killsave(rank, world, d):
+    """Saves every step (only the Checkpointer's collectives: no FSDP here) until the
+    test kills rank 1; the survivor's error must name rank 1: written to
+    DIR/killsave-RANK.txt, and the rank ends."""
+    w = torch.zeros(1 << 16)
+    with Checkpointer(f"{d}/ks") as ck:
+        try:
+            for step in range(1, 100000):
+                w[step % w.numel()] += 1
+                ck.save(step, {"w": w})
+                with open(f"{d}/progress-{rank}", "w") as f:
+                    f.write(str(step))
+        except Exception as e:
+            with open(f"{d}/killsave-{rank}.txt", "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
+            os._exit(3)
+
+
 def scenario_killcheck(rank, world, d):
     """After the kill: the store's latest global step loads, and holds exactly what
     an uninterrupted run has at that step."""
@@ -355,6 +374,66 @@ def scenario_killcheck(rank, world, d):
         assert torch.equal(got[k], want[k]), f"{k} differs from the uninterrupted run at step {step}"
     if rank == 0:
         json.dump({"step": step}, open(f"{d}/killcheck.json", "w"))
+
+
+def scenario_retention(rank, world, d):
+    """keep_last=2 with a full every 3rd step: after each step the store holds the
+    newest 2 global steps and each rank's store their files back to their full step;
+    then load(fallback=True) passes over a step damaged on one rank's file (every
+    rank agrees on the older step) and fails, naming the rank, when none verifies."""
+    torch.manual_seed(100 + rank)
+    model, opt = build(0)
+    saved = {}
+    with Checkpointer(f"{d}/r", keep_last=2, full_every=2, full_share=-1) as ck:
+        for step in range(1, 7):
+            train_step(model, opt)
+            ck.save(step, {"model": model, "optim": opt, "extra": {"step": step}})
+            ck.wait()
+            saved[step] = full_state(model, opt)
+            steps = [s.step for s in ck.steps()]
+            assert steps == list(range(max(1, step - 1), step + 1)), (step, steps)
+            full = max(f for f in (1, 4) if f <= steps[0])  # 1 F, 2-3 D, 4 F, 5-6 D
+            files = sorted(int(f[5:25]) for f in os.listdir(f"{d}/r/rank-0000{rank}")
+                           if f.startswith("ckpt-") and f.endswith(".amber"))
+            assert files == list(range(full, step + 1)), (step, files)
+    model, opt = build(3)
+    train_step(model, opt)
+    state = {"model": model, "optim": opt, "extra": {}}
+    with Checkpointer(f"{d}/r") as ck:
+        assert ck.load(state) == 6
+        got = full_state(model, opt)
+        for k in saved[6]:
+            assert torch.equal(got[k], saved[6][k]), f"{k} differs at step 6"
+        dist.barrier()
+        if rank == 0:  # damages rank 1's file of step 6 (a delta)
+            f = f"{d}/r/rank-00001/ckpt-{6:020d}.amber"
+            b = bytearray(open(f, "rb").read())
+            b[len(b) // 2] ^= 0xFF
+            open(f, "wb").write(bytes(b))
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert ck.load(state, fallback=True) == 5
+        assert ck.skipped == 1, ck.skipped
+        assert any("step 6: rank" in str(x.message) for x in w), [str(x.message) for x in w]
+        got = full_state(model, opt)
+        for k in saved[5]:
+            assert torch.equal(got[k], saved[5][k]), f"{k} differs at step 5 (fallback)"
+        assert state["extra"] == {"step": 5}, state["extra"]
+        dist.barrier()
+        if rank == 0:  # and the full step 4, which step 5 needs
+            f = f"{d}/r/rank-00000/ckpt-{4:020d}.amber"
+            b = bytearray(open(f, "rb").read())
+            b[len(b) // 2] ^= 0xFF
+            open(f, "wb").write(bytes(b))
+        dist.barrier()
+        try:
+            ck.load(state, fallback=True)
+            raise AssertionError("load(fallback=True) with no step that verifies succeeded")
+        except amber.AmberError as e:
+            assert e.name == "AMBER_ECORRUPT", e
+            assert "no global step verifies on every rank" in e.message, e.message
+            assert "step 6: rank" in e.message and "step 5: rank" in e.message, e.message
 
 
 def _dcp_state(model, opt):
@@ -382,7 +461,7 @@ def scenario_dcp(rank, world, d):
     from amber.dcp import Writer
     torch.manual_seed(100 + rank)
     model, opt = build(0)
-    with Writer(policy="exact") as w:
+    with Writer(policy="exact", full_share=-1) as w:  # deltas, however dense
         for step in range(1, 5):
             train_step(model, opt)
             cid = f"{d}/x/step-{step}"
@@ -525,7 +604,7 @@ def main():
         # place, as a real model's are, so the fence and its version check are exercised
         amber.torch.CAPTURE_BYTES = 0
     # a rank killed by the test must not leave the others waiting long
-    timeout = 15 if scenario == "killrun" else 60
+    timeout = 15 if scenario in ("killrun", "killsave") else 60
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     try:

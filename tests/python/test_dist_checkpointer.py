@@ -83,6 +83,12 @@ def test_a_failing_rank_fails_the_step_on_every_rank_and_the_store_keeps_its_las
     assert cli("verify", f"{d}/f").returncode == 0
 
 
+def test_keep_last_prunes_each_step_and_fallback_agrees_on_a_step_that_verifies(tmp_path):
+    d = str(tmp_path)
+    ranks("retention", 2, d)
+    assert [s["step"] for s in json.loads(cli("ls", f"{d}/r", "--json").stdout)] == [5, 6]
+
+
 def test_ddp_replicated_state_is_written_once_and_loads_on_every_rank(tmp_path):
     d = str(tmp_path)
     ranks("ddp", 2, d)
@@ -186,3 +192,37 @@ def test_sigkill_of_one_rank_leaves_the_last_global_step_restorable(tmp_path):
 
 def test_sigkill_of_all_ranks_leaves_the_last_global_step_restorable(tmp_path):
     _kill_trials(tmp_path, "sigkill_all_ranks", lambda rng: [0, 1])
+
+
+def test_a_rank_killed_during_saves_is_named_by_the_survivor(tmp_path):
+    """SIGKILL of rank 1 while both ranks save every step: rank 0's save fails within
+    a bounded time with an error naming rank 1 (not only gloo's "connection reset")."""
+    d = str(tmp_path)
+    procs = start("killsave", 2, d)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            try:
+                if int(open(f"{d}/progress-1").read() or 0) >= 3:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+        assert all(p.poll() is None for p in procs), "a rank ended before the kill"
+        t0 = time.monotonic()
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        out, _ = procs[0].communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            p.stdout.close()
+    assert procs[0].returncode == 3, out
+    msg = open(f"{d}/killsave-0.txt").read()
+    print(f"rank 0 after {took:.1f} s: {msg}")
+    assert "rank 1 (pid" in msg, msg
+    assert took < 30, took
+    v = cli("verify", f"{d}/ks")
+    assert v.returncode == 0, v.stdout + v.stderr
