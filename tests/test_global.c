@@ -502,6 +502,10 @@ static void test_missing_rank_file_names_the_rank_and_tensor(void) {
   CHECK(strstr(amber_last_error(g), "rank 2") != NULL);
   CHECK(strstr(amber_last_error(g), "tensor 'w'") != NULL);
   CHECK(strstr(amber_last_error(g), "rank-00002") != NULL);
+  /* the rank's own message is wrapped, not garbled by formatting it into itself */
+  fprintf(stderr, "  (expected) %s\n", amber_last_error(g));
+  CHECK(strstr(amber_last_error(g), "rank 2: rank 2") == NULL);
+  CHECK(strstr(amber_last_error(g), "step 1") != NULL);
   CHECK(amber_global_reader_verify(g) < 0);
   amber_global_reader_close(g);
 }
