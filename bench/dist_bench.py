@@ -155,6 +155,7 @@ def worker(a):
                 log(f"{world} ranks, round {r}: loads of the stores saved at {a.saved_at} ranks")
             loads(f, "_other", os.path.join(base, "dcp"), os.path.join(base, "adcp"),
                   os.path.join(base, "ck"))
+            f["loadavg"] = os.getloadavg()[0]
             rounds.append(f)
             continue
         d = os.path.join(base, "dcp")
@@ -256,6 +257,7 @@ def worker(a):
             t_read = direct_read(f["amber_full_bytes"], a.out)
             f["load_floor"] = t_read if t_read else None
         dist.barrier()
+        f["loadavg"] = os.getloadavg()[0]
         rounds.append(f)
 
     # every figure is the slowest rank's (the bytes are global: the same on every rank)
@@ -272,7 +274,6 @@ def worker(a):
                 m["delta_floor"] = m["read_floor"] + m["amber_delta_bytes"] / m.pop("disk_rate")
                 if m.get("load_floor") is None:
                     m["load_floor"] = m["read_floor"] / 2  # no O_DIRECT: memory's pace
-            m["loadavg"] = os.getloadavg()[0]
             out.append(m)
         with open(a.result, "w") as fh:
             json.dump({"params": nparams, "rounds": out}, fh)
@@ -387,7 +388,8 @@ def report(res, markdown):
         S, R, o = r["figures"], r["ratios"], r.get("other")
         cpus = res["config"]["cpus"]
         over = f" ({w} ranks on {cpus} CPUs: oversubscribed)" if int(w) > cpus else ""
-        lines.append(f"\n{w} ranks{over}, load average {r['loadavg']:.2f}:\n")
+        lines.append(f"\n{w} ranks{over}, highest load average at a round's end "
+                     f"{r['loadavg']:.2f}:\n")
         if markdown:
             lines += ["| figure (slowest rank) | seconds (median, min-max) | bytes |", "|---|---|---|"]
         for label, k, b in ROWS:
@@ -465,7 +467,8 @@ def main():
                     f.update(g)
             rs = [ratios(f) for f in rounds]
             res["worlds"][str(w)] = {
-                "other": other, "rounds": rounds, "loadavg": rounds[-1]["loadavg"],
+                "other": other, "rounds": rounds,
+                "loadavg": max(f["loadavg"] for f in rounds),
                 "figures": {k: spread([f[k] for f in rounds]) for k in rounds[0] if k != "loadavg"},
                 "ratios": {k: spread([r[k] for r in rs]) for k in rs[0]}}
     finally:
