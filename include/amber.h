@@ -131,6 +131,16 @@ AMBER_API int amber_dtype_from_name(const char *name);
 /* Frees memory that the library handed to the caller (e.g. amber_store_list). */
 AMBER_API void amber_free(void *p);
 
+/* Progress of long operations, for programs that show it (the CLI on a terminal):
+ * fn(ctx, what, done, total) is called as the work advances, with `what` one of
+ * "save" (a checkpoint's chunks written), "verify" (amber_reader_verify: tensors
+ * checked) or "compact" (amber_store_compact: tensors rewritten), `done` of `total`
+ * bytes (done == total once at the end). It is called from the library's threads,
+ * possibly several at once, and must be quick and thread-safe; it must not call
+ * amber. Process-wide; NULL removes it. Set it while no operation runs. */
+typedef void (*amber_progress_fn)(void *ctx, const char *what, uint64_t done, uint64_t total);
+AMBER_API void amber_set_progress(amber_progress_fn fn, void *ctx);
+
 /* ---- Store -------------------------------------------------------------------- */
 
 typedef struct amber_store amber_store;
@@ -449,6 +459,75 @@ typedef struct amber_save_stats {
  * first save. Returns 0, or AMBER_EINVAL when an argument is NULL. */
 AMBER_API int amber_writer_save_stats(const amber_writer *w, amber_save_stats *out);
 
+/* ---- Pre-selected tensors: the selection made by the caller ----
+ *
+ * For state that lives where amber cannot scan it (a GPU), the caller keeps the
+ * tensor's reference itself, selects on its own device under the tensor's policy,
+ * and hands amber only the selected elements of each chunk. amber encodes, writes
+ * and commits them like any delta (same encodings, checksums, commit protocol and
+ * failure behaviour) and keeps no reference for such a tensor: the caller owns
+ * it, moves it only by what it hands over, and after a failed save puts it back as
+ * it was. A save of a writer with pre-selected tensors goes:
+ *
+ *   amber_writer_plan(w, N, flags, &kind);       // full or delta, chunking, policies
+ *   amber_writer_info(w, i, &info);              // per tensor: chunk_elems, policy
+ *   ... select on the device, copy indices and values to host buffers ...
+ *   amber_writer_set_selection(w, i, sels, info.nchunks);   // each pre-selected tensor
+ *   amber_writer_begin(w, N, flags);             // or amber_writer_save
+ *
+ * Ownership: the selections' indices and values are read until amber_writer_fence
+ * (or wait, or close) returns, as the declared tensors' memory is. */
+
+/* amber_chunk_sel.count: every element of the chunk, values in chunk order. */
+#define AMBER_SELECT_WHOLE UINT64_MAX
+
+/* What one chunk of a pre-selected tensor stores in a save. */
+typedef struct amber_chunk_sel {
+  uint64_t count;      /* selected elements (0: unchanged), or AMBER_SELECT_WHOLE */
+  const uint32_t *idx; /* count strictly increasing indices within the chunk, each
+                          below its element count; ignored for AMBER_SELECT_WHOLE */
+  const void *vals;    /* the selected elements' new values, count (or, whole, the
+                          chunk's) elements of the tensor's dtype, little-endian */
+} amber_chunk_sel;
+
+/* Declares a pre-selected tensor: as amber_writer_add, without memory to read; each
+ * save takes its chunks from amber_writer_set_selection instead. Policies apply
+ * to it as to any tensor (amber_writer_info tells which): the caller's selection
+ * must follow them, amber records the policy but cannot check it. */
+AMBER_API int amber_writer_add_preselected(amber_writer *w, const char *name, int dtype,
+                                           uint32_t ndim, const int64_t *shape,
+                                           size_t *index);
+
+/* Decides what the next save of `step` with `flags` will be and fixes it: *kind
+ * gets AMBER_KIND_FULL or AMBER_KIND_DELTA, and an amber_writer_begin or
+ * amber_writer_save of the same step and flags that follows makes that kind of
+ * save (any other request decides again). It also fixes the declarations and
+ * their chunking on the first call, and resolves each tensor's policy. The same
+ * checks as a save (AMBER_EEXIST for a step not after the latest, ...);
+ * AMBER_EBUSY while a save is in progress, and a failure of the last save not
+ * yet reported is returned (as amber_writer_begin does). */
+AMBER_API int amber_writer_plan(amber_writer *w, uint64_t step, uint32_t flags,
+                                uint32_t *kind);
+
+/* Tensor `index` as the writer will save it: name, dtype, shape, chunk_elems and
+ * nchunks (final once amber_writer_plan or a save has run), and policy (the spec
+ * resolved by the last plan or save, "exact" before; owned by the writer, valid
+ * until its next plan or save). stored_bytes and stored_elems are 0. */
+struct amber_tensor_info; /* below, with the reader */
+AMBER_API int amber_writer_info(const amber_writer *w, size_t index,
+                                struct amber_tensor_info *out);
+
+/* Gives pre-selected tensor `index` its selection for the next save: `nchunks`
+ * (its nchunks) entries, chunk j's in chunks[j] (the array is copied; what it points
+ * to is not). Call it after amber_writer_plan, for every pre-selected tensor before
+ * each save; a save consumes the selections. In a full save every chunk must be
+ * AMBER_SELECT_WHOLE. Counts and pointers are checked here and when the save
+ * begins (AMBER_EINVAL, nothing starts); the indices are checked while the chunk is
+ * encoded: an unsorted or out-of-range index fails the save with AMBER_EINVAL
+ * naming the tensor and chunk, and nothing is committed. */
+AMBER_API int amber_writer_set_selection(amber_writer *w, size_t index,
+                                         const amber_chunk_sel *chunks, uint64_t nchunks);
+
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
@@ -541,9 +620,10 @@ AMBER_API int amber_reader_verify(amber_reader *r);
  * amber_comm (libamber_mpi's amber_mpi.h makes one from an MPI_Comm). */
 
 /* The collectives amber needs. Each returns 0 or a negative AMBER_E* code, and is
- * called by every rank in the same order (collectively). amber calls them from the
- * thread that calls the amber_global_* function (for split saves, the thread of
- * amber_global_writer_wait), never from two threads at once. */
+ * called by every rank in the same order (collectively), never from two threads at
+ * once. amber calls them from the thread that calls the amber_global_* function
+ * (for split saves, the thread of amber_global_writer_wait), unless the
+ * communicator is flagged AMBER_COMM_ANY_THREAD. */
 typedef struct amber_comm {
   int rank;  /* this process's rank, 0 .. size-1 */
   int size;  /* number of ranks */
@@ -555,8 +635,16 @@ typedef struct amber_comm {
   /* Returns once every rank has called it. */
   int (*barrier)(void *ctx);
   void *ctx;              /* passed to the functions above */
-  uint64_t reserved[4];   /* must be zero */
+  uint64_t flags;         /* AMBER_COMM_* */
+  uint64_t reserved[3];   /* must be zero */
 } amber_comm;
+
+/* amber_comm.flags: the collectives may be called from a thread that amber starts,
+ * while the program goes on using its own communicators on its threads (for MPI:
+ * a duplicated communicator under MPI_THREAD_MULTIPLE, as libamber_mpi sets it).
+ * A split save's global commit then runs in the background from begin on,
+ * instead of inside amber_global_writer_wait. */
+#define AMBER_COMM_ANY_THREAD (1u << 0)
 
 /* The communicator of a job of one rank (rank 0, size 1). Static; never freed. */
 AMBER_API const amber_comm *amber_comm_self(void);
@@ -570,7 +658,9 @@ typedef struct amber_global_writer amber_global_writer;
 /* Opens the global writer of store directory `path` (created if missing) for this
  * rank. Collective. opts: each rank's writer options (NULL: defaults); its
  * full_every is applied to the whole step (full or delta is decided for the step,
- * not per rank). What a rank that died in an earlier save left (files of steps
+ * not per rank), its full_share to each rank's own files (a rank whose deltas reach
+ * the share makes the whole step full), its keep_last to the global steps
+ * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
  * usable until amber_global_writer_close. */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
@@ -585,6 +675,17 @@ AMBER_API int amber_global_writer_add(amber_global_writer *gw, const char *name,
                                       uint32_t ndim, const int64_t *global_shape,
                                       const int64_t *offsets, const int64_t *local_shape,
                                       const void *data, uint32_t flags);
+/* Points tensor `index` (declaration order, from 0) at new memory of the same size,
+ * as amber_writer_set_data; not while a save of this rank reads it (AMBER_EBUSY). */
+AMBER_API int amber_global_writer_set_data(amber_global_writer *gw, size_t index,
+                                           const void *data);
+/* Sets this rank's metadata (as amber_writer_set_meta: JSON, copied; len 0 removes
+ * it) for later saves. It is stored in this rank's own file of each step, so each
+ * rank keeps its own (RNG states, counters); a rank with metadata writes a file of
+ * the step even when it declares no tensor of its own. Read it back with
+ * amber_global_reader_meta. */
+AMBER_API int amber_global_writer_set_meta(amber_global_writer *gw, const char *json,
+                                           size_t len);
 /* As amber_writer_add_policy, for this rank's files. */
 AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule);
 /* Saves global step `step` and commits it. Collective. When it returns 0 on one
@@ -592,19 +693,63 @@ AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char
  * rank fails, every rank returns the same error (the code of the lowest failing
  * rank; AMBER_EMISMATCH when the ranks' declarations disagree or their shards do
  * not tile a tensor) whose message names the failing rank and its reason; nothing of the step is visible, every rank's own files of the step
- * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL. */
+ * are removed and the next save is full on every rank. flags: AMBER_SAVE_FULL
+ * (and, for begin, AMBER_SAVE_CONFIRM: see amber_global_writer_confirm). */
 AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t flags);
-/* The split save. begin and fence act on this rank's files only and call no
- * collective except one allgather at begin (to decide full or delta for the step);
- * the commit's collectives (status exchange, manifest, LATEST) run inside
- * amber_global_writer_wait, on the caller's thread: a communicator need not be
- * usable from a second thread. The cost: the global commit is not complete until
- * every rank has called wait. Ownership of the tensors' memory as for
- * amber_writer_begin/fence. */
+/* The split save. begin calls one allgather (to decide full or delta for the step)
+ * and starts this rank's part. The commit's collectives (status exchange, manifest,
+ * GLOBAL) run inside amber_global_writer_wait, on the caller's thread, so that a
+ * communicator need not be usable from a second thread; the cost is that the global
+ * commit is not complete until every rank has called wait, and that wait spends the
+ * commit's time (collectives and the manifest's fsyncs) on the caller's thread. With
+ * a communicator flagged AMBER_COMM_ANY_THREAD they run instead on a thread that
+ * begin starts (unless the save is begun with AMBER_SAVE_CONFIRM): the step commits
+ * in the background as soon as every rank's part is durable, and wait only collects
+ * the outcome. Until wait returns, set_data, add_policy and begin return
+ * AMBER_EBUSY. Ownership of the tensors' memory as for amber_writer_begin/fence. */
 AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);
 AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
+/* The verdict on a save begun with AMBER_SAVE_CONFIRM, as amber_writer_confirm, for
+ * this rank's part: not ok makes this rank's part fail (AMBER_ECHANGED, message
+ * ending with `why`), and so the step on every rank, naming this rank. A rank that
+ * writes nothing of the step ignores it. Not collective. */
+AMBER_API int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why);
+/* Where the time of the global writer's last save went on this rank: for
+ * profiling, and what `amber bench --ranks` prints. Wall-clock seconds. */
+typedef struct amber_global_save_stats {
+  amber_save_stats part;  /* this rank's own file, as amber_writer_save_stats (all
+                             zero when the rank wrote nothing of the step) */
+  double part_s;          /* begin until this rank's part was durable and committed in
+                             its own store (for a split save: until wait saw it so) */
+  double vote_s;          /* the allgather of every rank's outcome: includes waiting for
+                             the ranks that finish their parts later */
+  double manifest_s;      /* rank 0: checking the votes, writing the manifest durably
+                             and moving GLOBAL; 0 on the other ranks */
+  double outcome_s;       /* the broadcast of rank 0's outcome */
+  double commit_s;        /* vote_s + manifest_s + outcome_s: the global commit */
+  double total_s;         /* begin until the step was committed */
+  uint64_t reserved[4];   /* zero */
+} amber_global_save_stats;
+
+/* Fills `out` with the figures of this rank's last save (call it after
+ * amber_global_writer_save or _wait returned 0; after a failed save the figures
+ * are unspecified). Not collective. Returns 0, or AMBER_EINVAL for a NULL argument. */
+AMBER_API int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                             amber_global_save_stats *out);
+/* With opts.keep_last: the outcome of this rank's part of the prune that followed
+ * the last committed step (call it after amber_global_writer_save or _wait). Rank 0
+ * removes the manifests of the steps before the newest keep_last, then every rank
+ * prunes its own store, keeping every file the kept steps need (as
+ * amber_global_prune); in the background with an AMBER_COMM_ANY_THREAD
+ * communicator, else inside wait. A failed prune does not fail the save; the next
+ * step's prune tries again. Returns 0 or the prune's error code; *removed (may be
+ * NULL) gets the files this rank removed (on rank 0, manifests included),
+ * *message (may be NULL) the error message, owned by the writer and valid until
+ * the next save. Not collective. */
+AMBER_API int amber_global_writer_prune_status(const amber_global_writer *gw, size_t *removed,
+                                               const char **message);
 /* Closes the writer (waiting for a save in progress, whose result is lost: call
  * wait first). Not collective. Accepts NULL. */
 AMBER_API void amber_global_writer_close(amber_global_writer *gw);
@@ -628,10 +773,19 @@ AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
 
 /* Keeps the newest `keep_last` (>= 1) global steps of store `path` and removes the
  * others' manifests, then prunes each rank's store so that it keeps every file the
- * kept steps need (as amber_store_prune does, per rank). Takes each rank store's
- * writer lock in turn: AMBER_ELOCKED while a global writer is open. *removed (may
+ * kept steps need (as amber_store_prune does, per rank). Takes every rank store's
+ * writer lock first: AMBER_ELOCKED, with nothing removed, while a global writer
+ * is open. *removed (may
  * be NULL) gets the number of global steps removed. */
 AMBER_API int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed);
+
+/* Makes global step `step` (AMBER_LATEST: the latest) of store `path` full on every
+ * rank: each rank's file of the step is rewritten as a full checkpoint with the same
+ * state id (as amber_store_compact, verified first), then the manifest says the
+ * step is full. Later steps stay valid. Takes every rank store's writer lock first:
+ * AMBER_ELOCKED while a global writer is open. *compacted (may be NULL) gets the
+ * number of rank files rewritten (0 when the step was full already). */
+AMBER_API int amber_global_compact(const char *path, uint64_t step, size_t *compacted);
 
 typedef struct amber_global_reader amber_global_reader;
 
@@ -672,6 +826,11 @@ AMBER_API int amber_global_reader_find(const amber_global_reader *g, const char 
 AMBER_API int amber_global_reader_read(amber_global_reader *g, size_t index,
                                        const int64_t *offsets, const int64_t *shape,
                                        void *buf, uint64_t size);
+/* Rank `rank`'s metadata of the step (amber_global_writer_set_meta): *json (owned
+ * by the reader, valid until it closes) and *len; NULL/0 when that rank stored
+ * none. AMBER_ERANGE when the step's world size has no such rank. */
+AMBER_API int amber_global_reader_meta(amber_global_reader *g, uint32_t rank,
+                                       const char **json, size_t *len);
 /* Checks the manifest and every rank's files that the step needs. */
 AMBER_API int amber_global_reader_verify(amber_global_reader *g);
 

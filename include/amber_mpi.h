@@ -23,10 +23,12 @@ extern "C" {
 /* Fills *out with an amber_comm over a duplicate of `comm` (MPI_Comm_dup: amber's
  * collectives never match the job's own messages). Collective over `comm`; MPI
  * must be initialized. Returns 0, or AMBER_EIO when MPI fails, AMBER_ENOMEM.
- * Thread safety: amber calls the collectives from the thread that calls the
- * amber_global_* functions (for split saves, amber_global_writer_wait), so
- * MPI_THREAD_FUNNELED or above suffices when that is the thread that initialized
- * MPI, MPI_THREAD_SERIALIZED otherwise. */
+ * Thread safety: when MPI was initialized with MPI_THREAD_MULTIPLE, the
+ * communicator is flagged AMBER_COMM_ANY_THREAD and a split save's commit runs on
+ * a thread of amber's, beside the job's own MPI calls. Otherwise amber calls the
+ * collectives from the thread that calls the amber_global_* functions (for split
+ * saves, amber_global_writer_wait), so MPI_THREAD_FUNNELED or above suffices when
+ * that is the thread that initialized MPI, MPI_THREAD_SERIALIZED otherwise. */
 AMBER_API int amber_mpi_comm_init(amber_comm *out, MPI_Comm comm);
 /* Frees the duplicate communicator (collective, as MPI_Comm_free). Accepts a
  * zeroed or already freed amber_comm. */

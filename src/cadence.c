@@ -35,7 +35,8 @@ void amber__cadence_record(amber__cadence *c, int delta, uint64_t bytes) {
      * and more to restore: write fulls for a while, twice as long each time. */
     if (c->full_share > 0 && c->last_full_bytes &&
         (double)bytes >= c->full_share * (double)c->last_full_bytes) {
-      c->dense_backoff = c->dense_backoff ? (c->dense_backoff >= 16 ? 32 : 2 * c->dense_backoff) : 1;
+      uint32_t b = c->dense_backoff;
+      c->dense_backoff = b ? (b >= 16 ? 32 : 2 * b) : 1;
       c->fulls_to_go = c->dense_backoff;
     } else {
       c->dense_backoff = 0;

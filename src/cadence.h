@@ -10,6 +10,9 @@
 
 #include <stdint.h>
 
+/* full_share when the options leave it 0 */
+#define AMBER__DEFAULT_FULL_SHARE 0.5
+
 typedef struct amber__cadence {
   uint32_t full_every; /* deltas between fulls at most (UINT32_MAX: no limit) */
   double full_share;   /* a full once the deltas' bytes reach this share of it */

@@ -19,12 +19,6 @@
 
 #define SLICE (256u << 10)
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 int amber__scratch_init(amber__scratch *s, size_t max_bytes, size_t max_elems, int prefault) {
   size_t mb = max_bytes ? max_bytes : 1, zb = amber__zstd_bound(mb + 16);
   size_t ib = max_elems * sizeof(uint32_t);
@@ -122,16 +116,16 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
      * moves one element per save: without a CAP it would otherwise never move. */
     if (!a.budget && rule->policy.frac > 0) a.budget = 1;
   }
-  double t0 = now_s();
+  double t0 = amber__now();
   size_t k = amber__scan(&a);
-  double t1 = now_s();
+  double t1 = amber__now();
   s->scan_s += t1 - t0;
   c->stored = k;
   if (k == 0) {
     c->encoding = AMBER__ENC_UNCHANGED;
     c->checksum = 0;
     amber__ckpt_append(src->out, c, NULL, 0);
-    s->encode_s += now_s() - t1;
+    s->encode_s += amber__now() - t1;
     return;
   }
   /* Exact policy with dense changes: also try the XOR with the old reference,
@@ -185,5 +179,5 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   }
   c->checksum = amber__xxh3(payload, plen);
   amber__ckpt_append(src->out, c, payload, plen);
-  s->encode_s += now_s() - t1;
+  s->encode_s += amber__now() - t1;
 }

@@ -26,7 +26,7 @@ static int self_barrier(void *ctx) {
 }
 
 static const amber_comm comm_self = {0, 1, self_allgather, self_broadcast, self_barrier,
-                                     NULL, {0}};
+                                     NULL, AMBER_COMM_ANY_THREAD, {0}};
 
 const amber_comm *amber_comm_self(void) {
   return &comm_self;
@@ -37,7 +37,10 @@ int amber__comm_check(const amber_comm *c, amber__err *e) {
       c->rank >= c->size || (uint32_t)c->size > AMBER__MF_MAX_WORLD)
     return amber__fail(e, AMBER_EINVAL, "invalid communicator (rank %d of %d)",
                        c ? c->rank : -1, c ? c->size : 0);
-  for (int i = 0; i < 4; i++)
+  if (c->flags & ~(uint64_t)AMBER_COMM_ANY_THREAD)
+    return amber__fail(e, AMBER_EINVAL, "communicator: unknown flags 0x%llx",
+                       (unsigned long long)c->flags);
+  for (int i = 0; i < 3; i++)
     if (c->reserved[i])
       return amber__fail(e, AMBER_EINVAL, "communicator: reserved fields must be zero");
   return 0;

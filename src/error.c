@@ -55,11 +55,16 @@ const char *amber_last_error(const void *handle) {
 }
 
 int amber__fail(amber__err *e, int code, const char *fmt, ...) {
+  /* Formatted apart first: callers wrap an earlier message ("rank 1: %s" with
+   * amber_last_error(NULL), or a handle's own message), which may be the very
+   * buffer written here; vsnprintf into its own argument garbles it. */
+  char msg[sizeof tls_msg];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+  vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (e && e->msg != tls_msg) memcpy(e->msg, tls_msg, sizeof tls_msg);
+  memcpy(tls_msg, msg, sizeof tls_msg);
+  if (e && e->msg != tls_msg) memcpy(e->msg, msg, sizeof msg);
   return code;
 }
 

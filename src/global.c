@@ -5,17 +5,21 @@
  * deltas: everything a single-rank save has); the global commit then exchanges
  * every rank's status and state id with one allgather, rank 0 writes the step's
  * manifest durably and moves STORE/GLOBAL, and a broadcast tells every rank the
- * outcome. A step that fails anywhere is rolled back everywhere: each rank moves
+ * outcome. A step that fails anywhere is rolled back everywhere (unless a collective
+ * itself failed: see fail_local): each rank moves
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
 #include <errno.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cadence.h"
 #include "global.h"
 
 typedef struct gtensor {
@@ -33,22 +37,41 @@ struct amber_global_writer {
   char *path;
   char rankdir[4096];
   amber_writer_opts opts; /* the rank writers' */
-  uint32_t full_every;    /* the step's cadence */
+  uint32_t full_every;    /* the step's cadence: deltas between fulls at most */
+  amber__cadence share;   /* and this rank's full_share (its own files' bytes) */
   amber_store *st;
   amber_writer *w; /* NULL until the first save, and after a rollback */
   gtensor *t;
   size_t nt;
   char **pol;
   size_t npol;
+  char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
+  size_t meta_len;
+  int has_meta;
   int saved;                 /* a save was begun: declarations are fixed */
   uint64_t latest;           /* the last global commit, AMBER_NO_STEP for none */
   uint32_t deltas;           /* delta steps since the last full step */
   int force_full;            /* after a failed step */
   /* the save in progress */
-  int busy, begin_rc, present, full;
+  int busy, begin_rc, present, full, gated;
   uint64_t step;
   uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
   char begin_msg[256];
+  double t_begin;               /* when the save in progress began */
+  /* With an AMBER_COMM_ANY_THREAD communicator: the commit of the save in progress
+   * runs on this thread, started by fence and joined by wait; until then the
+   * training thread touches nothing that it uses (w, st, the step's state). */
+  pthread_t committer;
+  int committing, commit_rc;
+  int drop_w; /* the rank writer is to be closed (after a failed step) */
+  /* Retention (opts.keep_last): after each committed step rank 0 removes the
+   * manifests of the steps before the newest keep_last, then every rank prunes its
+   * own store, keeping what the kept steps need. */
+  uint64_t keep_last;
+  int prune_rc;         /* this rank's part of the prune after the last commit */
+  size_t pruned;        /* files it removed (on rank 0: manifests too) */
+  amber__err prune_err; /* its message when it failed */
+  amber_global_save_stats stats; /* of the last save */
 };
 
 /* ---- small helpers ---- */
@@ -66,7 +89,7 @@ static int mkdir_p(const char *path) {
 }
 
 /* Moves the rank store's LATEST back to `step` (state `state`; AMBER_NO_STEP:
- * empty) and removes its files of later steps. The writer must be closed. */
+ * empty) and removes its files of later steps. The rank writer must be idle. */
 static int rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
@@ -114,14 +137,24 @@ static int remove_leftovers(amber_global_writer *gw) {
   return rank_rollback(gw, keep, state);
 }
 
-/* Delta steps since the last full one, from the manifests. */
+/* Delta steps since the last full one, from the manifests. When the latest step
+ * was written at another world size (a job resumed at another rank count), the
+ * ranks' own stores hold other shards than they will write now, so the next step
+ * must be full everywhere: that is returned as UINT32_MAX. */
 static uint32_t count_deltas(amber_global_writer *gw) {
   uint32_t n = 0;
   uint64_t s = gw->latest;
   while (s != AMBER_NO_STEP && n < UINT32_MAX) {
     amber__manifest m;
-    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) break;
+    /* A parent whose manifest retention removed: the chain's length is unknown, so
+     * the next step is full (a chain stays bounded across resumes). */
+    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0)
+      return s == gw->latest ? n : UINT32_MAX;
     uint32_t kind = m.kind;
+    if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
+      amber__manifest_free(&m);
+      return UINT32_MAX;
+    }
     s = m.parent;
     amber__manifest_free(&m);
     if (kind == AMBER_KIND_FULL) break;
@@ -130,11 +163,34 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   return n;
 }
 
+/* The full_share counters from this rank's own chain (its files since its last
+ * full one): each rank weighs its own deltas, and any rank's call makes the whole
+ * step full (begin's allgather). */
+static void learn_share(amber_global_writer *gw) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  uint64_t want, full_bytes = 0, deltas = 0, delta_bytes = 0;
+  if (amber_store_latest(gw->st, &want) == 0 && amber__store_list(gw->st, NULL, &info, &n) == 0)
+    for (size_t i = n; i-- > 0;) {
+      if (info[i].step != want) continue;
+      if (info[i].kind == AMBER_KIND_FULL) {
+        full_bytes = info[i].bytes;
+        break;
+      }
+      deltas++, delta_bytes += info[i].bytes;
+      want = info[i].parent;
+    }
+  free(info);
+  amber__cadence_learn(&gw->share, full_bytes, deltas, delta_bytes);
+}
+
 int amber_global_writer_open(amber_global_writer **out, const char *path,
                              const amber_comm *comm, const amber_writer_opts *opts) {
   *out = NULL;
   int rc = amber__comm_check(comm, NULL);
   if (rc < 0) return rc;
+  if (opts && isnan(opts->full_share))
+    return amber__fail(NULL, AMBER_EINVAL, "full_share is NaN");
   amber_global_writer *gw = calloc(1, sizeof *gw);
   if (!gw || !(gw->path = strdup(path))) {
     free(gw);
@@ -145,8 +201,11 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   else amber_writer_opts_init(&gw->opts);
   gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
   gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
+  double share = gw->opts.full_share == 0 ? AMBER__DEFAULT_FULL_SHARE : gw->opts.full_share;
+  amber__cadence_init(&gw->share, UINT32_MAX, share);
   gw->opts.full_share = -1;
-  gw->opts.keep_last = 0;
+  gw->keep_last = gw->opts.keep_last;
+  gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
   amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
   if (mkdir_p(gw->rankdir) < 0) {
     rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
@@ -166,6 +225,7 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   rc = remove_leftovers(gw);
   if (rc < 0) goto fail;
   gw->deltas = count_deltas(gw);
+  learn_share(gw);
   rc = comm->barrier(comm->ctx);
   if (rc < 0) goto fail;
   *out = gw;
@@ -178,14 +238,43 @@ fail:
 
 void amber_global_writer_close(amber_global_writer *gw) {
   if (!gw) return;
+  if (gw->committing) pthread_join(gw->committer, NULL);
   amber_writer_close(gw->w);
   amber_store_close(gw->st);
   for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name);
   for (size_t i = 0; i < gw->npol; i++) free(gw->pol[i]);
   free(gw->t);
   free(gw->pol);
+  free(gw->meta);
   free(gw->path);
   free(gw);
+}
+
+int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const void *data) {
+  if (index >= gw->nt)
+    return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
+                       index, gw->nt);
+  if ((gw->busy && gw->present && !gw->begin_rc) || gw->committing)
+    return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
+                       gw->t[index].name);
+  gw->t[index].data = data;
+  if (!gw->w || !gw->t[index].local) return 0;
+  size_t li = 0; /* its index in the rank writer: local tensors in declaration order */
+  for (size_t i = 0; i < index; i++) li += gw->t[i].local != 0;
+  int rc = amber_writer_set_data(gw->w, li, data);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
+}
+
+int amber_global_writer_set_meta(amber_global_writer *gw, const char *json, size_t len) {
+  if (len && !json) return amber__fail(&gw->err, AMBER_EINVAL, "set_meta: NULL metadata");
+  char *m = NULL;
+  if (len) {
+    if (!(m = malloc(len))) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+    memcpy(m, json, len);
+  }
+  free(gw->meta);
+  gw->meta = m, gw->meta_len = len, gw->has_meta = len != 0;
+  return 0;
 }
 
 int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
@@ -230,6 +319,8 @@ int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype
 }
 
 int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
+  if (gw->committing)
+    return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress (wait for it first)");
   char **np = realloc(gw->pol, (gw->npol + 1) * sizeof *np);
   if (!np) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   gw->pol = np;
@@ -264,22 +355,45 @@ static int ensure_writer(amber_global_writer *gw) {
   return rc;
 }
 
+/* Whether this rank writes a file for the step: it holds a tensor of its own, or
+ * metadata (a rank's RNG state and counters are its own even when every tensor
+ * it holds is replicated). */
 static int any_local(const amber_global_writer *gw) {
   for (size_t i = 0; i < gw->nt; i++)
     if (gw->t[i].local) return 1;
+  return gw->has_meta;
+}
+
+static int commit(amber_global_writer *gw);
+
+static void *commit_main(void *arg) {
+  amber_global_writer *gw = arg;
+  gw->commit_rc = commit(gw);
+  return NULL;
+}
+
+/* With a communicator usable from any thread, the rest of the save (this rank's part
+ * durable, the vote, the manifest, the outcome) goes on a thread of its own from
+ * here, overlapping the training's next forward and backward pass; wait joins it.
+ * A save that awaits a confirm keeps its commit in wait, after the verdict. If the
+ * thread cannot start, wait commits as without the flag. */
+static int start_commit(amber_global_writer *gw) {
+  if ((gw->comm.flags & AMBER_COMM_ANY_THREAD) && !gw->gated)
+    gw->committing = pthread_create(&gw->committer, NULL, commit_main, gw) == 0;
   return 0;
 }
 
 int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
-  if (flags & ~(uint32_t)AMBER_SAVE_FULL)
+  if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
     return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
     return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
                        (unsigned long long)step, (unsigned long long)gw->latest);
+  double t0 = amber__now();
   /* Full or delta for the whole step: one byte per rank. */
   uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
-                 gw->deltas >= gw->full_every;
+                 gw->deltas >= gw->full_every || amber__cadence_decide(&gw->share);
   uint8_t *all = malloc((size_t)gw->comm.size);
   if (!all) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   int rc = gw->comm.allgather(gw->comm.ctx, &want, 1, all);
@@ -288,25 +402,46 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   free(all);
   if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
   gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
+  gw->t_begin = t0;
+  memset(&gw->stats, 0, sizeof gw->stats);
   gw->present = any_local(gw);
-  if (!gw->present) return 0;
+  gw->gated = 0;
+  if (!gw->present) return start_commit(gw);
   rc = amber__store_state(gw->st, &gw->err, &gw->prev_step, &gw->prev_state);
   if (rc == AMBER_ENOENT) gw->prev_step = AMBER_NO_STEP, rc = 0;
   if (rc == 0) rc = ensure_writer(gw);
   if (rc == 0) {
-    rc = amber_writer_begin(gw->w, step, gw->full ? AMBER_SAVE_FULL : 0);
+    rc = amber_writer_set_meta(gw->w, gw->has_meta ? gw->meta : NULL, gw->meta_len);
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  }
+  if (rc == 0) {
+    uint32_t wf = (gw->full ? AMBER_SAVE_FULL : 0u) | (flags & AMBER_SAVE_CONFIRM);
+    rc = amber_writer_begin(gw->w, step, wf);
+    gw->gated = rc == 0 && (flags & AMBER_SAVE_CONFIRM);
     if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
   }
   if (rc < 0) {
     gw->begin_rc = rc;
     snprintf(gw->begin_msg, sizeof gw->begin_msg, "%.255s", gw->err.msg);
   }
-  return 0; /* a failure here is this rank's vote, reported by wait on every rank */
+  /* a failure here is this rank's vote, reported by wait on every rank */
+  return start_commit(gw);
 }
 
 int amber_global_writer_fence(amber_global_writer *gw) {
+  /* The rank writer's fence and wait may run at once (its saver serializes them),
+   * and the committer never closes the rank writer (wait does, after the join). */
   if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
   return amber_writer_fence(gw->w);
+}
+
+int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {
+  if (!gw->busy) return amber__fail(&gw->err, AMBER_EINVAL, "confirm: no save is in progress");
+  if (gw->committing) return 0; /* begun without AMBER_SAVE_CONFIRM: nothing to confirm */
+  if (!gw->gated) return 0; /* this rank writes nothing, or its begin failed: its vote says so */
+  gw->gated = 0;
+  int rc = amber_writer_confirm(gw->w, ok, why);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
 /* One rank's vote: i32 rc, u32 kind, u64 hash, u64 bytes, u32 present, u16 msg len,
@@ -441,10 +576,15 @@ static int publish(amber_global_writer *gw, const amber__manifest *m, char *why,
   return rc;
 }
 
-static void fail_local(amber_global_writer *gw) {
-  amber_writer_close(gw->w);
-  gw->w = NULL;
-  if (gw->present) {
+/* After a failed step: this rank's file of it is removed and its store's LATEST
+ * moved back (the rank writer is idle by now), and the rank writer is to be
+ * dropped (drop_writer: on the caller's thread, since a fence may still use it):
+ * its reference may hold state that no global step has. After a failed collective
+ * (`rollback` 0) the file stays: this rank cannot know whether rank 0 published the
+ * step (a manifest naming it), and the next writer on the store removes it if not. */
+static void fail_local(amber_global_writer *gw, int rollback) {
+  gw->drop_w = 1;
+  if (gw->present && rollback) {
     uint64_t l;
     if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
       rank_rollback(gw, gw->prev_step, gw->prev_state);
@@ -452,22 +592,110 @@ static void fail_local(amber_global_writer *gw) {
   gw->force_full = 1;
 }
 
+static void drop_writer(amber_global_writer *gw) {
+  if (!gw->drop_w) return;
+  amber_writer_close(gw->w);
+  gw->w = NULL, gw->drop_w = 0;
+}
+
+/* ---- retention ---- */
+
+/* Rank 0, after publishing a step: removes the manifests of the steps before the
+ * newest keep_last and returns the oldest step kept (AMBER_NO_STEP: nothing to
+ * prune, or the removal failed, so that no rank removes files). Manifests first:
+ * a crash in between leaves rank files that no step names, never a step whose
+ * files are gone. */
+static uint64_t prune_manifests(amber_global_writer *gw) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  uint64_t oldest = AMBER_NO_STEP;
+  int rc = amber_global_list(gw->path, &gs, &n);
+  if (rc < 0) {
+    amber__fail(&gw->prune_err, rc, "%s", amber_last_error(NULL));
+  } else if (n > gw->keep_last) {
+    char p[4200];
+    for (size_t i = 0; rc == 0 && i < n - gw->keep_last; i++) {
+      amber__global_manifest_path(gw->path, gs[i].step, p, sizeof p);
+      if (unlink(p) < 0 && errno != ENOENT)
+        rc = amber__fail(&gw->prune_err, amber__errno_code(errno), "cannot remove %s: %s", p,
+                         strerror(errno));
+      else gw->pruned++;
+    }
+    if (rc == 0 && amber__fsync_dir(gw->path) < 0)
+      rc = amber__fail(&gw->prune_err, AMBER_EIO, "%s: fsync of the directory failed",
+                       gw->path);
+    if (rc == 0) oldest = gs[n - gw->keep_last].step;
+  }
+  amber_free(gs);
+  gw->prune_rc = rc;
+  return oldest;
+}
+
+/* Every rank, once rank 0 has removed the old manifests: prunes its own store so
+ * that it keeps every file of steps from `oldest` on and their chains. */
+static void prune_rank_store(amber_global_writer *gw, uint64_t oldest) {
+  amber_ckpt_info *info = NULL;
+  size_t n = 0, keep = 0, removed = 0;
+  int rc = amber__store_list(gw->st, &gw->prune_err, &info, &n);
+  for (size_t i = 0; rc == 0 && i < n; i++) keep += info[i].step >= oldest;
+  free(info);
+  /* a rank with no file in the kept steps keeps its older ones (nothing reads them) */
+  if (rc == 0 && keep) rc = amber__store_prune(gw->st, &gw->prune_err, keep, &removed);
+  if (rc < 0) {
+    char m[sizeof gw->prune_err.msg];
+    snprintf(m, sizeof m, "%s", gw->prune_err.msg);
+    amber__fail(&gw->prune_err, rc, "rank %d: %s", gw->comm.rank, m);
+  }
+  gw->pruned += removed;
+  if (gw->prune_rc == 0) gw->prune_rc = rc;
+}
+
+int amber_global_writer_prune_status(const amber_global_writer *gw, size_t *removed,
+                                     const char **message) {
+  if (removed) *removed = gw ? gw->pruned : 0;
+  if (message) *message = gw && gw->prune_rc ? gw->prune_err.msg : NULL;
+  return gw ? gw->prune_rc : AMBER_EINVAL;
+}
+
 int amber_global_writer_wait(amber_global_writer *gw) {
   if (!gw->busy) return 0;
+  int rc;
+  if (gw->committing) { /* the commit ran (or runs) on its own thread */
+    pthread_join(gw->committer, NULL);
+    gw->committing = 0;
+    rc = gw->commit_rc;
+    /* its message becomes this thread's too (amber_last_error(NULL)) */
+    if (rc < 0) amber__fail(&gw->err, rc, "%s", gw->err.msg);
+  } else {
+    rc = commit(gw);
+  }
   gw->busy = 0;
+  drop_writer(gw);
+  return rc;
+}
+
+/* The rest of the save after the fence: this rank's part made durable, every rank's
+ * vote, rank 0's manifest, the outcome; rollback on failure. On the caller's thread
+ * (wait) or on the committer (fence). */
+static int commit(amber_global_writer *gw) {
   int rc = gw->begin_rc;
   char msg[512];
   snprintf(msg, sizeof msg, "%s", gw->begin_msg);
   uint32_t kind = 0;
   uint64_t hash = 0, bytes = 0, s;
   if (gw->present && rc == 0) {
+    if (gw->gated) { /* begun with AMBER_SAVE_CONFIRM and never confirmed */
+      gw->gated = 0;
+      amber_writer_confirm(gw->w, 0, "amber_global_writer_wait without a confirm");
+    }
     rc = amber_writer_wait(gw->w);
     if (rc < 0) snprintf(msg, sizeof msg, "%s", amber_last_error(gw->w));
-    amber_save_stats st;
-    if (rc == 0 && amber_writer_save_stats(gw->w, &st) == 0) kind = st.kind, bytes = st.bytes;
+    amber_save_stats *st = &gw->stats.part;
+    if (rc == 0 && amber_writer_save_stats(gw->w, st) == 0) kind = st->kind, bytes = st->bytes;
     if (rc == 0) rc = amber__store_state(gw->st, &gw->err, &s, &hash);
     if (rc == 0 && s != gw->step) rc = AMBER_EIO;
   }
+  double t_part = amber__now();
   size_t vl;
   uint8_t *vote = encode_vote(gw, rc, kind, hash, bytes, msg, &vl);
   uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
@@ -476,9 +704,10 @@ int amber_global_writer_wait(amber_global_writer *gw) {
   if (crc == 0) crc = amber__comm_allgatherv(&gw->comm, &gw->err, vote, vl, &all, lens,
                                              lens + gw->comm.size);
   free(vote);
+  double t_vote = amber__now(), t_manifest = t_vote;
   if (crc < 0) { /* the collective itself failed: nobody can know the outcome */
     free(lens);
-    fail_local(gw);
+    fail_local(gw, 0);
     return amber__fail(&gw->err, crc, "step %llu not committed: collective failed",
                        (unsigned long long)gw->step);
   }
@@ -493,25 +722,38 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     snprintf(why, sizeof why, "%.*s", (int)ml, (const char *)p + 30);
   }
   /* Every rank has the same votes: rank 0 alone writes, then says how it went. */
-  uint8_t res[4 + 256];
+  int published = 0;
+  uint8_t res[4 + 256 + 8]; /* i32 rc, message, u64 oldest step kept (retention) */
   memset(res, 0, sizeof res);
+  amber__put64(res + 260, AMBER_NO_STEP);
+  gw->prune_rc = 0, gw->pruned = 0;
   if (bad < 0 && gw->comm.rank == 0) {
     amber__manifest m;
     char w2[256] = "";
     int mrc = build_manifest(gw, all, lens, offs, &m, w2, sizeof w2);
     if (mrc == AMBER_ENOMEM && !w2[0]) snprintf(w2, sizeof w2, "out of memory");
     if (mrc == 0) mrc = publish(gw, &m, w2, sizeof w2);
+    published = mrc == 0;
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
+    if (mrc == 0 && gw->keep_last) amber__put64(res + 260, prune_manifests(gw));
+    t_manifest = amber__now();
   }
   free(all);
   free(lens);
   if (bad < 0) {
     crc = gw->comm.broadcast(gw->comm.ctx, res, sizeof res, 0);
     if (crc < 0) {
-      fail_local(gw);
-      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed",
+      fail_local(gw, 0);
+      if (published) { /* the step is in GLOBAL: the other ranks may not know it */
+        gw->latest = gw->step;
+        return amber__fail(&gw->err, crc, "step %llu was committed (GLOBAL names it), but the "
+                           "broadcast of the outcome to the other ranks failed",
+                           (unsigned long long)gw->step);
+      }
+      return amber__fail(&gw->err, crc, "step %llu: broadcast of the outcome failed (the step "
+                         "is committed only if rank 0 wrote it: see GLOBAL)",
                          (unsigned long long)gw->step);
     }
     brc = (int)amber__get32(res);
@@ -521,13 +763,35 @@ int amber_global_writer_wait(amber_global_writer *gw) {
     }
   }
   if (bad >= 0) {
-    fail_local(gw);
+    fail_local(gw, 1);
     return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
                        (unsigned long long)gw->step, bad, amber_strerror(brc), why);
   }
+  amber_global_save_stats *gs = &gw->stats;
+  double t_end = amber__now();
+  gs->part_s = t_part - gw->t_begin;
+  gs->vote_s = t_vote - t_part;
+  gs->manifest_s = t_manifest - t_vote;
+  gs->outcome_s = t_end - t_manifest;
+  gs->commit_s = t_end - t_part;
+  gs->total_s = t_end - gw->t_begin;
   gw->latest = gw->step;
   gw->force_full = 0;
   gw->deltas = gw->full ? 0 : gw->deltas + 1;
+  if (gw->present)
+    amber__cadence_record(&gw->share, gw->stats.part.kind != AMBER_KIND_FULL,
+                          gw->stats.part.bytes);
+  /* Retention never fails the save: amber_global_writer_prune_status tells. */
+  uint64_t oldest = amber__get64(res + 260);
+  if (gw->keep_last && oldest != AMBER_NO_STEP) prune_rank_store(gw, oldest);
+  return 0;
+}
+
+int amber_global_writer_save_stats(const amber_global_writer *gw,
+                                   amber_global_save_stats *out) {
+  if (!gw || !out)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_save_stats: NULL argument");
+  *out = gw->stats;
   return 0;
 }
 
@@ -535,61 +799,4 @@ int amber_global_writer_save(amber_global_writer *gw, uint64_t step, uint32_t fl
   int rc = amber_global_writer_begin(gw, step, flags);
   if (rc < 0) return rc;
   return amber_global_writer_wait(gw);
-}
-
-/* ---- prune ---- */
-
-/* Prunes rank store `dir` so that it keeps every step from `oldest` on. */
-static int prune_rank(const char *dir, uint64_t oldest) {
-  amber_store *st;
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_NOCREATE;
-  int rc = amber_store_open(&st, dir, &so);
-  if (rc < 0) return amber__fail(NULL, rc, "%s", amber_last_error(NULL));
-  amber_ckpt_info *info = NULL;
-  size_t n = 0, keep = 0, removed;
-  rc = amber_store_list(st, &info, &n);
-  for (size_t i = 0; rc == 0 && i < n; i++) keep += info[i].step >= oldest;
-  amber_free(info);
-  if (rc == 0 && keep) rc = amber_store_prune(st, keep, &removed);
-  if (rc < 0) rc = amber__fail(NULL, rc, "%s", amber_last_error(st));
-  amber_store_close(st);
-  return rc;
-}
-
-int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
-  if (removed) *removed = 0;
-  if (keep_last == 0) return amber__fail(NULL, AMBER_EINVAL, "keep_last must be at least 1");
-  amber_global_step_info *gs = NULL;
-  size_t n = 0;
-  int rc = amber_global_list(path, &gs, &n);
-  if (rc < 0) return rc;
-  if (n <= keep_last) {
-    amber_free(gs);
-    return 0;
-  }
-  uint64_t oldest = gs[n - keep_last].step;
-  /* Manifests first: a crash between the two steps leaves rank files that no step
-   * names, never a step whose files are gone. */
-  char p[4200];
-  for (size_t i = 0; i < n - keep_last; i++) {
-    amber__global_manifest_path(path, gs[i].step, p, sizeof p);
-    if (unlink(p) < 0 && errno != ENOENT) {
-      rc = amber__fail(NULL, amber__errno_code(errno), "cannot remove %s: %s", p,
-                       strerror(errno));
-      break;
-    }
-    if (removed) (*removed)++;
-  }
-  amber_free(gs);
-  if (rc == 0 && amber__fsync_dir(path) < 0)
-    rc = amber__fail(NULL, AMBER_EIO, "%s: fsync of the directory failed", path);
-  for (uint32_t r = 0; rc == 0; r++) {
-    amber__global_rank_path(path, r, p, sizeof p);
-    struct stat sb;
-    if (stat(p, &sb) < 0) break; /* ranks are numbered without gaps */
-    rc = prune_rank(p, oldest);
-  }
-  return rc;
 }

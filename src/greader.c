@@ -115,7 +115,12 @@ static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
   if (rc < 0)
     return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
   rc = amber_reader_open(&g->rd[r], g->st[r], g->m.ranks[r].step, NULL);
-  if (rc < 0) return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+  if (rc < 0) {
+    rc = amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+    amber_store_close(g->st[r]); /* a later read opens it again */
+    g->st[r] = NULL;
+    return rc;
+  }
   amber_ckpt_info ci;
   rc = amber_reader_ckpt_info(g->rd[r], &ci);
   if (rc == 0 && ci.hash != g->m.ranks[r].hash)
@@ -127,6 +132,8 @@ static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
   if (rc < 0) {
     amber_reader_close(g->rd[r]);
     g->rd[r] = NULL;
+    amber_store_close(g->st[r]);
+    g->st[r] = NULL;
     return rc;
   }
   return *out = g->rd[r], 0;
@@ -152,6 +159,35 @@ static void copy_box(uint8_t *dst, const int64_t *ds, const int64_t *doff, const
       si = si * (uint64_t)ss[d] + (uint64_t)(so[d] + idx[d]);
     }
     memcpy(dst + di * esz, src + si * esz, row);
+    int d = (int)ndim - 2;
+    for (; d >= 0; d--) {
+      if (++idx[d] < n[d]) break;
+      idx[d] = 0;
+    }
+    if (d < 0) return;
+  }
+}
+
+/* Marks in `want` the chunks (of `ce` elements, in row-major order) of a tensor of
+ * shape `ss` that hold part of the box `n` at `so`: row by row of the last
+ * dimension, each row a contiguous run of elements. */
+static void mark_chunks(uint8_t *want, uint64_t ce, uint64_t nchunks, const int64_t *ss,
+                        const int64_t *so, const int64_t *n, uint32_t ndim) {
+  if (!nchunks) return;
+  if (ndim == 0 || !ce) {
+    memset(want, 1, (size_t)nchunks);
+    return;
+  }
+  int64_t idx[AMBER_MAX_DIMS] = {0};
+  uint64_t stride[AMBER_MAX_DIMS];
+  stride[ndim - 1] = 1;
+  for (int d = (int)ndim - 2; d >= 0; d--) stride[d] = stride[d + 1] * (uint64_t)ss[d + 1];
+  uint64_t len = (uint64_t)n[ndim - 1];
+  for (;;) {
+    uint64_t start = (uint64_t)so[ndim - 1];
+    for (uint32_t d = 0; d + 1 < ndim; d++) start += (uint64_t)(so[d] + idx[d]) * stride[d];
+    uint64_t last = (start + len - 1) / ce;
+    for (uint64_t c = start / ce; c <= last && c < nchunks; c++) want[c] = 1;
     int d = (int)ndim - 2;
     for (; d >= 0; d--) {
       if (++idx[d] < n[d]) break;
@@ -209,9 +245,20 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
       return amber__fail(&g->err, AMBER_ECORRUPT,
                          "tensor '%s': rank %u's file holds another shape than its manifest",
                          t->name, sh->rank);
+    /* Only the chunks that hold part of the region are restored (each with its
+     * chain, checksums checked): a column of a row-major shard, or a few rows of
+     * it, reads a fraction of its bytes. The rest of tmp is never touched, so a
+     * large malloc (mmap'd) costs no page faults for it. */
+    const amber__tensor *lt = &amber__reader_index(r)->tensors[li];
+    uint8_t *need = calloc(lt->n_chunks ? (size_t)lt->n_chunks : 1, 1);
     uint8_t *tmp = malloc(ti.nbytes ? (size_t)ti.nbytes : 1);
-    if (!tmp) return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
-    rc = amber_reader_read(r, li, tmp, ti.nbytes);
+    if (!tmp || !need) {
+      free(tmp), free(need);
+      return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+    }
+    mark_chunks(need, lt->chunk_elems, lt->n_chunks, sh->shape, so, n, t->ndim);
+    rc = amber__reader_read_chunks(r, li, need, tmp, ti.nbytes);
+    free(need);
     if (rc < 0) {
       free(tmp);
       return amber__fail(&g->err, rc, "tensor '%s': rank %u: %s", t->name, sh->rank,
@@ -227,6 +274,20 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
                        "(they do not tile the tensor)",
                        t->name, (unsigned long long)have, (unsigned long long)want);
   return 0;
+}
+
+int amber_global_reader_meta(amber_global_reader *g, uint32_t rank, const char **json,
+                             size_t *len) {
+  *json = NULL, *len = 0;
+  if (rank >= g->m.world)
+    return amber__fail(&g->err, AMBER_ERANGE, "rank %u: step %llu was written by %u ranks", rank,
+                       (unsigned long long)g->m.step, g->m.world);
+  if (!(g->m.ranks[rank].flags & AMBER__RANK_PRESENT)) return 0;
+  amber_reader *r;
+  int rc = rank_reader(g, rank, &r); /* its message names the rank */
+  if (rc < 0) return rc;
+  rc = amber_reader_meta(r, json, len);
+  return rc < 0 ? amber__fail(&g->err, rc, "rank %u: %s", rank, amber_last_error(r)) : 0;
 }
 
 int amber_global_reader_verify(amber_global_reader *g) {

@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "amber.h"
 
@@ -36,6 +37,16 @@ int amber__errno_code(int err);
 void amber__err_adopt(amber__err *e);
 
 /* ---- little-endian encode/decode ---- */
+
+/* Reports progress to the hook of amber_set_progress, if one is installed. */
+void amber__progress(const char *what, uint64_t done, uint64_t total);
+
+/* Seconds on the monotonic clock, for the figures of amber_*_save_stats. */
+static inline double amber__now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static inline void amber__put16(uint8_t *p, uint16_t v) {
   p[0] = (uint8_t)v;

@@ -39,6 +39,8 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
                                       src->n_tensors, AMBER_NO_STEP, 0)) == 0)
     snprintf(tmp, 4200, "%s", amber__ckpt_tmp(o));
   int created = !rc;
+  uint64_t total = 0, done = 0;
+  for (uint64_t i = 0; i < src->n_tensors; i++) total += src->tensors[i].nbytes;
   for (uint64_t i = 0; i < src->n_tensors && !rc; i++) {
     const amber__tensor *t = &src->tensors[i];
     if ((rc = amber_reader_read(r, (size_t)i, buf, t->nbytes)) != 0) {
@@ -54,6 +56,7 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
       amber__ckpt_append_hashed(o, c, buf + j * t->chunk_elems * isz, (size_t)(n * isz));
       rc = amber__ckpt_failed(o);
     }
+    if (!rc) amber__progress("compact", done += t->nbytes, total);
   }
   uint64_t sealed_id, bytes;
   if (created && rc) amber__ckpt_abort(o);

@@ -506,12 +506,46 @@ int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
   return r->rc;
 }
 
+int amber__reader_read_chunks(amber_reader *r, size_t index, const uint8_t *want, void *buf,
+                              uint64_t size) {
+  const amber__index *ix = &target(r)->ix;
+  if (index >= ix->n_tensors)
+    return amber__fail(&r->err, AMBER_EINVAL, "tensor index %zu out of range", index);
+  const amber__tensor *tt = &ix->tensors[index];
+  if (size != tt->nbytes)
+    return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64,
+                       tt->name, tt->nbytes, size);
+  size_t njobs = 0;
+  for (uint64_t c = 0; c < tt->n_chunks; c++) njobs += want[c] != 0;
+  if (!njobs) return 0;
+  if (njobs > r->jobs_cap) {
+    free(r->jobs);
+    r->jobs_cap = 0;
+    if (!(r->jobs = malloc(njobs * sizeof *r->jobs)))
+      return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+    r->jobs_cap = njobs;
+  }
+  size_t j = 0;
+  for (uint64_t c = 0; c < tt->n_chunks; c++)
+    if (want[c]) r->jobs[j++] = (struct job){index, c, buf};
+  advise_deltas(r);
+  r->rc = 0;
+  amber__pool_for(r->pool, njobs, restore_many_job, r);
+  if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg);
+  return r->rc;
+}
+
 int amber_reader_verify(amber_reader *r) {
   if (!r) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_verify: NULL reader");
   /* Restoring every chunk into scratch memory exercises every check a restore
    * makes: checksums, frame sizes, decodability. */
   int rc = 0;
   const amber__index *ix = &target(r)->ix;
-  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) rc = verify_tensor(r, (size_t)i);
+  uint64_t total = 0, done = 0;
+  for (uint64_t i = 0; i < ix->n_tensors; i++) total += ix->tensors[i].nbytes;
+  for (uint64_t i = 0; i < ix->n_tensors && !rc; i++) {
+    rc = verify_tensor(r, (size_t)i);
+    if (!rc) amber__progress("verify", done += ix->tensors[i].nbytes, total);
+  }
   return rc;
 }

@@ -47,6 +47,11 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
 
 /* The index of the step a reader opened (for compaction). */
 amber__index *amber__reader_index(amber_reader *r);
+/* Restores only the chunks of tensor `index` whose byte in `want` (one per chunk)
+ * is set, each into its place in `buf` (the whole tensor's size); the other bytes
+ * of buf are not touched. A region read of a shard needs no more than that. */
+int amber__reader_read_chunks(amber_reader *r, size_t index, const uint8_t *want, void *buf,
+                              uint64_t size);
 /* The sizes of the files of a reader's chain: its full checkpoint's, and the
  * number and total size of the deltas after it (for the writer's cadence). */
 void amber__reader_chain_bytes(amber_reader *r, uint64_t *full_bytes, uint64_t *deltas,

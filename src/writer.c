@@ -8,15 +8,22 @@
  * elements of the reference; whatever is not stored stays in the difference and
  * is carried to the next save (error feedback), so it is deferred, never lost.
  *
- * A save is a parallel loop over all chunks (pool.c): each worker scans and
- * encodes a chunk into its own scratch, then appends the payload to the one
- * checkpoint file being written (ckpt.c; payload order in the file does not
- * matter: the index records offsets). The file is then sealed (index, footer,
- * fsync) and committed: rename, fsync of the directory, LATEST. Buffers are sized at the first save and
- * reused; nothing is allocated per save after that.
+ * A save is a parallel loop over all chunks (pool.c): each worker encodes a chunk
+ * (chunk.c: scan, then the smallest encoding) into its own scratch and appends
+ * the payload to the one checkpoint file being written (ckpt.c; payload order in
+ * the file does not matter: the index records offsets). The file is then sealed
+ * (index, footer, fsync) and committed: rename, fsync of the directory, LATEST.
+ * Buffers are sized at the first save and reused; nothing is allocated per save
+ * after that. Whether a save is full or a delta is the cadence's call
+ * (cadence.c); an asynchronous save's life cycle is the saver's (saver.c).
+ *
+ * The writer's state is in parts: the declarations (decls), the assembly of the
+ * file (assembly), the reference (reference), the cadence, the saver, and what
+ * it knows of the store (latest step and state, the last prune's status).
  */
 #include <inttypes.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +38,7 @@
 #include "io.h"
 #include "names.h"
 #include "policy.h"
+#include "presel.h"
 #include "pool.h"
 #include "save_stats.h"
 #include "saver.h"
@@ -38,49 +46,75 @@
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
-#define DEFAULT_FULL_SHARE 0.5
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+/* One declared tensor. */
+typedef struct decl {
+  amber__tensor t;         /* as the index describes it; name owned, policy points into rules */
+  const uint8_t *data;     /* the caller's memory */
+  const amber__rule *rule; /* its rule at this save (NULL: exact) */
+  uint8_t *ref;            /* its copy in the reference state (NULL until allocated) */
+  int presel;              /* pre-selected: the caller selects and keeps the reference */
+  amber_chunk_sel *sel;    /* pre-selected: the next save's chunks (n_chunks entries) */
+  int sel_ready;           /* set_selection since the last save */
+} decl;
 
-struct amber_writer {
-  amber__err err;
-  amber_store *st;
-  amber_writer_opts opts;
-  amber__tensor *tensors;   /* declarations; names owned here, policies point into rules */
-  const uint8_t **data;     /* host pointers, parallel to tensors */
-  const amber__rule **rule; /* each tensor's rule at this save (NULL: exact) */
+/* The declarations: fixed after the first save, except data, rules and metadata. */
+typedef struct decls {
+  decl *d;
   size_t n, cap;
   amber__rules rules;
   amber__names names; /* name -> position of the declared tensors */
   char *meta;
   size_t meta_len;
-  int frozen;           /* declarations are fixed after the first save */
+  int frozen;
+} decls;
+
+/* The assembly of a checkpoint file: the chunk table and the workers' scratch,
+ * sized at the first save and reused by every save. */
+typedef struct assembly {
+  amber__ckpt_out *out;    /* the file being written */
+  amber__tensor *tensors;  /* the index's tensor table, copied from the declarations */
+  amber__chunk *chunks;    /* chunk table */
+  uint32_t *owner;         /* tensor of each chunk */
   uint64_t n_chunks;
-  amber__chunk *chunks; /* chunk table, reused by every save */
-  uint32_t *owner;      /* tensor of each chunk */
-  uint8_t **ref;        /* reference state per tensor */
-  int ref_valid;        /* ref equals the restore of the latest checkpoint */
-  amber__pool *pool;
-  amber__scratch *ws;   /* one per pool worker */
+  amber__scratch *ws;      /* one per pool worker */
   size_t max_chunk_bytes, max_chunk_elems;
-  int have_ref, have_scratch; /* allocated (lazily: a full-only writer needs neither) */
-  int keep_ref;               /* this save updates the reference state */
-  amber__ckpt_out *out; /* the file being written */
-  int delta;            /* kind of the save in progress */
+  int have_scratch;        /* allocated (lazily: a full-only writer needs none) */
+  _Atomic uint64_t done;   /* bytes of the save's chunks written, for amber__progress */
+  uint64_t total;          /* and of all of them */
+} assembly;
+
+/* The reference state (decl.ref): exactly what restoring the latest checkpoint yields. */
+typedef struct reference {
+  int valid;     /* it equals the restore of the latest checkpoint */
+  int allocated; /* every decl.ref is (lazily: a full-only writer needs none) */
+  int keep;      /* the save in progress updates it */
+} reference;
+
+struct amber_writer {
+  amber__err err;
+  amber_store *st;
+  amber_writer_opts opts;
+  decls dc;
+  assembly as;
+  reference ref;
+  amber__pool *pool;
+  int delta;     /* kind of the save in progress */
+  int two_phase; /* full save: copy all of live first, so the fence comes early */
   /* the store as this writer knows it */
   int have_latest;
   uint64_t latest_step, latest_state;
   amber__cadence cadence;
   int chunk_given; /* the caller chose chunk_elems; else the store's is adopted */
+  struct {         /* amber_writer_plan's decision for the next save */
+    int set, delta;
+    uint64_t step;
+    uint32_t flags;
+  } plan;
   amber__save_stats stats; /* of the last save */
   int prune_rc;             /* the prune after the last commit (keep_last) */
   size_t pruned;            /* files it removed */
   amber__err prune_err;     /* its message when it failed */
-  int two_phase; /* full save: copy all of live first, so the fence comes early */
   amber__saver saver; /* the asynchronous save (amber_writer_begin / fence / wait) */
 };
 
@@ -132,7 +166,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (!w->opts.chunk_elems) w->opts.chunk_elems = DEFAULT_CHUNK_ELEMS;
   if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
-  if (w->opts.full_share == 0) w->opts.full_share = DEFAULT_FULL_SHARE;
+  if (w->opts.full_share == 0) w->opts.full_share = AMBER__DEFAULT_FULL_SHARE;
   amber__cadence_init(&w->cadence, w->opts.full_every, w->opts.full_share);
   amber__saver_init(&w->saver, run_begun, w);
   st->writers++;
@@ -147,7 +181,8 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   }
   int threads = st->threads ? (int)st->threads : online_cpus();
   uint64_t stage = opts->stage_bytes ? opts->stage_bytes : AMBER__STAGE_BYTES;
-  if (amber__ckpt_out_create(&w->out, (size_t)stage, !(opts->flags & AMBER_WRITER_NO_DIRECT_IO)) ||
+  int direct = !(opts->flags & AMBER_WRITER_NO_DIRECT_IO);
+  if (amber__ckpt_out_create(&w->as.out, (size_t)stage, direct) ||
       amber__pool_create(&w->pool, threads)) {
     amber_writer_close(w);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory for the writer's buffers");
@@ -160,39 +195,38 @@ void amber_writer_close(amber_writer *w) {
   if (!w) return;
   amber_writer_wait(w);
   amber__saver_destroy(&w->saver);
-  for (size_t i = 0; i < w->n; i++) {
-    free(w->tensors[i].name);
-    if (w->ref) amber__big_free(w->ref[i], (size_t)w->tensors[i].nbytes);
+  for (size_t i = 0; i < w->dc.n; i++) {
+    free(w->dc.d[i].t.name);
+    free(w->dc.d[i].sel);
+    amber__big_free(w->dc.d[i].ref, (size_t)w->dc.d[i].t.nbytes);
   }
-  if (w->ws)
-    for (int i = 0; i < amber__pool_size(w->pool); i++) amber__scratch_free(&w->ws[i]);
-  free(w->ws);
-  free(w->ref);
-  free(w->tensors);
-  free(w->data);
-  free(w->rule);
-  amber__rules_free(&w->rules);
-  amber__names_free(&w->names);
-  free(w->meta);
-  free(w->chunks);
-  free(w->owner);
+  if (w->as.ws)
+    for (int i = 0; i < amber__pool_size(w->pool); i++) amber__scratch_free(&w->as.ws[i]);
+  free(w->as.ws);
+  free(w->dc.d);
+  free(w->as.tensors);
+  amber__rules_free(&w->dc.rules);
+  amber__names_free(&w->dc.names);
+  free(w->dc.meta);
+  free(w->as.chunks);
+  free(w->as.owner);
   amber__pool_destroy(w->pool);
-  amber__ckpt_out_destroy(w->out);
+  amber__ckpt_out_destroy(w->as.out);
   w->st->writers--;
   free(w);
 }
 
 static const char *tensor_name(const void *ctx, size_t pos, size_t *len) {
   const amber_writer *w = ctx;
-  *len = w->tensors[pos].name_len;
-  return w->tensors[pos].name;
+  *len = w->dc.d[pos].t.name_len;
+  return w->dc.d[pos].t.name;
 }
 
-int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim,
-                     const int64_t *shape, const void *data, size_t *index) {
+static int add_decl(amber_writer *w, const char *name, int dtype, uint32_t ndim,
+                    const int64_t *shape, const void *data, int presel, size_t *index) {
   if (!w || !name) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_add: NULL argument");
   size_t len = strlen(name);
-  if (w->frozen)
+  if (w->dc.frozen)
     return amber__fail(&w->err, AMBER_EBUSY,
                        "tensor '%s': tensors cannot be added after the first save", name);
   if (len == 0 || len > 65535)
@@ -209,22 +243,19 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': bad shape", name);
   if (amber__mul_overflow(nelems, isz, &nbytes) || nbytes > AMBER__MAX_BYTES)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' is too large", name);
-  if (nbytes && !data) return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", name);
-  if (amber__names_find(&w->names, name, len, tensor_name, w) >= 0)
+  if (nbytes && !data && !presel)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", name);
+  if (amber__names_find(&w->dc.names, name, len, tensor_name, w) >= 0)
     return amber__fail(&w->err, AMBER_EEXIST, "tensor '%s' is declared twice", name);
-  if (w->n == w->cap) {
-    size_t cap = w->cap ? 2 * w->cap : 64;
-    amber__tensor *t = realloc(w->tensors, cap * sizeof *t);
-    if (t) w->tensors = t;
-    const uint8_t **d = realloc(w->data, cap * sizeof *d);
-    if (d) w->data = d;
-    const amber__rule **r = realloc(w->rule, cap * sizeof *r);
-    if (r) w->rule = r;
-    if (!t || !d || !r) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
-    w->cap = cap;
+  if (w->dc.n == w->dc.cap) {
+    size_t cap = w->dc.cap ? 2 * w->dc.cap : 64;
+    decl *d = realloc(w->dc.d, cap * sizeof *d);
+    if (!d) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
+    w->dc.d = d;
+    w->dc.cap = cap;
   }
-  amber__tensor *t = &w->tensors[w->n];
-  memset(t, 0, sizeof *t);
+  memset(&w->dc.d[w->dc.n], 0, sizeof w->dc.d[w->dc.n]);
+  amber__tensor *t = &w->dc.d[w->dc.n].t;
   if (!(t->name = strdup(name))) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
   t->name_len = len;
   t->dtype = dtype;
@@ -236,42 +267,57 @@ int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim
   t->chunk_elems = w->opts.chunk_elems;
   if (t->chunk_elems * isz > AMBER__MAX_CHUNK_BYTES) t->chunk_elems = AMBER__MAX_CHUNK_BYTES / isz;
   t->n_chunks = nelems / t->chunk_elems + (nelems % t->chunk_elems != 0);
-  t->first_chunk = w->n_chunks;
+  t->first_chunk = w->as.n_chunks;
   t->policy = (char *)"exact";
-  if (amber__names_insert(&w->names, t->name, len, w->n, tensor_name, w) < 0) {
+  if (amber__names_insert(&w->dc.names, t->name, len, w->dc.n, tensor_name, w) < 0) {
     free(t->name);
     return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
   }
-  w->n_chunks += t->n_chunks;
-  w->data[w->n] = data;
-  if (index) *index = w->n;
-  w->n++;
+  w->as.n_chunks += t->n_chunks;
+  w->dc.d[w->dc.n].data = data;
+  w->dc.d[w->dc.n].presel = presel;
+  if (index) *index = w->dc.n;
+  w->dc.n++;
   return 0;
+}
+
+int amber_writer_add(amber_writer *w, const char *name, int dtype, uint32_t ndim,
+                     const int64_t *shape, const void *data, size_t *index) {
+  return add_decl(w, name, dtype, ndim, shape, data, 0, index);
+}
+
+int amber_writer_add_preselected(amber_writer *w, const char *name, int dtype, uint32_t ndim,
+                                 const int64_t *shape, size_t *index) {
+  return add_decl(w, name, dtype, ndim, shape, NULL, 1, index);
 }
 
 /* Declarations, pointers, rules and metadata are read by a save in progress. */
 static int busy(amber_writer *w, const char *what) {
-  return amber__saver_busy(&w->saver) ? amber__fail(&w->err, AMBER_EBUSY, "%s: a save is in progress (wait for it first)",
-                         what)
-           : 0;
+  if (!amber__saver_busy(&w->saver)) return 0;
+  return amber__fail(&w->err, AMBER_EBUSY, "%s: a save is in progress (wait for it first)",
+                     what);
 }
 
 int amber_writer_set_data(amber_writer *w, size_t index, const void *data) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_data: NULL writer");
   if (busy(w, "amber_writer_set_data")) return AMBER_EBUSY;
-  if (index >= w->n)
+  if (index >= w->dc.n)
     return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
-                       index, w->n);
-  if (w->tensors[index].nbytes && !data)
-    return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", w->tensors[index].name);
-  w->data[index] = data;
+                       index, w->dc.n);
+  if (w->dc.d[index].presel)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' is pre-selected: it has no memory for amber to read",
+                       w->dc.d[index].t.name);
+  if (w->dc.d[index].t.nbytes && !data)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': no data", w->dc.d[index].t.name);
+  w->dc.d[index].data = data;
   return 0;
 }
 
 int amber_writer_add_policy(amber_writer *w, const char *rule) {
   if (!w || !rule) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_add_policy: NULL");
   if (busy(w, "amber_writer_add_policy")) return AMBER_EBUSY;
-  return amber__rules_add(&w->err, &w->rules, rule);
+  return amber__rules_add(&w->err, &w->dc.rules, rule);
 }
 
 int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
@@ -283,9 +329,9 @@ int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
     memcpy(m, json, len);
     m[len] = 0;
   }
-  free(w->meta);
-  w->meta = m;
-  w->meta_len = len;
+  free(w->dc.meta);
+  w->dc.meta = m;
+  w->dc.meta_len = len;
   return 0;
 }
 
@@ -325,15 +371,15 @@ static void adopt_chunking(amber_writer *w, const amber__index *ix, latest_view 
     if (amber__names_insert(&names, ix->tensors[k].name, ix->tensors[k].name_len, (size_t)k,
                             index_name, ix) < 0)
       break; /* out of memory: keep the default chunking, the next save is full */
-  w->n_chunks = 0;
-  for (size_t i = 0; i < w->n; i++) {
-    amber__tensor *t = &w->tensors[i];
+  w->as.n_chunks = 0;
+  for (size_t i = 0; i < w->dc.n; i++) {
+    amber__tensor *t = &w->dc.d[i].t;
     long k = amber__names_find(&names, t->name, t->name_len, index_name, ix);
     if (k >= 0 && ix->tensors[k].dtype == t->dtype && ix->tensors[k].nelems == t->nelems)
       t->chunk_elems = ix->tensors[k].chunk_elems;
     t->n_chunks = t->nelems / t->chunk_elems + (t->nelems % t->chunk_elems != 0);
-    t->first_chunk = w->n_chunks;
-    w->n_chunks += t->n_chunks;
+    t->first_chunk = w->as.n_chunks;
+    w->as.n_chunks += t->n_chunks;
   }
   amber__names_free(&names);
 }
@@ -341,148 +387,174 @@ static void adopt_chunking(amber_writer *w, const amber__index *ix, latest_view 
 /* Sizes the chunk table for the declared tensors (first save only); `ix` as
  * for adopt_chunking. */
 static int prepare(amber_writer *w, const amber__index *ix, latest_view *l) {
-  if (w->frozen) return 0;
+  if (w->dc.frozen) return 0;
   adopt_chunking(w, ix, l);
-  w->chunks = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->chunks);
-  w->owner = calloc(w->n_chunks ? w->n_chunks : 1, sizeof *w->owner);
-  w->ref = calloc(w->n ? w->n : 1, sizeof *w->ref);
-  w->ws = calloc((size_t)amber__pool_size(w->pool), sizeof *w->ws);
-  if (!w->chunks || !w->owner || !w->ref || !w->ws)
+  w->as.chunks = calloc(w->as.n_chunks ? w->as.n_chunks : 1, sizeof *w->as.chunks);
+  w->as.owner = calloc(w->as.n_chunks ? w->as.n_chunks : 1, sizeof *w->as.owner);
+  w->as.tensors = calloc(w->dc.n ? w->dc.n : 1, sizeof *w->as.tensors);
+  w->as.ws = calloc((size_t)amber__pool_size(w->pool), sizeof *w->as.ws);
+  if (!w->as.chunks || !w->as.owner || !w->as.tensors || !w->as.ws)
     return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the chunk table");
-  w->max_chunk_elems = 1;
-  for (size_t i = 0; i < w->n; i++) {
-    const amber__tensor *t = &w->tensors[i];
-    for (uint64_t j = 0; j < t->n_chunks; j++) w->owner[t->first_chunk + j] = (uint32_t)i;
+  w->as.max_chunk_elems = 1;
+  for (size_t i = 0; i < w->dc.n; i++) {
+    const amber__tensor *t = &w->dc.d[i].t;
+    for (uint64_t j = 0; j < t->n_chunks; j++) w->as.owner[t->first_chunk + j] = (uint32_t)i;
     uint64_t cb = t->chunk_elems * amber_dtype_size(t->dtype);
     if (t->nbytes < cb) cb = t->nbytes;
-    if (cb > w->max_chunk_bytes) w->max_chunk_bytes = (size_t)cb;
     uint64_t ce = t->nelems < t->chunk_elems ? t->nelems : t->chunk_elems;
-    if (ce > w->max_chunk_elems) w->max_chunk_elems = (size_t)ce;
+    /* a pre-selected chunk has no reference to store whole when its selection
+     * is dense: its sparse body (bitmap form at most) must fit the scratch */
+    if (w->dc.d[i].presel) cb += 1 + (ce + 7) / 8;
+    if (cb > w->as.max_chunk_bytes) w->as.max_chunk_bytes = (size_t)cb;
+    if (ce > w->as.max_chunk_elems) w->as.max_chunk_elems = (size_t)ce;
   }
-  w->frozen = 1;
+  w->dc.frozen = 1;
   return 0;
 }
 
 /* The reference state: one copy of every declared tensor, allocated once. */
 static int ensure_ref(amber_writer *w) {
-  for (size_t i = 0; !w->have_ref && i < w->n; i++)
-    if (w->tensors[i].nbytes && !w->ref[i] &&
-        !(w->ref[i] = amber__big_alloc((size_t)w->tensors[i].nbytes)))
+  for (size_t i = 0; !w->ref.allocated && i < w->dc.n; i++)
+    if (w->dc.d[i].t.nbytes && !w->dc.d[i].ref && !w->dc.d[i].presel &&
+        !(w->dc.d[i].ref = amber__big_alloc((size_t)w->dc.d[i].t.nbytes)))
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for the reference state of '%s'",
-                         w->tensors[i].name);
-  w->have_ref = 1;
+                         w->dc.d[i].t.name);
+  w->ref.allocated = 1;
   return 0;
 }
 
 /* Per worker: scan output and encode buffers for the largest chunk; `prefault`:
  * their pages are faulted in now rather than by the first delta's scan. */
 static int ensure_scratch(amber_writer *w, int prefault) {
-  if (w->have_scratch) return 0;
+  if (w->as.have_scratch) return 0;
   for (int i = 0; i < amber__pool_size(w->pool); i++)
-    if (amber__scratch_init(&w->ws[i], w->max_chunk_bytes, w->max_chunk_elems, prefault))
+    if (amber__scratch_init(&w->as.ws[i], w->as.max_chunk_bytes, w->as.max_chunk_elems, prefault))
       return amber__fail(&w->err, AMBER_ENOMEM, "out of memory for scan buffers");
-  w->have_scratch = 1;
+  w->as.have_scratch = 1;
   return 0;
 }
 
 /* Resolves each tensor's rule; rules may have changed since the last save. */
 static void resolve_policies(amber_writer *w) {
-  for (size_t i = 0; i < w->n; i++) {
-    amber__tensor *t = &w->tensors[i];
-    w->rule[i] = amber__rules_match(&w->rules, t->name, t->dtype);
-    t->policy = w->rule[i] ? w->rule[i]->spec : (char *)"exact";
+  for (size_t i = 0; i < w->dc.n; i++) {
+    amber__tensor *t = &w->dc.d[i].t;
+    w->dc.d[i].rule = amber__rules_match(&w->dc.rules, t->name, t->dtype);
+    t->policy = w->dc.d[i].rule ? w->dc.d[i].rule->spec : (char *)"exact";
   }
 }
 
 /* A failure, a cancel or a veto: the rest of the save's work is wasted. */
 static int stopping(amber_writer *w) {
-  return amber__ckpt_failed(w->out) || amber__saver_stopping(&w->saver);
+  return amber__ckpt_failed(w->as.out) || amber__saver_stopping(&w->saver);
 }
 
 /* Two-phase full save, phase 1: copy a chunk of live into the reference and
  * checksum it; phase 2 (append_job) writes the reference. */
+static void chunk_job(void *ctx, int worker, size_t j);
+
 static void copy_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
-  (void)worker;
-  size_t ti = w->owner[j];
-  const amber__tensor *t = &w->tensors[ti];
+  size_t ti = w->as.owner[j];
+  const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
+  if (w->dc.d[ti].presel) { /* no reference: appended now, while its values are lent */
+    chunk_job(ctx, worker, j);
+    return;
+  }
   size_t isz = amber_dtype_size(t->dtype), bytes = (size_t)amber__chunk_n(t, jj) * isz;
   size_t off = (size_t)(jj * t->chunk_elems * isz);
-  uint8_t *ref = w->ref[ti] + off;
-  const uint8_t *src = w->data[ti] + off;
-  amber__chunk *c = &w->chunks[j];
+  uint8_t *ref = w->dc.d[ti].ref + off;
+  const uint8_t *src = w->dc.d[ti].data + off;
+  amber__chunk *c = &w->as.chunks[j];
   c->encoding = AMBER__ENC_RAW;
   c->stored = amber__chunk_n(t, jj);
   c->checksum = amber__copy_hashed(ref, src, bytes);
+}
+
+/* A chunk of the save is done: counted for the progress hook. */
+static void chunk_done(amber_writer *w, uint64_t bytes) {
+  amber__progress("save", atomic_fetch_add(&w->as.done, bytes) + bytes, w->as.total);
 }
 
 static void append_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   (void)worker;
   if (stopping(w)) return;
-  size_t ti = w->owner[j];
-  const amber__tensor *t = &w->tensors[ti];
+  size_t ti = w->as.owner[j];
+  if (w->dc.d[ti].presel) return; /* appended by copy_job */
+  const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype);
-  amber__ckpt_append(w->out, &w->chunks[j], w->ref[ti] + (size_t)(jj * t->chunk_elems * isz),
-       (size_t)amber__chunk_n(t, jj) * isz);
+  size_t bytes = (size_t)amber__chunk_n(t, jj) * isz;
+  amber__ckpt_append(w->as.out, &w->as.chunks[j],
+                     w->dc.d[ti].ref + (size_t)(jj * t->chunk_elems * isz), bytes);
+  chunk_done(w, bytes);
 }
 
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   if (stopping(w)) return;
-  size_t ti = w->owner[j];
-  const amber__tensor *t = &w->tensors[ti];
+  size_t ti = w->as.owner[j];
+  const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
-  amber__chunk_src src = {.out = w->out, .name = t->name, .dtype = t->dtype,
-                          .n = (size_t)amber__chunk_n(t, jj), .live = w->data[ti] + off,
-                          .ref = w->keep_ref ? w->ref[ti] + off : NULL, .rule = w->rule[ti],
+  amber__chunk_src src = {.out = w->as.out, .name = t->name, .dtype = t->dtype,
+                          .n = (size_t)amber__chunk_n(t, jj), .rule = w->dc.d[ti].rule,
                           .zstd_level = w->opts.zstd_level,
                           .compress = (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) != 0};
+  if (w->dc.d[ti].presel) { /* the caller's selection; no reference here */
+    amber__chunk_presel(&w->as.ws[worker], &src, &w->dc.d[ti].sel[jj], jj, &w->as.chunks[j]);
+    return;
+  }
+  src.live = w->dc.d[ti].data + off;
+  src.ref = w->ref.keep ? w->dc.d[ti].ref + off : NULL;
   if (w->delta)
-    amber__chunk_delta(&w->ws[worker], &src, &w->chunks[j]);
+    amber__chunk_delta(&w->as.ws[worker], &src, &w->as.chunks[j]);
   else
-    amber__chunk_full(&w->ws[worker], &src, &w->chunks[j]);
+    amber__chunk_full(&w->as.ws[worker], &src, &w->as.chunks[j]);
+  chunk_done(w, src.n * isz);
 }
 
 /* Writes header, chunks, index, footer to a new temporary file next to `dst`
  * and makes it durable; its name goes to `tmp` (4200 bytes). */
 static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step,
                       uint64_t *state, uint64_t *file_bytes) {
-  int rc = amber__ckpt_create(w->out, &w->err, dst, step, w->tensors, w->n,
+  for (size_t i = 0; i < w->dc.n; i++) w->as.tensors[i] = w->dc.d[i].t;
+  int rc = amber__ckpt_create(w->as.out, &w->err, dst, step, w->as.tensors, w->dc.n,
                               w->delta ? w->latest_step : AMBER_NO_STEP, w->latest_state);
   if (rc) return rc;
-  snprintf(tmp, 4200, "%s", amber__ckpt_tmp(w->out));
+  snprintf(tmp, 4200, "%s", amber__ckpt_tmp(w->as.out));
   int nw = amber__pool_size(w->pool);
-  for (int i = 0; i < nw; i++) w->ws[i].scan_s = w->ws[i].encode_s = 0;
-  double t0 = now_s();
-  if (!w->delta && w->two_phase && w->keep_ref && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
-    amber__pool_for(w->pool, (size_t)w->n_chunks, copy_job, w);
+  for (int i = 0; i < nw; i++) w->as.ws[i].scan_s = w->as.ws[i].encode_s = 0;
+  atomic_store(&w->as.done, 0);
+  w->as.total = 0;
+  for (size_t i = 0; i < w->dc.n; i++) w->as.total += w->dc.d[i].t.nbytes;
+  double t0 = amber__now();
+  if (!w->delta && w->two_phase && w->ref.keep && !(w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) {
+    amber__pool_for(w->pool, (size_t)w->as.n_chunks, copy_job, w);
     amber__saver_scanned(&w->saver);
-    amber__pool_for(w->pool, (size_t)w->n_chunks, append_job, w);
+    amber__pool_for(w->pool, (size_t)w->as.n_chunks, append_job, w);
   } else {
-    amber__pool_for(w->pool, (size_t)w->n_chunks, chunk_job, w);
+    amber__pool_for(w->pool, (size_t)w->as.n_chunks, chunk_job, w);
   }
   amber__saver_scanned(&w->saver);
-  w->stats.chunks_s = now_s() - t0;
+  w->stats.chunks_s = amber__now() - t0;
   for (int i = 0; i < nw; i++) {
-    w->stats.scan_cpu_s += w->ws[i].scan_s;
-    w->stats.encode_cpu_s += w->ws[i].encode_s;
+    w->stats.scan_cpu_s += w->as.ws[i].scan_s;
+    w->stats.encode_cpu_s += w->as.ws[i].encode_s;
   }
   w->stats.workers = nw;
-  rc = amber__ckpt_failed(w->out);
+  rc = amber__ckpt_failed(w->as.out);
   if (!rc) rc = amber__saver_check_stop(&w->saver, &w->err, step);
   if (rc) {
-    amber__ckpt_abort(w->out);
+    amber__ckpt_abort(w->as.out);
     return rc;
   }
-  amber__index ix = {.tensors = w->tensors, .n_tensors = w->n, .chunks = w->chunks,
-                     .n_chunks = w->n_chunks, .meta = w->meta, .meta_size = w->meta_len};
-  t0 = now_s();
-  rc = amber__ckpt_seal(w->out, &ix, NULL, state, file_bytes);
-  w->stats.finish_s = now_s() - t0;
+  amber__index ix = {.tensors = w->as.tensors, .n_tensors = w->dc.n, .chunks = w->as.chunks,
+                     .n_chunks = w->as.n_chunks, .meta = w->dc.meta, .meta_size = w->dc.meta_len};
+  t0 = amber__now();
+  rc = amber__ckpt_seal(w->as.out, &ix, NULL, state, file_bytes);
+  w->stats.finish_s = amber__now() - t0;
   return rc;
 }
 
@@ -490,11 +562,11 @@ static int write_file(amber_writer *w, const char *dst, char *tmp, uint64_t step
  * order and chunked alike; else AMBER_EMISMATCH, the first difference in `e`. */
 static int match_tensors(amber_writer *w, amber__err *e, const amber__index *ix,
                          const char *what) {
-  if (ix->n_tensors != w->n)
+  if (ix->n_tensors != w->dc.n)
     return amber__fail(e, AMBER_EMISMATCH, "%s holds %" PRIu64 " tensors, the writer declares %zu",
-                       what, ix->n_tensors, w->n);
-  for (size_t i = 0; i < w->n; i++) {
-    const amber__tensor *t = &w->tensors[i], *u = &ix->tensors[i];
+                       what, ix->n_tensors, w->dc.n);
+  for (size_t i = 0; i < w->dc.n; i++) {
+    const amber__tensor *t = &w->dc.d[i].t, *u = &ix->tensors[i];
     if (strcmp(u->name, t->name))
       return amber__fail(e, AMBER_EMISMATCH,
                          "tensor %zu is '%s' in the writer but '%s' in %s (same names in the "
@@ -557,17 +629,19 @@ static int load_reference(amber_writer *w, latest_view *l) {
   amber_reader *r = latest_reader(w, l);
   if (!r) return 0;
   int ok = same_tensors(w, r);
-  size_t *idx = ok ? malloc((w->n ? w->n : 1) * sizeof *idx) : NULL;
-  void **bufs = ok ? malloc((w->n ? w->n : 1) * sizeof *bufs) : NULL;
-  uint64_t *sizes = ok ? malloc((w->n ? w->n : 1) * sizeof *sizes) : NULL;
+  size_t *idx = ok ? malloc((w->dc.n ? w->dc.n : 1) * sizeof *idx) : NULL;
+  void **bufs = ok ? malloc((w->dc.n ? w->dc.n : 1) * sizeof *bufs) : NULL;
+  uint64_t *sizes = ok ? malloc((w->dc.n ? w->dc.n : 1) * sizeof *sizes) : NULL;
   ok = ok && idx && bufs && sizes;
-  for (size_t i = 0; ok && i < w->n; i++) {
-    idx[i] = i;
-    bufs[i] = w->ref[i];
-    sizes[i] = w->tensors[i].nbytes;
+  size_t m = 0;
+  for (size_t i = 0; ok && i < w->dc.n; i++) {
+    if (w->dc.d[i].presel) continue; /* its reference is the caller's */
+    idx[m] = i;
+    bufs[m] = w->dc.d[i].ref;
+    sizes[m++] = w->dc.d[i].t.nbytes;
   }
   /* all tensors at once: every chunk a job for the reader's threads */
-  ok = ok && amber_reader_read_many(r, w->n, idx, bufs, sizes) == 0;
+  ok = ok && amber_reader_read_many(r, m, idx, bufs, sizes) == 0;
   free(idx);
   free(bufs);
   free(sizes);
@@ -578,11 +652,12 @@ static int load_reference(amber_writer *w, latest_view *l) {
 static void seed_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   (void)worker;
-  size_t ti = w->owner[j];
-  const amber__tensor *t = &w->tensors[ti];
+  size_t ti = w->as.owner[j];
+  if (w->dc.d[ti].presel) return; /* its reference is the caller's */
+  const amber__tensor *t = &w->dc.d[ti].t;
   uint64_t jj = j - t->first_chunk;
   size_t isz = amber_dtype_size(t->dtype), off = (size_t)(jj * t->chunk_elems * isz);
-  memcpy(w->ref[ti] + off, w->data[ti] + off, (size_t)amber__chunk_n(t, jj) * isz);
+  memcpy(w->dc.d[ti].ref + off, w->dc.d[ti].data + off, (size_t)amber__chunk_n(t, jj) * isz);
 }
 
 int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
@@ -592,9 +667,9 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
                        "amber_writer_seed_reference: the save of step %" PRIu64
                        " is not reported yet (call amber_writer_wait first)",
                        w->saver.step);
-  for (size_t i = 0; i < w->n; i++)
-    if (w->tensors[i].nbytes && !w->data[i])
-      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
+  for (size_t i = 0; i < w->dc.n; i++)
+    if (w->dc.d[i].t.nbytes && !w->dc.d[i].data && !w->dc.d[i].presel)
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->dc.d[i].t.name);
   uint64_t latest, state;
   int rc = amber__store_state(w->st, &w->err, &latest, &state);
   if (rc == AMBER_ENOENT)
@@ -609,7 +684,7 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
                        "store %s is %" PRIu64 " (the reference is the latest committed state)",
                        step, w->st->path, latest);
   /* From here the reference is being replaced: valid again only on success. */
-  w->ref_valid = 0;
+  w->ref.valid = 0;
   w->have_latest = 1;
   w->latest_step = latest;
   w->latest_state = state;
@@ -628,8 +703,8 @@ int amber_writer_seed_reference(amber_writer *w, uint64_t step) {
   load_cadence(w, NULL);
   /* Every page of the reference is written here, by the pool's threads: the
    * page faults of a fresh reference happen now, not in the next save. */
-  amber__pool_for(w->pool, (size_t)w->n_chunks, seed_job, w);
-  w->ref_valid = 1;
+  amber__pool_for(w->pool, (size_t)w->as.n_chunks, seed_job, w);
+  w->ref.valid = 1;
   return 0;
 }
 
@@ -637,12 +712,12 @@ static int want_full(amber_writer *w, uint32_t flags, latest_view *l) {
   if ((flags & AMBER_SAVE_FULL) || !w->have_latest) return 1;
   if (!w->cadence.known) load_cadence(w, l);
   if (amber__cadence_decide(&w->cadence)) return 1;
-  if (!w->ref_valid) w->ref_valid = load_reference(w, l);
-  return !w->ref_valid;
+  if (!w->ref.valid) w->ref.valid = load_reference(w, l);
+  return !w->ref.valid;
 }
 
-/* Checks a save request and decides its kind; nothing has started on failure. */
-static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
+/* The checks of a save request that need nothing of the store. */
+static int check_request(amber_writer *w, uint64_t step, uint32_t flags) {
   if (flags & ~(AMBER_SAVE_FULL | AMBER_SAVE_NO_REFERENCE | AMBER_SAVE_CONFIRM))
     return amber__fail(&w->err, AMBER_EINVAL, "amber_writer_save: unknown flags 0x%x", flags);
   if (step == AMBER_NO_STEP)
@@ -651,22 +726,53 @@ static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
     return amber__fail(&w->err, AMBER_EEXIST,
                        "step %" PRIu64 " is not after the store's latest step %" PRIu64, step,
                        w->latest_step);
-  for (size_t i = 0; i < w->n; i++)
-    if (w->tensors[i].nbytes && !w->data[i])
-      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->tensors[i].name);
+  for (size_t i = 0; i < w->dc.n; i++)
+    if (w->dc.d[i].t.nbytes && !w->dc.d[i].data && !w->dc.d[i].presel)
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s' has no data", w->dc.d[i].t.name);
+  return 0;
+}
+
+/* Every pre-selected tensor has its selection for this save, whole in a full one. */
+static int check_selections(amber_writer *w, uint64_t step) {
+  for (size_t i = 0; i < w->dc.n; i++) {
+    const decl *d = &w->dc.d[i];
+    if (!d->presel) continue;
+    if (!d->sel_ready)
+      return amber__fail(&w->err, AMBER_EINVAL,
+                         "step %" PRIu64 ": pre-selected tensor '%s' has no selection (call "
+                         "amber_writer_plan, then amber_writer_set_selection before each save)",
+                         step, d->t.name);
+    for (uint64_t j = 0; !w->delta && j < d->t.n_chunks; j++)
+      if (d->sel[j].count != AMBER_SELECT_WHOLE)
+        return amber__fail(&w->err, AMBER_EINVAL,
+                           "step %" PRIu64 " is a full checkpoint, but chunk %" PRIu64
+                           " of pre-selected tensor '%s' is not AMBER_SELECT_WHOLE",
+                           step, j, d->t.name);
+  }
+  return 0;
+}
+
+/* Checks a save request and decides its kind; nothing has started on failure. */
+static int start_save(amber_writer *w, uint64_t step, uint32_t flags) {
+  int rc = check_request(w, step, flags);
+  int planned = w->plan.set && w->plan.step == step && w->plan.flags == flags;
+  w->plan.set = 0;
+  if (rc) return rc;
   memset(&w->stats, 0, sizeof w->stats);
-  w->stats.total_s = now_s(); /* start time until run_save ends */
+  w->stats.total_s = amber__now(); /* start time until run_save ends */
   latest_view l = {0}; /* the store is read once, whatever this save must learn from it */
-  int rc = prepare(w, NULL, &l);
+  rc = prepare(w, NULL, &l);
   if (!rc) {
     resolve_policies(w);
-    w->delta = !want_full(w, flags, &l);
+    w->delta = planned ? w->plan.delta : !want_full(w, flags, &l);
   }
   amber_reader_close(l.r);
+  if (!rc) rc = check_selections(w, step);
+  for (size_t i = 0; i < w->dc.n; i++) w->dc.d[i].sel_ready = 0; /* a save consumes them */
   if (rc) return rc;
   amber__saver_arm(&w->saver);
-  w->keep_ref = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
-  if (w->keep_ref && (rc = ensure_ref(w)) != 0) return rc;
+  w->ref.keep = w->delta || !(flags & AMBER_SAVE_NO_REFERENCE);
+  if (w->ref.keep && (rc = ensure_ref(w)) != 0) return rc;
   if ((w->delta || (w->opts.flags & AMBER_WRITER_COMPRESS_FULL)) && (rc = ensure_scratch(w, 0)) != 0)
     return rc;
   return 0;
@@ -687,21 +793,22 @@ static int run_save(amber_writer *w, uint64_t step) {
   amber__ckpt_path(w->st, step, NULL, dst, sizeof dst);
   uint64_t state = 0, bytes = 0;
   /* From here the reference is being moved: it is valid again only on success. */
-  w->ref_valid = 0;
-  w->stats.prepare_s = now_s() - t_start;
+  w->ref.valid = 0;
+  w->stats.prepare_s = amber__now() - t_start;
   int rc = write_file(w, dst, tmp, step, &state, &bytes);
   amber__saver_scanned(&w->saver); /* also when write_file failed early */
-  if (!rc && (rc = amber__saver_await_verdict(&w->saver, &w->err, step)) != 0) unlink(tmp); /* durable, never visible */
-  double t_commit = now_s();
+  if (!rc && (rc = amber__saver_await_verdict(&w->saver, &w->err, step)) != 0)
+    unlink(tmp); /* durable, never visible */
+  double t_commit = amber__now();
   if (!rc) rc = amber__commit_file(w->st, &w->err, tmp, step);
   if (!rc && (rc = amber__write_latest(w->st, &w->err, step, state)) != 0)
     unlink(dst); /* never committed; keep the store as it was */
   if (rc) return rc;
-  w->stats.commit_s = now_s() - t_commit;
-  w->stats.total_s = now_s() - t_start;
+  w->stats.commit_s = amber__now() - t_commit;
+  w->stats.total_s = amber__now() - t_start;
   w->stats.delta = w->delta;
   w->stats.bytes = bytes;
-  w->ref_valid = w->keep_ref;
+  w->ref.valid = w->ref.keep;
   w->have_latest = 1;
   w->latest_step = step;
   w->latest_state = state;
@@ -730,6 +837,94 @@ int amber_writer_save(amber_writer *w, uint64_t step, uint32_t flags) {
   return run_save(w, step);
 }
 
+/* ---- pre-selected tensors: the caller selects, amber encodes and commits ---- */
+
+int amber_writer_plan(amber_writer *w, uint64_t step, uint32_t flags, uint32_t *kind) {
+  if (!w || !kind) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_plan: NULL argument");
+  amber__save_state state = amber__saver_state(&w->saver);
+  if (state != AMBER__SAVE_IDLE && state != AMBER__SAVE_DONE)
+    return amber__fail(&w->err, AMBER_EBUSY,
+                       "amber_writer_plan: the save of step %" PRIu64
+                       " is still in progress (call amber_writer_wait first)",
+                       w->saver.step);
+  int rc = state == AMBER__SAVE_DONE ? amber_writer_wait(w) : 0; /* unreported failure */
+  w->plan.set = 0;
+  if (!rc) rc = check_request(w, step, flags);
+  if (rc) return rc;
+  latest_view l = {0};
+  rc = prepare(w, NULL, &l);
+  if (!rc) {
+    resolve_policies(w);
+    w->plan.delta = !want_full(w, flags, &l);
+  }
+  amber_reader_close(l.r);
+  if (rc) return rc;
+  w->plan.set = 1;
+  w->plan.step = step;
+  w->plan.flags = flags;
+  *kind = w->plan.delta ? AMBER_KIND_DELTA : AMBER_KIND_FULL;
+  return 0;
+}
+
+int amber_writer_info(const amber_writer *w, size_t index, amber_tensor_info *out) {
+  if (!w || !out) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_info: NULL argument");
+  if (index >= w->dc.n)
+    return amber__fail(NULL, AMBER_ERANGE, "tensor index %zu out of range (%zu tensors)", index,
+                       w->dc.n);
+  const amber__tensor *t = &w->dc.d[index].t;
+  memset(out, 0, sizeof *out);
+  out->name = t->name;
+  out->dtype = t->dtype;
+  out->ndim = t->ndim;
+  for (uint32_t d = 0; d < t->ndim; d++) out->shape[d] = (int64_t)t->shape[d];
+  out->nelems = t->nelems;
+  out->nbytes = t->nbytes;
+  out->chunk_elems = t->chunk_elems;
+  out->nchunks = t->n_chunks;
+  out->policy = t->policy;
+  return 0;
+}
+
+int amber_writer_set_selection(amber_writer *w, size_t index, const amber_chunk_sel *chunks,
+                               uint64_t nchunks) {
+  if (!w || (nchunks && !chunks))
+    return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_selection: NULL argument");
+  if (busy(w, "amber_writer_set_selection")) return AMBER_EBUSY;
+  if (index >= w->dc.n)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
+                       index, w->dc.n);
+  decl *d = &w->dc.d[index];
+  if (!d->presel)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
+                       d->t.name);
+  if (!w->dc.frozen)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s': call amber_writer_plan first (it fixes the chunking)",
+                       d->t.name);
+  if (nchunks != d->t.n_chunks)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' has %" PRIu64 " chunks of %" PRIu64
+                       " elements, but %" PRIu64 " selections were given",
+                       d->t.name, d->t.n_chunks, d->t.chunk_elems, nchunks);
+  for (uint64_t j = 0; j < nchunks; j++) {
+    uint64_t n = amber__chunk_n(&d->t, j), c = chunks[j].count;
+    if (c != AMBER_SELECT_WHOLE && c > n)
+      return amber__fail(&w->err, AMBER_EINVAL,
+                         "tensor '%s', chunk %" PRIu64 ": %" PRIu64
+                         " elements selected of its %" PRIu64,
+                         d->t.name, j, c, n);
+    if (c && n && (!chunks[j].vals || (c != AMBER_SELECT_WHOLE && !chunks[j].idx)))
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s', chunk %" PRIu64 ": no %s",
+                         d->t.name, j, chunks[j].vals ? "indices" : "values");
+  }
+  if (!d->sel && !(d->sel = malloc((size_t)(nchunks ? nchunks : 1) * sizeof *d->sel)))
+    return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
+  if (nchunks) memcpy(d->sel, chunks, (size_t)nchunks * sizeof *d->sel);
+  d->sel_ready = 1;
+  return 0;
+}
+
 /* ---- the asynchronous save (saver.c runs its life cycle) ---- */
 
 /* The save thread's work: the save that begin set up. */
@@ -745,7 +940,7 @@ int amber_writer_begin(amber_writer *w, uint64_t step, uint32_t flags) {
                        "step %" PRIu64 ": the save of step %" PRIu64
                        " is still in progress (call amber_writer_wait first)",
                        step, w->saver.step);
-  if (state == AMBER__SAVE_DONE) { /* an unreported result: a failure is returned and nothing starts */
+  if (state == AMBER__SAVE_DONE) { /* unreported: a failure is returned, nothing starts */
     int rc = amber_writer_wait(w);
     if (rc) return rc;
   }

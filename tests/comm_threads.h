@@ -9,6 +9,7 @@
 #define AMBER_COMM_THREADS_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,13 +39,21 @@ static int tc_allgather(void *ctx, const void *send, size_t len, void *recv) {
   return 0;
 }
 
+/* Ranks (bit r: rank r) whose next broadcast fails with AMBER_EIO after it has
+ * run (the data reached nobody through it): a connection lost once rank 0 has sent,
+ * as when a peer dies. Each rank clears its own bit as it fails. */
+static _Atomic unsigned long long tc_broadcast_fails;
+
 static int tc_broadcast(void *ctx, void *buf, size_t len, int root) {
   tc_rank *r = ctx;
   if (r->rank == root) r->w->slot[root] = buf;
   pthread_barrier_wait(&r->w->bar);
-  if (r->rank != root && len) memcpy(buf, r->w->slot[root], len);
+  unsigned long long bit = 1ull << r->rank;
+  int fail = (atomic_load(&tc_broadcast_fails) & bit) != 0;
+  if (r->rank != root && len && !fail) memcpy(buf, r->w->slot[root], len);
   pthread_barrier_wait(&r->w->bar);
-  return 0;
+  if (fail) atomic_fetch_and(&tc_broadcast_fails, ~bit);
+  return fail ? AMBER_EIO : 0;
 }
 
 static int tc_barrier(void *ctx) {
@@ -58,6 +67,10 @@ static void *tc_main(void *p) {
   r->fn(&r->comm, r->arg);
   return NULL;
 }
+
+/* Flags of the communicators that tc_run makes (AMBER_COMM_ANY_THREAD: its
+ * collectives work from any thread, one at a time per rank, which they do). */
+static uint64_t tc_flags;
 
 /* Runs fn on n ranks (threads, n <= 64) and waits for all of them. */
 static inline void tc_run(int n, void (*fn)(const amber_comm *, void *), void *arg) {
@@ -78,6 +91,7 @@ static inline void tc_run(int n, void (*fn)(const amber_comm *, void *), void *a
     rs[i].comm.broadcast = tc_broadcast;
     rs[i].comm.barrier = tc_barrier;
     rs[i].comm.ctx = &rs[i];
+    rs[i].comm.flags = tc_flags;
     pthread_create(&th[i], NULL, tc_main, &rs[i]);
   }
   for (int i = 0; i < n; i++) pthread_join(th[i], NULL);

@@ -10,8 +10,10 @@
  *
  *   amber bench [--size-mb N] [--deltas D] [--policy SPEC] [--dir D] [--json FILE]
  *   amber bench --full [--size-mb N] [--dir D] [--json FILE] [--repeat R]
+ *   mpirun -np N amber bench --ranks [--size-mb N] [--deltas D] [--policy SPEC] [--dir D]
  *
- * The delta mode lives in bench_delta.c.
+ * The delta mode lives in bench_delta.c, the many-rank mode (built when MPI is
+ * found) in bench_ranks.c.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -341,13 +343,18 @@ static int bench_full(const bench_opts *o) {
 }
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: amber bench [--full|--async] [--size-mb N] [--dir DIR] [--json FILE]\n"
+  fprintf(f, "usage: amber bench [--full|--async|--ranks] [--size-mb N] [--dir DIR] [--json FILE]\n"
              "                   [--deltas D] [--policy SPEC] [--repeat R]\n"
              "  (default)   delta saves of a synthetic AdamW trajectory: phases, sizes,\n"
              "              restore of full + deltas, against same-run baselines\n"
              "  --full      full save and restore against plain buffered write/read\n"
              "  --async     a training loop with begin/fence/wait: stall per checkpoint,\n"
              "              save-to-durable, a synchronous save of the same state, peak RSS\n"
+             "  --ranks     under mpirun: each rank saves 1/N of the state as one global\n"
+             "              step; each rank's save, the global commit's own cost, and a\n"
+             "              single-rank save of the same total bytes (no --json)\n"
+             "  --funneled  ranks mode: MPI_THREAD_FUNNELED, so the global commit runs\n"
+             "              inside wait() (default MPI_THREAD_MULTIPLE: in the background)\n"
              "  --compute-ms  async mode: compute between optimizer steps (default 1500)\n"
              "  --deltas    delta mode: number of deltas after the full (default 20)\n"
              "  --policy    delta mode: policy rule (default budget:0.02)\n"
@@ -381,6 +388,10 @@ int amber__bench_main(int argc, char **argv) {
       mode = 1;
     } else if (!strcmp(a, "--async")) {
       mode = 2;
+    } else if (!strcmp(a, "--ranks")) {
+      mode = 3;
+    } else if (!strcmp(a, "--funneled")) {
+      o.funneled = 1;
     } else if (!strcmp(a, "--compute-ms") && i + 1 < argc && !parse_u64(argv[i + 1], &v)) {
       o.compute_ms = (int)(v > 600000 ? 600000 : v);
       i++;
@@ -404,6 +415,19 @@ int amber__bench_main(int argc, char **argv) {
       usage(stderr);
       return 2;
     }
+  }
+  if (mode == 3) {
+#ifdef AMBER_WITH_MPI
+    if (o.json_path) {
+      fprintf(stderr, "amber bench: --json is not supported with --ranks\n");
+      return 2;
+    }
+    return amber__bench_ranks(&o) ? 1 : 0;
+#else
+    fprintf(stderr, "amber bench: --ranks needs MPI, and this amber was built without it "
+                    "(install libopenmpi-dev and rebuild)\n");
+    return 1;
+#endif
   }
   char tmpl[] = "/var/tmp/amber-bench-XXXXXX";
   int own_dir = 0;

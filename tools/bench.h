@@ -31,6 +31,7 @@ typedef struct bench_opts {
   int deltas;         /* delta mode: number of deltas */
   const char *policy; /* delta mode: policy rule */
   int compute_ms;     /* async mode: compute between optimizer steps */
+  int funneled;       /* ranks mode: MPI_THREAD_FUNNELED, the commit inside wait() */
 } bench_opts;
 
 int amber__bench_state(bench_state *s, uint64_t total_bytes);
@@ -49,6 +50,8 @@ void amber__bench_drop_store(const char *dir);
 double amber__bench_median(double *v, int n);
 int amber__bench_delta(const bench_opts *o);
 int amber__bench_async(const bench_opts *o);
+/* `amber bench --ranks` (tools/bench_ranks.c, only when built with MPI). */
+int amber__bench_ranks(const bench_opts *o);
 float *amber__bench_gradients(void);
 void amber__bench_adam(bench_state *s, const float *gtab, int step);
 

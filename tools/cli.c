@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -210,6 +211,69 @@ static const char *human_bytes(uint64_t b, char buf[32]) {
   return buf;
 }
 
+/* ---- progress on stderr ---------------------------------------------------------
+ * Long work (export, verify, compact, import of GB-sized states) draws one progress
+ * line on stderr when stderr is a terminal, after the first half second, from the
+ * library's progress hook (amber_set_progress). AMBER_PROGRESS=1 forces it on
+ * (from the start, one line per report: for logs and tests), AMBER_PROGRESS=0 off. */
+static struct {
+  pthread_mutex_t mu;
+  int on, forced, drawn;
+  char label[128];
+  double start, last;
+} prog = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void progress_init(void) {
+  const char *e = getenv("AMBER_PROGRESS");
+  prog.forced = e && !strcmp(e, "1");
+  prog.on = prog.forced || (isatty(STDERR_FILENO) && !(e && !strcmp(e, "0")));
+}
+
+/* Draws "LABEL: 45% of 1.5 GB" at most 4 times a second, and at the end. */
+static void progress_draw(const char *label, uint64_t done, uint64_t total) {
+  pthread_mutex_lock(&prog.mu);
+  double t = now();
+  if ((prog.forced || t - prog.start >= 0.5) && (t - prog.last >= 0.25 || done == total)) {
+    char b[32];
+    fprintf(stderr, prog.forced ? "%s: %3.0f%% of %s\n" : "\r%s: %3.0f%% of %s  ", label,
+            total ? 100.0 * (double)done / (double)total : 100.0, human_bytes(total, b));
+    prog.drawn = 1, prog.last = t;
+  }
+  pthread_mutex_unlock(&prog.mu);
+}
+
+/* The library's report: under the command's label, naming the library's part of
+ * the work when it is another (compact verifies first). */
+static void on_progress(void *ctx, const char *what, uint64_t done, uint64_t total) {
+  (void)ctx;
+  char label[160];
+  size_t n = strlen(what);
+  if (!strncmp(prog.label, what, n) && prog.label[n] == ' ')
+    snprintf(label, sizeof label, "%s", prog.label);
+  else
+    snprintf(label, sizeof label, "%s (%s)", prog.label, what);
+  progress_draw(label, done, total);
+}
+
+/* Starts reporting the library's progress under `label` (printf format). */
+__attribute__((format(printf, 1, 2))) static void progress_begin(const char *fmt, ...) {
+  if (!prog.on) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(prog.label, sizeof prog.label, fmt, ap);
+  va_end(ap);
+  prog.start = now(), prog.last = 0, prog.drawn = 0;
+  amber_set_progress(on_progress, NULL);
+}
+
+/* Stops it, and clears the line on a terminal, before the command prints. */
+static void progress_end(void) {
+  if (!prog.on) return;
+  amber_set_progress(NULL, NULL);
+  if (prog.drawn && !prog.forced) fputs("\r\033[K", stderr);
+  prog.drawn = 0;
+}
+
 static const char *kind_name(uint32_t kind) {
   return kind == AMBER_KIND_FULL    ? "full"
          : kind == AMBER_KIND_DELTA ? "delta"
@@ -331,8 +395,10 @@ static int import_save(const args *a, amber_writer *w, const amber__st_header *h
     if (rc) return fail(rc, w, "%s: keeping __metadata__", file);
   }
   /* One save per process: a full one needs no reference state in memory. */
+  progress_begin("import step %" PRIu64, a->step);
   int rc = amber_writer_save(w, a->step,
                              (a->full ? AMBER_SAVE_FULL : 0) | AMBER_SAVE_NO_REFERENCE);
+  progress_end();
   if (rc) return fail(rc, w, "import of %s into %s as step %" PRIu64, file, dir, a->step);
   return 0;
 }
@@ -466,35 +532,28 @@ typedef struct export_job {
   const char *store, *out;
 } export_job;
 
-static void progress(const export_job *j, size_t done, uint64_t bytes, double *last,
-                     int final) {
-  double t = now();
-  if (!final && t - *last < 0.25) return;
-  *last = t;
-  char b[32];
-  fprintf(stderr, "\rexport: %zu/%zu tensors, %s%s", done, j->n, human_bytes(bytes, b),
-          final ? "\n" : "   ");
-}
-
 /* Writes the header and every tensor to fd. */
 static int export_data(const export_job *j, int fd) {
   uint64_t step = j->step, done = 0;
   int64_t zero[AMBER_MAX_DIMS] = {0};
-  int tty = isatty(STDERR_FILENO) && j->total >= (64u << 20);
-  double last = 0;
+  if (prog.on) {
+    snprintf(prog.label, sizeof prog.label, "export step %" PRIu64, step);
+    prog.start = now(), prog.last = 0;
+  }
   if (write_all(fd, j->hdr, j->hdr_len)) return sys_fail("writing %s", tmp_path);
   for (size_t i = 0; i < j->n; i++) {
     int rc = j->g ? amber_global_reader_read(j->g, i, zero, j->t[i].shape, j->buf,
                                              j->t[i].nbytes)
                   : amber_reader_read(j->r, i, j->buf, j->t[i].nbytes);
-    if (rc && last > 0) fputc('\n', stderr); /* end the progress line */
+    if (rc) progress_end();
     if (rc)
       return fail(rc, j->g ? (const void *)j->g : (const void *)j->r, "reading tensor '%s' of step %" PRIu64 " of %s", j->t[i].name,
                   step, j->store);
     if (write_all(fd, j->buf, j->t[i].nbytes)) return sys_fail("writing %s", tmp_path);
     done += j->t[i].nbytes;
-    if (tty) progress(j, i + 1, done, &last, i + 1 == j->n);
+    if (prog.on) progress_draw(prog.label, done, j->total);
   }
+  progress_end();
   return 0;
 }
 
@@ -742,7 +801,9 @@ static int global_verify(const args *a) {
     amber_global_reader *g = NULL;
     int rc = amber_global_reader_open(&g, a->pos[0], gs[i].step);
     char why[1200] = "";
+    progress_begin("verify step %" PRIu64 ", rank by rank", gs[i].step);
     if (rc == 0) rc = amber_global_reader_verify(g);
+    progress_end();
     if (rc) snprintf(why, sizeof why, "%s", amber_last_error(g));
     amber_global_reader_close(g);
     bad |= rc != 0;
@@ -989,7 +1050,9 @@ static int cmd_verify(const args *a) {
   int bad = a->json && !arr;
   char why[1200];
   for (size_t i = 0; i < n; i++) {
+    progress_begin("verify step %" PRIu64, ck[i].step);
     int rc = verify_step(st, ck[i].step, why, sizeof why);
+    progress_end();
     bad |= rc != 0;
     if (arr) {
       json_t *o = json_pack("{s:o,s:b,s:s?}", "step", ju64(ck[i].step), "ok", rc == 0,
@@ -1014,7 +1077,60 @@ static int open_store_rw(const char *path, amber_store **st) {
   return open_existing(path, 0, st);
 }
 
+/* One global step's entry of amber_global_list; 0 when found. */
+static int global_step_info(const char *path, uint64_t step, amber_global_step_info *out) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  int rc = amber_global_list(path, &gs, &n);
+  if (rc) return rc;
+  rc = AMBER_ENOENT;
+  for (size_t i = 0; i < n; i++)
+    if (step == AMBER_LATEST ? i + 1 == n : gs[i].step == step) *out = gs[i], rc = 0;
+  amber_free(gs);
+  return rc;
+}
+
+/* compact of a multi-rank store: every rank's file of the step becomes full. */
+static int global_compact(const args *a) {
+  amber_global_step_info before, after;
+  uint64_t step = a->have_step ? a->step : AMBER_LATEST;
+  int rc = global_step_info(a->pos[0], step, &before);
+  if (rc == AMBER_ENOENT && a->have_step) {
+    fprintf(stderr, "amber: multi-rank store %s has no global step %" PRIu64 "\n", a->pos[0],
+            a->step);
+    return 1;
+  }
+  if (rc == AMBER_ENOENT) {
+    fprintf(stderr, "amber: multi-rank store %s has no committed global step\n", a->pos[0]);
+    return 1;
+  }
+  if (rc) return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]);
+  step = before.step;
+  double t0 = now();
+  size_t files = 0;
+  progress_begin("compact step %" PRIu64 ", rank by rank", step);
+  rc = amber_global_compact(a->pos[0], step, &files);
+  progress_end();
+  if (rc)
+    return fail(rc, NULL, "cannot compact step %" PRIu64 " of %s", step, a->pos[0]), 1;
+  double secs = now() - t0;
+  if ((rc = global_step_info(a->pos[0], step, &after)) != 0)
+    return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]), 1;
+  if (a->json)
+    return print_json(json_pack("{s:o,s:s,s:s,s:o,s:o,s:I,s:I,s:f}", "step", ju64(step), "was",
+                                kind_name(before.kind), "kind", kind_name(after.kind),
+                                "bytes_before", ju64(before.bytes), "bytes", ju64(after.bytes),
+                                "world_size", (json_int_t)after.world_size, "rank_files",
+                                (json_int_t)files, "seconds", secs));
+  char b0[32], b1[32];
+  printf("step %" PRIu64 ": %s (%s) -> %s (%s), %zu of %u rank files rewritten, in %.2f s\n",
+         step, kind_name(before.kind), human_bytes(before.bytes, b0), kind_name(after.kind),
+         human_bytes(after.bytes, b1), files, after.world_size, secs);
+  return 0;
+}
+
 static int cmd_compact(const args *a) {
+  if (amber_global_is_store(a->pos[0])) return global_compact(a);
   amber_store *st = NULL;
   if (open_store_rw(a->pos[0], &st)) return 1;
   uint64_t step = a->step;
@@ -1026,7 +1142,9 @@ static int cmd_compact(const args *a) {
   amber_ckpt_info before, after;
   committed_info(st, step, &before);
   double t0 = now();
+  progress_begin("compact step %" PRIu64, step);
   rc = amber_store_compact(st, step);
+  progress_end();
   if (rc) {
     int ret = fail(rc, st, "cannot compact step %" PRIu64 " of %s", step, a->pos[0]);
     amber_store_close(st);
@@ -1147,6 +1265,7 @@ static int short_usage(void) {
 }
 
 int main(int argc, char **argv) {
+  progress_init();
   if (argc < 2) return short_usage();
   if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
     usage(stdout);

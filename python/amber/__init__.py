@@ -37,6 +37,8 @@ __all__ = [
     "U8", "BOOL", "U16", "U32", "U64", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM",
     "EINVAL", "ENOMEM", "EIO", "ENOSPC", "ENOENT", "EEXIST", "ECORRUPT", "EFORMAT", "ELOCKED",
     "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY", "ECHANGED",
+    "GlobalWriter", "GlobalReader", "GlobalStepInfo", "GlobalTensorInfo", "is_global_store",
+    "global_steps", "global_prune", "SHARD_REPLICATED",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -245,6 +247,18 @@ class AmberError(Exception):
         self.name = name if name is not None else (_err_name(code) or b"").decode()
         self.message = message
         super().__init__(f"{self.name}: {message}" if self.name else message)
+
+    def __reduce__(self):
+        # picklable (DCP gathers a rank's exception to the coordinator), with the
+        # attributes a plain Exception's pickle would lose
+        return (_rebuild_error, (type(self), self.code, self.message, self.name, self.__dict__))
+
+
+def _rebuild_error(cls, code, message, name, attrs):
+    e = AmberError.__new__(cls)
+    AmberError.__init__(e, code, message, name)
+    e.__dict__.update(attrs)
+    return e
 
 
 class PruneWarning(UserWarning):
@@ -666,3 +680,363 @@ class Reader(_Handle):
         naming the first damaged file."""
         with self._lock:
             _check(_reader_verify(self._handle()), self._h)
+
+
+# ---- many ranks: the global writer and reader --------------------------------------
+
+SHARD_REPLICATED = 1 << 0
+_ALLGATHER = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_void_p)
+_BROADCAST = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_int)
+_BARRIER = ctypes.CFUNCTYPE(c_int, c_void_p)
+
+
+class _Comm(Structure):
+    _fields_ = [("rank", c_int), ("size", c_int), ("allgather", _ALLGATHER),
+                ("broadcast", _BROADCAST), ("barrier", _BARRIER), ("ctx", c_void_p),
+                ("flags", c_uint64), ("reserved", c_uint64 * 3)]
+    # flags stays 0: a Python communicator is called on the thread that saves (the
+    # commit of a split save runs in wait), never from the library's own threads
+
+
+class _GlobalStepInfo(Structure):
+    _fields_ = [("step", c_uint64), ("kind", c_uint32), ("world_size", c_uint32),
+                ("parent", c_uint64), ("bytes", c_uint64), ("reserved", c_uint64 * 4)]
+
+
+class _GlobalTensor(Structure):
+    _fields_ = [("name", c_char_p), ("dtype", c_int), ("ndim", c_uint32),
+                ("shape", c_int64 * MAX_DIMS), ("nshards", c_uint32), ("flags", c_uint32),
+                ("reserved", c_uint64 * 2)]
+
+
+_comm_self = _fn("amber_comm_self", POINTER(_Comm))
+_gw_open = _fn("amber_global_writer_open", c_int, POINTER(_H), c_char_p, POINTER(_Comm),
+               POINTER(_WriterOpts))
+_gw_add = _fn("amber_global_writer_add", c_int, _H, c_char_p, c_int, c_uint32, POINTER(c_int64),
+              POINTER(c_int64), POINTER(c_int64), c_void_p, c_uint32)
+_gw_set_data = _fn("amber_global_writer_set_data", c_int, _H, c_size_t, c_void_p)
+_gw_set_meta = _fn("amber_global_writer_set_meta", c_int, _H, c_char_p, c_size_t)
+_gw_add_policy = _fn("amber_global_writer_add_policy", c_int, _H, c_char_p)
+_gw_save = _fn("amber_global_writer_save", c_int, _H, c_uint64, c_uint32)
+_gw_begin = _fn("amber_global_writer_begin", c_int, _H, c_uint64, c_uint32)
+_gw_fence = _fn("amber_global_writer_fence", c_int, _H)
+_gw_wait = _fn("amber_global_writer_wait", c_int, _H)
+_gw_confirm = _fn("amber_global_writer_confirm", c_int, _H, c_int, c_char_p)
+_gw_close = _fn("amber_global_writer_close", None, _H)
+_gw_prune_status = _fn("amber_global_writer_prune_status", c_int, _H, POINTER(c_size_t),
+                       POINTER(c_char_p))
+_g_is_store = _fn("amber_global_is_store", c_int, c_char_p)
+_g_list = _fn("amber_global_list", c_int, c_char_p, POINTER(POINTER(_GlobalStepInfo)),
+              POINTER(c_size_t))
+_g_prune = _fn("amber_global_prune", c_int, c_char_p, c_uint64, POINTER(c_size_t))
+_gr_open = _fn("amber_global_reader_open", c_int, POINTER(_H), c_char_p, c_uint64)
+_gr_close = _fn("amber_global_reader_close", None, _H)
+_gr_step = _fn("amber_global_reader_step", c_uint64, _H)
+_gr_world = _fn("amber_global_reader_world_size", c_uint32, _H)
+_gr_count = _fn("amber_global_reader_count", c_size_t, _H)
+_gr_tensor = _fn("amber_global_reader_tensor", c_int, _H, c_size_t, POINTER(_GlobalTensor))
+_gr_find = _fn("amber_global_reader_find", c_int, _H, c_char_p, POINTER(c_size_t))
+_gr_read = _fn("amber_global_reader_read", c_int, _H, c_size_t, POINTER(c_int64),
+               POINTER(c_int64), c_void_p, c_uint64)
+_gr_meta = _fn("amber_global_reader_meta", c_int, _H, c_uint32, POINTER(c_void_p),
+               POINTER(c_size_t))
+_gr_verify = _fn("amber_global_reader_verify", c_int, _H)
+
+
+def _dims(values):
+    values = tuple(int(d) for d in values)
+    return (c_int64 * max(1, len(values)))(*values), len(values)
+
+
+class _CommBridge:
+    """An amber_comm whose collectives are the methods of a Python object:
+    `rank`, `size`, `allgather(data: bytes) -> bytes` (every rank's bytes, rank
+    order), `broadcast(data: bytes, root) -> bytes` and `barrier()`. The library
+    calls them on the thread that called it; an exception inside one is kept
+    (`error`) and reported to the library as AMBER_EIO, so that it never unwinds
+    through C. The ctypes callbacks live as long as this object."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.error = None
+
+        def guard(fn):
+            def call(*args):
+                try:
+                    fn(*args)
+                    return 0
+                except BaseException as e:  # never let an exception cross the C frames
+                    if self.error is None:
+                        self.error = e
+                    return EIO
+            return call
+
+        def allgather(_ctx, send, n, recv):
+            out = comm.allgather(ctypes.string_at(send, n) if n else b"")
+            if len(out) != n * comm.size:
+                raise RuntimeError(f"allgather returned {len(out)} bytes, not {n * comm.size}")
+            if n:
+                ctypes.memmove(recv, out, len(out))
+
+        def broadcast(_ctx, buf, n, root):
+            out = comm.broadcast(ctypes.string_at(buf, n) if n else b"", root)
+            if len(out) != n:
+                raise RuntimeError(f"broadcast returned {len(out)} bytes, not {n}")
+            if n:
+                ctypes.memmove(buf, out, n)
+
+        self._cbs = (_ALLGATHER(guard(allgather)), _BROADCAST(guard(broadcast)),
+                     _BARRIER(guard(lambda _ctx: comm.barrier())))
+        self.c = _Comm(rank=comm.rank, size=comm.size, allgather=self._cbs[0],
+                       broadcast=self._cbs[1], barrier=self._cbs[2], ctx=None)
+
+    def check(self, rc, handle):
+        """_check, with the collective's own exception named and chained."""
+        err, self.error = self.error, None
+        if rc < 0 and err is not None:
+            e = _error(rc, handle)
+            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
+                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
+                e.rank = err.ranks[0]
+            else:
+                e = AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: "
+                               f"{err})", name=e.name)
+            raise e from err
+        return _check(rc, handle)
+
+
+class GlobalWriter(_Handle):
+    """This rank's global writer of the multi-rank store at `path`.
+
+    GlobalWriter(path, comm=None, **writer options as for Writer). `comm` is an
+    object with `rank`, `size`, `allgather(bytes) -> bytes`, `broadcast(bytes,
+    root) -> bytes` and `barrier()` (amber.torch's distributed Checkpointer gives
+    one over torch.distributed); None is a job of one rank. Opening, save, begin
+    and wait are collective (every rank calls them, in the same order); add,
+    set_data, set_meta, fence and confirm are this rank's alone. Ownership of the
+    tensors' memory as for Writer."""
+
+    def __init__(self, path, comm=None, chunk_elems=0, compress_full=False, zstd_level=0,
+                 full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0):
+        super().__init__()
+        opts = _WriterOpts()
+        _writer_opts_init(byref(opts))
+        opts.chunk_elems = chunk_elems
+        opts.flags = (WRITER_COMPRESS_FULL if compress_full else 0) | \
+            (0 if direct_io else WRITER_NO_DIRECT_IO)
+        opts.zstd_level, opts.full_every, opts.full_share = zstd_level, full_every, full_share
+        opts.stage_bytes, opts.keep_last = stage_bytes, keep_last
+        self._bridge = _CommBridge(comm) if comm is not None else None
+        c = byref(self._bridge.c) if self._bridge else _comm_self()
+        self.rank = comm.rank if comm is not None else 0
+        self.size = comm.size if comm is not None else 1
+        h = _H()
+        self._call(_gw_open(byref(h), os.fsencode(os.fspath(path)), c, byref(opts)), None)
+        self._h = h.value
+        self.path = os.fspath(path)
+        self.count = 0
+
+    def _call(self, rc, handle):
+        if self._bridge is not None:
+            return self._bridge.check(rc, handle)
+        return _check(rc, handle)
+
+    def close(self):
+        """Releases the writer (waiting for this rank's save in progress, whose
+        result is lost: call wait() first). Not collective."""
+        with self._lock:
+            if self._h is None:
+                return
+            _gw_close(self._h)
+            self._h = None
+
+    def add(self, name, dtype, global_shape, offsets, local_shape, address, replicated=False):
+        """Declares this rank's box of global tensor `name` (before the first
+        save); replicated=True: the whole tensor, written by rank 0 alone. Returns
+        its index (declaration order) for set_data."""
+        with self._lock:
+            g, n = _dims(global_shape)
+            o, _ = _dims(offsets if not replicated else [0] * n)
+            s, _ = _dims(local_shape if not replicated else global_shape)
+            _check(_gw_add(self._handle(), _name_bytes(name), dtype, n, g, o, s, address or None,
+                           SHARD_REPLICATED if replicated else 0), self._h)
+            self.count += 1
+            return self.count - 1
+
+    def set_data(self, index, address):
+        with self._lock:
+            _check(_gw_set_data(self._handle(), index, address or None), self._h)
+
+    def add_policy(self, rule):
+        with self._lock:
+            _check(_gw_add_policy(self._handle(), rule.encode()), self._h)
+
+    def set_meta(self, data):
+        """This rank's metadata (UTF-8 JSON) of later saves, in its own file; copied."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        with self._lock:
+            _check(_gw_set_meta(self._handle(), data, len(data)), self._h)
+
+    def save(self, step, full=False):
+        """Saves and commits global step `step` (collective)."""
+        with self._lock:
+            self._call(_gw_save(self._handle(), step, SAVE_FULL if full else 0), self._h)
+
+    def begin(self, step, full=False, confirm=False):
+        """Starts this rank's part of `step` (collective: one allgather)."""
+        flags = (SAVE_FULL if full else 0) | (SAVE_CONFIRM if confirm else 0)
+        with self._lock:
+            self._call(_gw_begin(self._handle(), step, flags), self._h)
+
+    def fence(self):
+        with self._lock:
+            _check(_gw_fence(self._handle()), self._h)
+
+    def confirm(self, ok, why=""):
+        """The verdict on this rank's part of a save begun with confirm=True."""
+        with self._lock:
+            _check(_gw_confirm(self._handle(), 1 if ok else 0,
+                               why.encode("utf-8", "replace") if why else None), self._h)
+
+    def wait(self):
+        """The global commit (collective); raises the step's failure, the same on
+        every rank, naming the rank that failed."""
+        with self._lock:
+            self._call(_gw_wait(self._handle()), self._h)
+
+    def prune_status(self):
+        """With keep_last: (code, removed, message) of this rank's part of the prune
+        after the last committed step (rank 0 removes the older steps' manifests,
+        every rank its files that no kept step needs). A failed prune (code < 0)
+        does not fail the save; the next step's prune tries again. Not collective."""
+        with self._lock:
+            n, msg = c_size_t(), c_char_p()
+            rc = _gw_prune_status(self._handle(), byref(n), byref(msg))
+            return (rc, n.value, msg.value.decode("utf-8", "replace") if msg.value else None)
+
+
+class GlobalStepInfo:
+    """A committed global step: step, kind ("full"/"delta"), world_size, parent,
+    bytes (every rank's files and the manifest)."""
+    __slots__ = ("step", "kind", "world_size", "parent", "bytes")
+
+    def __init__(self, c):
+        self.step, self.world_size, self.bytes = c.step, c.world_size, c.bytes
+        self.kind = "full" if c.kind == KIND_FULL else "delta"
+        self.parent = None if c.parent == NO_STEP else c.parent
+
+    def __repr__(self):
+        return (f"GlobalStepInfo(step={self.step}, kind={self.kind!r}, "
+                f"world_size={self.world_size}, parent={self.parent}, bytes={self.bytes})")
+
+
+class GlobalTensorInfo:
+    """A global tensor of a step: index, name, dtype, (global) shape, nshards, replicated."""
+    __slots__ = ("index", "name", "dtype", "shape", "nshards", "replicated")
+
+    def __init__(self, index, c):
+        self.index = index
+        self.name = c.name.decode("utf-8")
+        self.dtype = c.dtype
+        self.shape = tuple(c.shape[i] for i in range(c.ndim))
+        self.nshards = c.nshards
+        self.replicated = bool(c.flags & SHARD_REPLICATED)
+
+    @property
+    def nbytes(self):
+        n = dtype_size(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __repr__(self):
+        return f"GlobalTensorInfo({self.name!r}, {dtype_name(self.dtype)}, {self.shape})"
+
+
+def is_global_store(path):
+    """True when `path` is a multi-rank store."""
+    return bool(_g_is_store(os.fsencode(os.fspath(path))))
+
+
+def global_steps(path):
+    """The committed global steps of multi-rank store `path`, oldest first."""
+    arr = POINTER(_GlobalStepInfo)()
+    n = c_size_t()
+    _check(_g_list(os.fsencode(os.fspath(path)), byref(arr), byref(n)), None)
+    try:
+        return [GlobalStepInfo(arr[i]) for i in range(n.value)]
+    finally:
+        _free(arr)
+
+
+def global_prune(path, keep_last):
+    """Keeps the newest `keep_last` global steps; returns the number removed."""
+    n = c_size_t()
+    _check(_g_prune(os.fsencode(os.fspath(path)), keep_last, byref(n)), None)
+    return n.value
+
+
+class GlobalReader(_Handle):
+    """Reads global step `step` (default: latest) of a multi-rank store at any
+    world size: its global tensor table, any box of a global tensor, each rank's
+    metadata. Not collective."""
+
+    def __init__(self, path, step=None):
+        super().__init__()
+        h = _H()
+        _check(_gr_open(byref(h), os.fsencode(os.fspath(path)),
+                        LATEST if step is None else step), None)
+        self._h = h.value
+        self.path = os.fspath(path)
+        self.step = _gr_step(self._h)
+        self.world_size = _gr_world(self._h)
+        self._infos = None
+
+    def close(self):
+        with self._lock:
+            if self._h is None:
+                return
+            _gr_close(self._h)
+            self._h = None
+
+    def tensors(self):
+        """GlobalTensorInfo of every global tensor (cached)."""
+        if self._infos is None:
+            with self._lock:
+                out = []
+                for i in range(_gr_count(self._handle())):
+                    c = _GlobalTensor()
+                    _check(_gr_tensor(self._h, i, byref(c)), self._h)
+                    out.append(GlobalTensorInfo(i, c))
+                self._infos = out
+        return self._infos
+
+    def find(self, name):
+        """Index of global tensor `name`, or None."""
+        with self._lock:
+            idx = c_size_t()
+            rc = _gr_find(self._handle(), _name_bytes(name), byref(idx))
+            if rc == ENOENT:
+                return None
+            _check(rc, None)
+            return idx.value
+
+    def read_into(self, index, offsets, shape, address, size):
+        """Reads the box at `offsets` of `shape` of tensor `index` (row-major,
+        `size` bytes) into `address`; every checksum checked."""
+        with self._lock:
+            o, n = _dims(offsets)
+            s, _ = _dims(shape)
+            _check(_gr_read(self._handle(), index, o, s, address or None, size), self._h)
+
+    def meta(self, rank):
+        """Rank `rank`'s metadata as bytes, or None when it stored none."""
+        with self._lock:
+            p, n = c_void_p(), c_size_t()
+            _check(_gr_meta(self._handle(), rank, byref(p), byref(n)), self._h)
+            return ctypes.string_at(p.value, n.value) if p.value and n.value else None
+
+    def verify(self):
+        with self._lock:
+            _check(_gr_verify(self._handle()), self._h)

@@ -38,9 +38,14 @@ is that Future. Do not change the tensors before it completes. The upload
 (encode, write, commit) runs in DCP's thread. AsyncCheckpointerType.PROCESS is
 refused: it pickles the Writer, whose reference cannot cross processes.
 
-One process only for now: with torch.distributed initialized at a world size
-above 1, the Writer and the Reader raise NotImplementedError (multi-rank comes
-with amber's distributed core).
+Many ranks: under a process group of more than one rank (Writer(process_group=...),
+default the world) the store is a multi-rank store (amber's global writer): each
+rank writes the shards of its final plan (DTensor shards, and the replicated items
+DCP's planner gave it) in its own files, and the step commits on every rank at the
+end of write_data, through amber's collectives on a gloo group of the Writer's own
+(DCP calls finish() on the coordinator alone, so the collective commit cannot wait
+for it). The Reader offers each global tensor as one chunk, so DCP's planner asks
+for any region at any world size, and serves it from the shards that overlap it.
 """
 
 import io
@@ -63,11 +68,12 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 import amber as _amber
 from amber import AmberError, Store
+from amber import _dist
 from amber import torch as _at
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
 
-_FORMAT = "amber.dcp/1"
+_FORMAT = _at._DCP_FORMAT  # "amber.dcp/1"
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -94,11 +100,11 @@ def parse_checkpoint_id(checkpoint_id):
     return path, None
 
 
-def _one_rank(what):
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError(
-            f"amber.dcp.{what}: world size {dist.get_world_size()}: multi-rank saves and "
-            "loads come with amber's distributed core; for now amber.dcp runs in one process")
+def _world(group=None):
+    """The number of ranks of `group` (None: the world); 1 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 def _name(path):
@@ -120,18 +126,27 @@ class Writer(StorageWriter, AsyncStager):
     """DCP StorageWriter (and AsyncStager) into an amber store.
 
     Writer(checkpoint_id=None, policy=None, full_every=None, full_share=None,
-           threads=0, chunk_elems=0)
+           threads=0, chunk_elems=0, process_group=None)
       policy, full_every, full_share, threads, chunk_elems: as for
       amber.torch.Checkpointer ("exact" by default, "lossy", rules...).
       checkpoint_id: optional default id; DCP's checkpoint_id= overrides it.
+      process_group: the ranks that save together, the group given to dcp.save
+              (default: the world); with more than one rank the store is a
+              multi-rank store (see the module's documentation). Every rank
+              makes its Writer, and the first save is collective (it makes the
+              Writer's gloo group).
     Keep one Writer for the run and close() it at the end (it holds the store's
-    lock while open). Not thread-safe beyond what DCP does with it."""
+    lock while open; with many ranks close() completes a staged save, which is
+    collective). Not thread-safe beyond what DCP does with it."""
 
     _synchronize_after_execute = False  # staging completes with stage()'s Future
 
     def __init__(self, checkpoint_id=None, policy=None, full_every=None, full_share=None,
-                 threads=0, chunk_elems=0):
+                 threads=0, chunk_elems=0, process_group=None):
         super().__init__()
+        self._pg = process_group
+        self._comm = None     # amber's collectives, on a gloo group of its own (many ranks)
+        self._gw = None       # the global writer (many ranks)
         self._rules = _at._rules(policy) + ["*/state/*/step=exact"]
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
@@ -159,6 +174,9 @@ class Writer(StorageWriter, AsyncStager):
         self._store = Store(path, threads=self._threads)
 
     def _drop(self):
+        if self._gw is not None:
+            self._gw.close()
+            self._gw = None
         if self._w is not None:
             self._w.close()
             self._w = None
@@ -192,9 +210,10 @@ class Writer(StorageWriter, AsyncStager):
 
     # -- StorageWriter --
     def reset(self, checkpoint_id=None):
-        _one_rank("Writer")
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
         path, step = parse_checkpoint_id(cid)
+        if _world(self._pg) > 1:
+            return self._reset_global(cid, path, step)
         if self._begun is not None:
             if self._target[0] != os.path.abspath(path) or \
                     (step is not None and step != self._target[1]):
@@ -209,7 +228,7 @@ class Writer(StorageWriter, AsyncStager):
         self._target = (self._store.path, step)
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
-        _one_rank("Writer")
+        pass
 
     def prepare_local_plan(self, plan):
         return plan
@@ -229,6 +248,8 @@ class Writer(StorageWriter, AsyncStager):
             return False
 
     def write_data(self, plan, planner):
+        if self._gw is not None:
+            return self._write_data_global(plan, planner)
         fut = torch.futures.Future()
         try:
             if self._begun is None:  # dcp.save: scan the planner's data now
@@ -255,7 +276,11 @@ class Writer(StorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata, results):
-        """The commit point: the step becomes visible here, or nothing does."""
+        """The commit point: the step becomes visible here, or nothing does. (With
+        many ranks the global commit is collective and DCP calls finish() on the
+        coordinator alone: the step commits at the end of write_data on every rank.)"""
+        if self._gw is not None:
+            return
         if self._begun is None:
             raise RuntimeError("amber.dcp.Writer.finish: no save in progress")
         try:
@@ -271,7 +296,6 @@ class Writer(StorageWriter, AsyncStager):
     def stage(self, state_dict):
         """Starts the scan of `state_dict` and returns a Future that completes at
         amber's fence, when the live tensors may change again."""
-        _one_rank("Writer")
         cid, kind = _async_save_args()
         if kind is not None and getattr(kind, "name", str(kind)).upper().endswith("PROCESS"):
             raise ValueError("amber.dcp.Writer does not support AsyncCheckpointerType.PROCESS: "
@@ -283,6 +307,8 @@ class Writer(StorageWriter, AsyncStager):
                              "dcp.async_save (or to Writer())")
         self._abort()
         self.reset(cid)
+        if self._gw is not None:
+            return self._stage_global(state_dict)
         flat, mappings = flatten_state_dict(state_dict)
         tensors, objects, names = [], {}, {}
         for fqn, v in flat.items():
@@ -385,7 +411,7 @@ class Writer(StorageWriter, AsyncStager):
 
     def _fence(self):
         try:
-            self._w.fence()
+            (self._gw or self._w).fence()
         finally:
             self._pinned = None
 
@@ -401,14 +427,256 @@ class Writer(StorageWriter, AsyncStager):
                     staged.result()
                 except BaseException:
                     pass
-            self._w.confirm(False, "the DCP save failed before finish()")
+            (self._gw or self._w).confirm(False, "the DCP save failed before finish()")
         except AmberError:
             pass
         try:
-            self._w.wait()
+            (self._gw or self._w).wait()  # with many ranks: the collective commit, failing
         except AmberError:
             pass
         self._pinned = None
+
+    # -- many ranks: each rank writes its shards through the global writer --
+    def _reset_global(self, cid, path, step):
+        path = os.path.abspath(path)
+        if self._begun is not None:
+            if self._target[0] != path or (step is not None and step != self._target[1]):
+                self._abort()
+                raise ValueError(f"amber.dcp.Writer: the staged save is {self._target}, "
+                                 f"not {cid!r}")
+            return
+        if self._gw is None or self._gw.path != path:
+            self._drop()
+            if self._comm is None:
+                # a gloo group of amber's own: async saves commit from DCP's thread while
+                # training uses the job's groups on its own (collective, every rank)
+                self._comm = _dist.TorchComm(_dist.cpu_group(self._pg, own=True))
+            self._open_global(path)
+        if step is None:
+            steps = _amber.global_steps(path)
+            step = steps[-1].step + 1 if steps else 0
+        self._target = (path, step)
+
+    def _open_global(self, path):
+        self._gw = _amber.GlobalWriter(path, self._comm, **self._wopts)
+        self._sig = None
+        for r in self._rules:
+            self._gw.add_policy(r)
+
+    def _stage_global(self, state_dict):
+        """stage() with many ranks: see _declare_global."""
+        try:
+            flat, mappings = flatten_state_dict(state_dict)
+            part, err = self._declare_global(flat, mappings), None
+        except Exception as e:  # still a vote: the other ranks wait for it
+            part, err = ([], {}, {}), e
+        self._begin_global(*part, err=err)
+        fut = Future()
+        self._staged = fut
+
+        def fence():
+            try:
+                self._fence()
+                fut.set_result(state_dict)
+            except BaseException as e:
+                fut.set_exception(e)
+        threading.Thread(target=fence, name="amber-dcp-fence", daemon=True).start()
+        return fut
+
+    @staticmethod
+    def _declare_global(flat, mappings):
+        """This rank's part of a flattened state dict: each DTensor's shard (written by
+        the rank at coordinate 0 of the mesh dimensions that replicate it) and plain
+        tensors written once, by rank 0. Taken from the state dict, not from DCP's
+        plan, so that the declarations stay the same from save to save (the planner
+        may move replicated items between ranks) and async and plain saves agree:
+        each save is then a delta against the previous one."""
+        decl, objects, names = [], {}, {}
+        for fqn, v in flat.items():
+            name = _name(mappings.get(fqn, (fqn,)))
+            names[fqn] = name
+            if _at._is_dtensor(v):
+                local, gshape, off, lshape, writes, repl = _dist._box(v)
+                if writes or repl:
+                    decl.append((name, local, gshape, off, lshape, repl))
+            elif isinstance(v, torch.Tensor):
+                decl.append((name, v, tuple(v.shape), (0,) * v.dim(), tuple(v.shape), True))
+            else:
+                objects[name] = v
+        return decl, objects, names
+
+    def _plan_global(self, plan, planner):
+        """dcp.save with many ranks: the planner's (flattened) state dict, declared as
+        stage() declares it; every item of the plan must be in it."""
+        mappings = getattr(planner, "mappings", None) or {}
+        state = getattr(planner, "state_dict", None)
+        if state is None:
+            raise TypeError("amber.dcp.Writer: the planner has no state_dict (a planner "
+                            "other than DCP's DefaultSavePlanner?)")
+        for item in plan.items:
+            if item.index.fqn not in state:
+                raise ValueError(f"amber.dcp.Writer: {item.index.fqn}: in the plan, not in the "
+                                 "planner's state dict")
+        return self._declare_global(state, mappings)
+
+    def _begin_global(self, decl, objects, names, err=None):
+        """Declares this rank's shards (a new global writer, on every rank, when any
+        rank's changed), sets its metadata and begins the step (collective). `err`:
+        this rank could not even list its part; every rank learns of it here."""
+        rows, pinned, meta_json = [], [], None
+        try:
+            if err is not None:
+                raise err
+            enc = _at._Flat()
+            meta_objects = {}
+            for name, v in objects.items():
+                e = enc.enc(v, name)
+                if enc.tensors:
+                    raise TypeError(f"amber.dcp.Writer: {name}: tensors inside a non-tensor value")
+                meta_objects[name] = e
+            with torch.no_grad():
+                for name, t, gshape, off, lshape, repl in decl:
+                    if t.dtype not in _at._DTYPES:
+                        raise TypeError(f"{name}: dtype {t.dtype} is not supported by amber")
+                    writes = not repl or self._comm.rank == 0
+                    src = t
+                    if writes and not (t.device.type == "cpu" and t.is_contiguous() and
+                                       not t.is_conj() and not t.is_neg()):
+                        src = self._bufs.get(name)
+                        if src is None or src.shape != t.shape or src.dtype != t.dtype:
+                            src = self._bufs[name] = torch.empty(t.shape, dtype=t.dtype)
+                        src.copy_(t.resolve_conj().resolve_neg())
+                    pinned.append(src)
+                    rows.append((name, _at._DTYPES[t.dtype], gshape, off, lshape, repl,
+                                 src.data_ptr() if writes and src.numel() else 0))
+            meta = {"format": _FORMAT, "step": self._target[1], "rank": self._comm.rank,
+                    "keys": names, "objects": meta_objects}
+            meta_json = json.dumps(meta, allow_nan=False, separators=(",", ":"))
+        except Exception as e:  # every rank learns of it before any begins
+            err = e
+        sig = [r[:6] for r in rows]
+        votes = self._comm.gather_objects(  # every rank's readiness, before any begins
+            {"err": None if err is None else f"{type(err).__name__}: {err}",
+             "reopen": self._sig is None or sig != self._sig})
+        bad = next((r for r, v in enumerate(votes) if v["err"]), None)
+        if bad is not None:
+            raise AmberError(_amber.ECANCELED, f"step {self._target[1]} not saved: rank {bad} "
+                             f"failed: {votes[bad]['err']}", name="AMBER_ECANCELED") from err
+        if any(v["reopen"] for v in votes):
+            self._gw.close()
+            self._open_global(self._target[0])
+            for name, dt, gshape, off, lshape, repl, p in rows:
+                self._gw.add(name, dt, gshape, off, lshape, p, replicated=repl)
+            self._sig, self._ptrs = sig, [r[6] for r in rows]
+        else:
+            for i, r in enumerate(rows):
+                if r[6] != self._ptrs[i]:
+                    self._gw.set_data(i, r[6])
+                    self._ptrs[i] = r[6]
+        self._gw.set_meta(meta_json)
+        self._pinned = pinned
+        self._gw.begin(self._target[1], confirm=True)
+        self._begun = (names, meta_objects)
+
+    def _write_data_global(self, plan, planner):
+        fut = torch.futures.Future()
+        try:
+            if self._begun is None:  # dcp.save: this rank's final plan, begun now
+                try:
+                    part, err = self._plan_global(plan, planner), None
+                except Exception as e:  # still a vote: the other ranks wait for it
+                    part, err = ([], {}, {}), e
+                self._begin_global(*part, err=err)
+            names, _ = self._begun
+            if self._staged is not None:
+                self._staged.result()
+            else:
+                self._fence()
+            results = []
+            for item in plan.items:
+                size = 0
+                if item.type != WriteItemType.BYTE_IO:
+                    size = item.tensor_data.chunk.sizes.numel() * \
+                        item.tensor_data.properties.dtype.itemsize
+                results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                           storage_data=names.get(item.index.fqn)))
+            self._gw.confirm(True)
+            self._begun = self._staged = None
+            self._gw.wait()  # the global commit: collective, on every rank
+            fut.set_result(results)
+        except BaseException as e:
+            self._abort()
+            fut.set_exception(e)
+        return fut
+
+
+class _Boxless:
+    """A reader with no tensors, for decoding plain values with amber.torch's _Load."""
+
+    def tensors(self):
+        return []
+
+
+class _Ref:
+    """A tensor of the store, by name, in a state dict rebuilt from metadata."""
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+
+class _Refs(_at._Load):
+    """Decodes amber.torch's metadata with each tensor left as a _Ref."""
+
+    def __init__(self, step):
+        super().__init__(_Boxless(), True, step)
+
+    def tensor(self, name, target=None, device=None):
+        if not isinstance(name, str):
+            self.bad(name, "a tensor reference that is not a name")
+        return _Ref(name)
+
+
+def _checkpointer_view(meta, step):
+    """A store written by amber.torch's Checkpointer (one or many ranks) as amber.dcp
+    metadata, {"keys": {DCP key: name}, "objects": {name: encoded value}}: each entry
+    rebuilt as the state dict DCP users pass (a module's {FQN: tensor}, an
+    optimizer's {"state": {FQN: {...}}, "param_groups": [...]} as get_state_dict
+    gives them, an object's state_dict, a value) and flattened as DCP flattens it."""
+    entries = meta.get("entries")
+    if not isinstance(entries, dict):
+        raise _at._format_error(step, "entries", "not a dict")
+    ld = _Refs(step)
+    nested = {}
+    for key, e in entries.items():
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind == "optimizer":
+            groups = e.get("param_groups")
+            if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+                ld.bad(key, "an optimizer entry without param_groups")
+            nested[key] = {"state": ld.dec(e.get("state"), key), "param_groups": [
+                dict(ld.dec({k: v for k, v in g.items() if k != "params"}, key),
+                     params=list(g.get("params", []))) for g in groups]}
+        elif kind in ("module", "object"):
+            nested[key] = ld.dec(e.get("state"), key)
+        elif kind in ("value", "tensor"):
+            nested[key] = ld.dec(e.get("value"), key)
+        else:
+            ld.bad(key, "an entry without a known type")
+    flat, mappings = flatten_state_dict(nested)
+    keys, objects, enc = {}, {}, _at._Flat()
+    for fqn, v in flat.items():
+        if isinstance(v, _Ref):
+            keys[fqn] = v.name
+            continue
+        name = "dcp:" + _name(mappings.get(fqn, (fqn,)))  # apart from the tensors' names
+        try:
+            objects[name] = enc.enc(v, name)
+        except TypeError:
+            raise AmberError(_amber.EFORMAT, f"step {step}: {fqn}: a value holding tensors, "
+                             "which DCP's flattening keeps whole", name="AMBER_EFORMAT") from None
+        keys[fqn] = name
+    return {"keys": keys, "objects": objects}
 
 
 class Reader(StorageReader):
@@ -423,7 +691,6 @@ class Reader(StorageReader):
         self._meta = None
 
     def reset(self, checkpoint_id=None):
-        _one_rank("Reader")
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
         path, step = parse_checkpoint_id(cid)
         if not os.path.isdir(path):
@@ -444,6 +711,8 @@ class Reader(StorageReader):
     def read_metadata(self, *args, **kwargs):
         if self._path is None:
             self.reset()
+        if _amber.is_global_store(self._path):
+            return self._read_metadata_global()
         with Store(self._path, readonly=True, create=False) as st, self._reader(st) as r:
             self._step = r.step
             raw = r.meta()
@@ -451,11 +720,13 @@ class Reader(StorageReader):
                 meta = json.loads(raw) if raw else None
             except ValueError:
                 meta = None
-            if not isinstance(meta, dict) or meta.get("format") != _FORMAT or \
+            if isinstance(meta, dict) and meta.get("format") == _at._FORMAT:
+                meta = _checkpointer_view(meta, r.step)
+            elif not isinstance(meta, dict) or meta.get("format") != _FORMAT or \
                     not isinstance(meta.get("keys"), dict) or \
                     not isinstance(meta.get("objects"), dict):
                 raise AmberError(_amber.EFORMAT, f"step {r.step} of {self._path} was not "
-                                 "written by amber.dcp (no amber.dcp metadata)",
+                                 "written by amber.dcp or amber.torch (no amber metadata)",
                                  name="AMBER_EFORMAT")
             infos = {i.name: i for i in r.tensors()}
             sd_meta, storage = {}, {}
@@ -479,7 +750,6 @@ class Reader(StorageReader):
         return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
-        _one_rank("Reader")
         self._storage = metadata.storage_data
 
     def prepare_local_plan(self, plan):
@@ -488,9 +758,104 @@ class Reader(StorageReader):
     def prepare_global_plan(self, plans):
         return plans
 
+    def _read_metadata_global(self):
+        """Metadata of a step written by many ranks: the union of the ranks' keys and
+        values; each tensor is offered as one chunk, its global shape, so that the
+        planner asks for any region and read_data serves it from the shards."""
+        if self._step is None and not _amber.global_steps(self._path):
+            raise FileNotFoundError(f"amber.dcp.Reader: the store {self._path!r} holds no "
+                                    "checkpoint")
+        with _amber.GlobalReader(self._path, self._step) as g:
+            self._step = g.step
+            keys, objects = {}, {}
+            for r in range(g.world_size):
+                raw = g.meta(r)
+                if raw is None:
+                    continue
+                try:
+                    m = json.loads(raw)
+                except ValueError:
+                    m = None
+                if isinstance(m, dict) and m.get("format") == _dist._FORMAT:
+                    if r == 0:  # the Checkpointer's entries: the same on every rank
+                        m = _checkpointer_view(m, g.step)
+                        keys.update(m["keys"])
+                        objects.update(m["objects"])
+                    continue
+                if not isinstance(m, dict) or m.get("format") != _FORMAT or \
+                        not isinstance(m.get("keys"), dict) or \
+                        not isinstance(m.get("objects"), dict):
+                    raise AmberError(_amber.EFORMAT, f"step {g.step} of {self._path}: rank {r} "
+                                     "was not written by amber.dcp (no amber.dcp metadata)",
+                                     name="AMBER_EFORMAT")
+                keys.update(m["keys"])
+                objects.update(m["objects"])
+            infos = {i.name: i for i in g.tensors()}
+            sd_meta, storage = {}, {}
+            for fqn, name in keys.items():
+                if name in objects:
+                    sd_meta[fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(fqn)] = name
+                    continue
+                info = infos.get(name)
+                if info is None or info.dtype not in _at._TORCH:
+                    raise AmberError(_amber.EFORMAT, f"step {g.step} of {self._path}: tensor "
+                                     f"{name!r} of {fqn!r} is missing", name="AMBER_EFORMAT")
+                size = torch.Size(info.shape)
+                zero = torch.Size([0] * len(size))
+                sd_meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=_at._TORCH[info.dtype]),
+                                                     size, [ChunkStorageMetadata(zero, size)])
+                storage[MetadataIndex(fqn, zero)] = name
+        self._meta = {"keys": keys, "objects": objects, "global": True}
+        return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+
+    def _read_global(self, plan):
+        """Every region the plan asks for, read from the shards that overlap it (every
+        checksum checked) before anything live changes; then the values."""
+        regions, values = {}, {}
+        with _amber.GlobalReader(self._path, self._step) as g:
+            for req in plan.items:
+                name = self._storage[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO:
+                    continue
+                i = g.find(name)
+                if i is None:
+                    raise AmberError(_amber.EFORMAT, f"step {g.step} of {self._path}: no "
+                                     f"tensor {name!r}", name="AMBER_EFORMAT")
+                info = g.tensors()[i]
+                t = torch.empty(tuple(req.lengths), dtype=_at._TORCH[info.dtype])
+                g.read_into(i, tuple(req.storage_offsets), tuple(req.lengths),
+                            t.data_ptr() if t.numel() else 0, t.numel() * t.element_size())
+                regions[id(req)] = t
+            ld = _at._Load(_Boxless(), True, g.step)
+            objects = self._meta["objects"]
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    name = self._storage[req.storage_index]
+                    if name not in objects:
+                        raise AmberError(_amber.EFORMAT, f"step {g.step}: no value {name!r}",
+                                         name="AMBER_EFORMAT")
+                    values[name] = ld.dec(objects[name], name)
+        return regions, values
+
     def read_data(self, plan, planner):
         if self._meta is None:
             self.read_metadata()
+        if self._meta.get("global"):
+            regions, values = self._read_global(plan)
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    buf = io.BytesIO()
+                    torch.save(values[self._storage[req.storage_index]], buf)  # in memory only
+                    buf.seek(0)
+                    planner.load_bytes(req, buf)
+                    continue
+                dst = planner.resolve_tensor(req).detach()
+                dst.copy_(regions[id(req)])
+                planner.commit_tensor(req, dst)
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return fut
         objects = self._meta["objects"]
         with Store(self._path, readonly=True, create=False) as st, st.reader(self._step) as r:
             # everything first (checksums checked), then into the live state

@@ -136,8 +136,14 @@ if _torch_version(torch.__version__) < MIN_TORCH:
 
 from torch.distributed.checkpoint import state_dict as _dsd  # noqa: E402
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed support
+    _DTensor = None
+
 import amber as _amber  # noqa: E402
 from amber import AmberError, Store  # noqa: E402
+from amber import device as _device  # noqa: E402
 
 try:
     import numpy as _np
@@ -236,6 +242,7 @@ _DTYPE_NAMES = {str(v).replace("torch.", ""): v for v in vars(torch).values()
                 if isinstance(v, torch.dtype)}
 _NP_KINDS = set("biuf")  # numpy arrays in metadata: booleans, integers, floats
 _FORMAT = "amber.torch/1"
+_DCP_FORMAT = "amber.dcp/1"  # amber.dcp's metadata, which load() also reads
 _SKIP = object()  # an encoded value that is left out (code in a state_dict)
 
 
@@ -368,19 +375,37 @@ def _optimizer_state(opt, names):
 
 # ---- save side: state -> (named tensors, JSON) ----------------------------------------
 
+def _is_dtensor(t):
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t):
+    """The tensor that holds `t`'s data on this rank: a DTensor's local shard, else `t`."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
 class _Flat:
     """Tensors of one save in declaration order, and the JSON that describes the rest.
     `owned` holds the storages of the optimizers' parameters and state: those are
-    read in place; every other tensor is captured (copied) at save()."""
+    read in place; every other tensor is captured (copied) at save(). With `dist`
+    (the distributed Checkpointer) DTensors are taken as they are: shards of their
+    global tensors."""
 
-    def __init__(self):
+    def __init__(self, dist=False):
         self.tensors = []  # (name, tensor as given, detached)
         self.names = set()
+        self.dist = dist
 
     def tensor(self, name, t):
         if name in self.names:
             raise ValueError(f"{name}: two tensors of the state have this name")
-        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and \
+        if _is_dtensor(t) and not self.dist:
+            raise TypeError(f"{name}: a DTensor, and torch.distributed is not initialized with "
+                            "more than one rank (the distributed Checkpointer saves DTensors; "
+                            "pass process_group= to use it)")
+        if self.dist and _is_dtensor(t):
+            pass
+        elif not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and \
                 not isinstance(t, torch.nn.Parameter):
             raise TypeError(f"{name}: {type(t).__name__} tensors are not supported "
                             "(DTensor and other tensor subclasses come with the distributed "
@@ -462,6 +487,7 @@ class _Flat:
 
 
 def _storage_key(t):
+    t = _local(t)
     return t.untyped_storage().data_ptr() if t.numel() else None
 
 
@@ -481,8 +507,8 @@ def _owned_storages(state):
     return out
 
 
-def _flatten(state, rng):
-    flat = _Flat()
+def _flatten(state, rng, dist=False):
+    flat = _Flat(dist)
     names = _Names(state)
     entries = {}
     for key, value in state.items():
@@ -520,8 +546,10 @@ class _Load:
         self.r = reader
         self.strict = strict
         self.step = step
-        self.fresh = []     # reads into new tensors: (idx, tensor)
-        self.inplace = []   # reads into live tensors: (idx, tensor, entry key)
+        self.fresh = []     # reads into new tensors: (idx, tensor, box)
+        self.inplace = []   # reads into live tensors: (idx, tensor, entry key, box)
+        # box: None for the whole tensor, else (offsets, shape) of a DTensor's shard
+        # in its global tensor (the distributed Checkpointer's reader serves it)
         self.after = []     # (entry key, fn) run after the reads
         self.copies = []    # (live target, staging tensor): copy_ after the reads
         self.tensors = {t.name: t for t in reader.tensors()}
@@ -556,20 +584,29 @@ class _Load:
                 self.mismatch(name, f"dtype {dtype} in the checkpoint of step {self.step}, "
                               f"{target.dtype} in the state")
                 return target
-            if target.device.type == "cpu" and target.is_contiguous():
-                self.inplace.append((info.index, target, self.key))
+            local, box = self.box(target)
+            if local.device.type == "cpu" and local.is_contiguous():
+                self.inplace.append((info.index, local, self.key, box))
             else:
-                tmp = torch.empty(info.shape, dtype=dtype)
-                self.fresh.append((info.index, tmp))
-                self.copies.append((target, tmp))
+                tmp = torch.empty(local.shape, dtype=dtype)
+                self.fresh.append((info.index, tmp, box))
+                self.copies.append((local, tmp))
             return target
         t = torch.empty(info.shape, dtype=dtype)
-        self.fresh.append((info.index, t))
+        self.fresh.append((info.index, t, None))
         if device is not None and torch.device(device).type != "cpu":
             dev = torch.empty(info.shape, dtype=dtype, device=device)
             self.copies.append((dev, t))
             return dev
         return t
+
+    def box(self, target):
+        """(local tensor, box) of a live tensor: the whole of a plain one (DTensors
+        come with the distributed Checkpointer, whose _Load overrides this)."""
+        if _is_dtensor(target):
+            raise TypeError(f"{self.key}: a DTensor in the state, and this Checkpointer is not "
+                            "distributed (pass process_group=)")
+        return target, None
 
     def dec(self, e, path, target=None, device=None):
         """The value that JSON `e` describes; tensors are planned into the tensor at
@@ -661,7 +698,7 @@ class _Load:
         stored = _compat_fqns(stored)
         sd = _model_state(mod)
         self.keys(key, stored, sd)
-        live = {t.data_ptr() for t in list(mod.parameters()) + list(mod.buffers())}
+        live = {_local(t).data_ptr() for t in list(mod.parameters()) + list(mod.buffers())}
         restored = {}
         needs_load = False
         for k, e in stored.items():
@@ -671,7 +708,7 @@ class _Load:
             if isinstance(sd[k], torch.Tensor) and not isinstance(v, torch.Tensor):
                 self.bad(f"{key}/{k}", f"a {type(v).__name__} where the module has a tensor")
             restored[k] = v
-            if not isinstance(v, torch.Tensor) or v is not sd[k] or v.data_ptr() not in live:
+            if not isinstance(v, torch.Tensor) or v is not sd[k] or _local(v).data_ptr() not in live:
                 needs_load = True
         if needs_load:  # e.g. extra state, or a state_dict that is not a view of the module
             self.after.append((key, lambda: _dsd.set_model_state_dict(
@@ -714,8 +751,8 @@ class _Load:
             cur = opt.state.get(p) or {}
             if cur:
                 self.keys(f"{key}/{pn}", e, cur)
-            new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", cur.get(k), p.device)
-                            for k, v in e.items()}
+            new_state[p] = {k: self.dec(v, f"{key}/{pn}/{k}", self.like(cur.get(k), v, p),
+                                        p.device) for k, v in e.items()}
         for p, s in opt.state.items():
             if s and id(p) in pos and pnames[pos[id(p)]] not in stored_state:
                 self.mismatch(f"{key}/{pnames[pos[id(p)]]}", "has optimizer state in the state, "
@@ -730,6 +767,20 @@ class _Load:
             ng["params"] = g["params"]
             groups.append(ng)
         self.after.append((key, lambda: _set_optimizer(opt, params, new_state, groups)))
+
+    def like(self, target, e, param):
+        """The live target of a parameter's optimizer state: the current one, or,
+        when there is none yet and the parameter is a DTensor, a new DTensor
+        sharded as the parameter when the stored tensor has its shape (FSDP2's
+        moments), so that each rank reads only its shard."""
+        if target is not None or not _is_dtensor(param) or not isinstance(e, dict) or \
+                not isinstance(e.get("$t"), str) or len(e) != 1:
+            return target
+        info = self.tensors.get(e["$t"])
+        if info is None or info.shape != tuple(param.shape) or info.dtype not in _TORCH:
+            return None
+        with torch.no_grad():
+            return torch.empty_like(param, dtype=_TORCH[info.dtype]).detach()
 
     def value(self, key, e, target, state):
         if "value" not in e:
@@ -819,12 +870,12 @@ class _Load:
     def apply(self):
         """Reads every planned tensor and applies the updates. Reads into new
         tensors come first: until they are done no live tensor has changed."""
-        _read_many(self.r, [(i, t) for i, t in self.fresh])
+        _read_many(self.r, self.fresh)
         done = []
         try:
-            _read_many(self.r, [(i, t) for i, t, _ in self.inplace])
+            _read_many(self.r, [(i, t, b) for i, t, _, b in self.inplace])
         except AmberError as err:
-            keys = ", ".join(dict.fromkeys(k for _, _, k in self.inplace))
+            keys = ", ".join(dict.fromkeys(k for _, _, k, _ in self.inplace))
             partial = AmberError(err.code, f"{err.message}; the live state is partially loaded: "
                                  f"tensors of {keys} may hold values of step {self.step}, the "
                                  "others their previous values, and nothing else was restored "
@@ -841,14 +892,16 @@ class _Load:
 
 
 def _read_many(reader, items):
-    """Reads (index, tensor) pairs with one read_many. Tensors that share memory
-    (tied weights) are read once: the library's buffers must not overlap."""
+    """Reads (index, tensor, box) triples with one read_many (box: None for the
+    whole tensor, else a region for a reader that serves regions). Tensors that
+    share memory (tied weights) are read once: the library's buffers must not
+    overlap."""
     once, later, seen = [], [], {}
-    for idx, t in items:
+    for idx, t, box in items:
         n = t.numel() * t.element_size()
         if not n:
             continue
-        it = (idx, t.data_ptr(), n)
+        it = (idx, t.data_ptr(), n) if box is None else (idx, t.data_ptr(), n, box)
         size = seen.setdefault(it[1], n)
         if size != n:
             later.append(it)  # another extent at the same address: after the rest
@@ -916,13 +969,26 @@ class Checkpointer:
               tried again after the next save.
       readonly: open the store without its lock, for load() only.
       threads, chunk_elems: passed to the library (0: its defaults).
+      process_group: with torch.distributed initialized, the group whose ranks
+              save and load together (default: the world). The Checkpointer is
+              then the distributed one (amber._dist.DistCheckpointer): every rank
+              constructs it on the same path and calls save()/load() collectively
+              with its local state; DTensors are saved as shards of their global
+              tensors and load at another world size. It is distributed whenever
+              torch.distributed is initialized with more than one rank.
 
     The store is locked while the Checkpointer is open (AMBER_ELOCKED for a second
     writer). `timings` holds the last save's seconds: "save" (the save() call),
     "fence" (the wait for the scan), "wait" (the last wait for durability)."""
 
+    def __new__(cls, *args, process_group=None, **kwargs):
+        if cls is Checkpointer and _distributed(process_group):
+            from amber._dist import DistCheckpointer
+            return super().__new__(DistCheckpointer)
+        return super().__new__(cls)
+
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
-                 readonly=False, threads=0, chunk_elems=0, keep_last=None):
+                 readonly=False, threads=0, chunk_elems=0, keep_last=None, process_group=None):
         self._rules = _rules(policy)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
@@ -939,6 +1005,9 @@ class Checkpointer:
         self.store = Store(path, readonly=readonly, create=not readonly, threads=threads)
         self.path = self.store.path
         self._writer = None
+        self._dev = None     # amber.device.DevicePath: the writer's accelerator tensors
+        self._dev_job = None    # amber.device.Background: the device selection on a thread
+        self._dev_error = None  # its failure, raised by wait()
         self._sig = None
         self._ptrs = []
         self._stage = {}     # name -> reused staging tensor for captured tensors
@@ -993,12 +1062,42 @@ class Checkpointer:
         for v in state.values():
             if isinstance(v, torch.optim.Optimizer):
                 self._hook(v)
+        devs = [(n, t) for n, t in flat.tensors if self._dev is not None and n in self._dev.tensors]
+        background = bool(devs) and _device.asynchronous()
+        live = dict(devs)
+        if background:
+            # Read by the thread until the fence: what training may change before
+            # the next optimizer step is captured on its device now, as _prepare
+            # captures CPU tensors; the rest is read in place and checked.
+            owned = _owned_storages(state)
+            with torch.no_grad():
+                for n, t in devs:
+                    small = t.numel() * t.element_size() <= CAPTURE_BYTES
+                    if small or _storage_key(t) not in owned:
+                        live[n] = t.clone()
+                    else:
+                        self._pinned.append(t)
+                        self._versions.append((n, t, t._version))
         self._gated = bool(self._versions)
         try:
-            w.begin(int(step), full=full, confirm=self._gated)
+            flags = (_amber.SAVE_FULL if full else 0) | (_amber.SAVE_CONFIRM if self._gated else 0)
+            kind = None
+            if devs:  # the kind of save, and its errors, now (amber.device)
+                flags, kind = self._dev.plan(w, self.store, int(step), flags, _amber.SAVE_FULL)
+
+            def begin():
+                if devs:
+                    self._dev.select(w, kind, live)
+                w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=self._gated)
+            if background:
+                self._dev_job = _device.Background(begin, [t.device for _, t in devs])
+            else:
+                begin()
         except BaseException:
             self._pinned = self._versions = None
             self._gated = False
+            if self._dev is not None:
+                self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
 
@@ -1006,12 +1105,15 @@ class Checkpointer:
         """Declares the tensors (a new writer when the set changed), copies those
         that are captured into the staging buffers and points the writer at every
         tensor's memory. Returns the (name, tensor) pairs read in place."""
-        sig = [(n, _DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
+        sig = [(n, _DTYPES[t.dtype], tuple(t.shape), _device.wanted(t)) for n, t in flat.tensors]
         owned = _owned_storages(state)
         ptrs, scanned = [], []
         with torch.no_grad():
             for name, t in flat.tensors:
                 nbytes = t.numel() * t.element_size()
+                if _device.wanted(t):  # selected on its device: nothing to read here
+                    ptrs.append(None)
+                    continue
                 if (t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and
                         not t.is_neg() and nbytes > CAPTURE_BYTES and _storage_key(t) in owned):
                     ptrs.append(t.data_ptr())
@@ -1026,12 +1128,12 @@ class Checkpointer:
         if len(self._stage) > len(flat.tensors):  # drop buffers of tensors gone
             names = {n for n, _ in flat.tensors}
             self._stage = {n: b for n, b in self._stage.items() if n in names}
-        ptrs = [p if t.numel() else 0 for p, (_, t) in zip(ptrs, flat.tensors)]
+        ptrs = [p if t.numel() or p is None else 0 for p, (_, t) in zip(ptrs, flat.tensors)]
         if self._writer is None or sig != self._sig:
             self._reopen(sig, flat, state, ptrs)
         else:
             for i, p in enumerate(ptrs):
-                if p != self._ptrs[i]:
+                if p is not None and p != self._ptrs[i]:
                     self._writer.set_data(i, p)
                     self._ptrs[i] = p
         return scanned
@@ -1042,9 +1144,13 @@ class Checkpointer:
             self._writer.close()
             self._writer = None
         w = self.store.writer(**self._wopts)
+        self._dev = _device.DevicePath()
         try:
             for (name, t), p in zip(flat.tensors, ptrs):
-                w.add(name, _DTYPES[t.dtype], t.shape, p)
+                if p is None:
+                    self._dev.declare(w, name, _DTYPES[t.dtype], t)
+                else:
+                    w.add(name, _DTYPES[t.dtype], t.shape, p)
             for r in self._rules:
                 w.add_policy(r)
             for k, v in state.items():  # step counters are never lossy
@@ -1082,6 +1188,12 @@ class Checkpointer:
             return
         t0 = time.perf_counter()
         try:
+            job, self._dev_job = self._dev_job, None
+            if job is not None:  # the device selection on its thread
+                try:
+                    job.join()
+                except BaseException as e:  # nothing began: wait() raises it
+                    self._dev_error = e
             self._writer.fence()
         finally:
             changed = self._changed()
@@ -1106,7 +1218,19 @@ class Checkpointer:
         t0 = time.perf_counter()
         try:
             self.fence()
-            self._writer.wait()
+            err, self._dev_error = self._dev_error, None
+            if err is not None:
+                if self._dev is not None:
+                    self._dev.rollback()
+                raise err
+            try:
+                self._writer.wait()
+            except BaseException:
+                if self._dev is not None:  # the device references go back as well
+                    self._dev.rollback()
+                raise
+            if self._dev is not None:
+                self._dev.commit()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
         if "keep_last" in self._wopts:
@@ -1184,6 +1308,9 @@ class Checkpointer:
                 meta = json.loads(raw) if raw else None
             except ValueError:
                 meta = None
+            if isinstance(meta, dict) and meta.get("format") == _DCP_FORMAT:
+                meta = {"format": _FORMAT, "entries": _dcp_entries(
+                    meta.get("keys"), meta.get("objects"), state, done)}
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
                 raise AmberError(_amber.EFORMAT, f"step {done} of {self.path} was not written by "
                                  "amber.torch (no amber.torch metadata)", name="AMBER_EFORMAT")
@@ -1213,6 +1340,8 @@ class Checkpointer:
             flat, _ = _flatten(state, self.rng)
             self._prepare(flat, state)
             self._writer.seed_reference(step)
+            if self._dev is not None:
+                self._dev.seed({n: t for n, t in flat.tensors if n in self._dev.tensors})
             self.seeded = True
         except (AmberError, TypeError, ValueError):
             # the state is not what the step holds (strict=False skips, values that
@@ -1220,6 +1349,70 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+
+
+def _distributed(process_group):
+    """Whether a Checkpointer of `process_group` is the distributed one."""
+    import torch.distributed as dist
+    initialized = dist.is_available() and dist.is_initialized()
+    if process_group is not None and not initialized:
+        raise ValueError("process_group= given, but torch.distributed is not initialized")
+    return initialized and (process_group is not None or dist.get_world_size() > 1)
+
+
+def _dcp_entries(keys, objects, state, step):
+    """The entries of amber.torch's metadata for `state`, from a step written through
+    amber.dcp ({DCP key: name}, {name: encoded value}). amber.dcp names each item by its
+    path in the state dict joined by "/" (an optimizer's state from get_state_dict is
+    "<key>/state/<FQN>/exp_avg", its groups "<key>/param_groups/<i>/<field>"), so the
+    names give each state key its part without parsing DCP's dotted keys."""
+    if not isinstance(keys, dict) or not isinstance(objects, dict):
+        raise _format_error(step, "keys", "amber.dcp metadata without keys and objects")
+    by_key = {}
+    for name in keys.values():
+        if isinstance(name, str):
+            head = name.split("/", 1)[0]
+            by_key.setdefault(head, []).append(name)
+
+    def value(name):
+        return objects[name] if name in objects else {"$t": name}
+
+    def nest(key, names):
+        out = {}
+        for n in names:
+            parts = n.split("/")[1:]
+            d = out
+            for p in parts[:-1]:
+                d = d.setdefault(p, {})
+            d[parts[-1]] = value(n)
+        return out
+
+    entries = {}
+    for key, target in state.items():
+        names = by_key.get(key)
+        if not names:
+            continue
+        if isinstance(target, torch.nn.Module):
+            entries[key] = {"type": "module",
+                            "state": {n.split("/", 1)[1]: value(n) for n in names if "/" in n}}
+        elif isinstance(target, torch.optim.Optimizer):
+            st, groups = {}, {}
+            for n in names:
+                parts = n.split("/")
+                if len(parts) == 4 and parts[1] == "state":
+                    st.setdefault(parts[2], {})[parts[3]] = value(n)
+                elif len(parts) == 4 and parts[1] == "param_groups" and parts[2].isdigit():
+                    groups.setdefault(int(parts[2]), {})[parts[3]] = value(n)
+            entries[key] = {"type": "optimizer", "state": st,
+                            "param_groups": [groups[i] for i in sorted(groups)]}
+        elif names == [key]:
+            entries[key] = {"type": "tensor" if key not in objects else "value",
+                            "value": value(key)}
+        elif hasattr(target, "load_state_dict"):
+            entries[key] = {"type": "object", "state": nest(key, names)}
+        else:
+            entries[key] = {"type": "value", "value": nest(key, names)}
+    return entries
 
 
 def _glob_escape(s):

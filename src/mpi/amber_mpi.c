@@ -39,6 +39,11 @@ int amber_mpi_comm_init(amber_comm *out, MPI_Comm comm) {
   out->broadcast = mpi_broadcast;
   out->barrier = mpi_barrier;
   out->ctx = dup;
+  /* Under MPI_THREAD_MULTIPLE amber may run a split save's commit on its own thread
+   * over the duplicate, while the job goes on with its own communicators. */
+  int level = MPI_THREAD_SINGLE;
+  if (MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE)
+    out->flags = AMBER_COMM_ANY_THREAD;
   return 0;
 }
 

@@ -19,7 +19,7 @@ def test_torch_bench_quick_reports_every_figure(tmp_path):
     want = {"torch_save", "st_save", "dcp_save_t1", "dcp_save_t2", "dcp_async_stall",
             "dcp_async_durable", "amber_full", "amber_full_stall", "amber_delta",
             "amber_delta_stall", "first_after_load", "first_after_load_stall", "torch_load",
-            "st_load", "dcp_load", "amber_load", "amber_load_ro", "delta_floor",
+            "st_load", "dcp_load", "amber_load", "amber_load_ro", "delta_floor", "load_floor",
             "amber_full_bytes", "amber_delta_bytes"}
     assert want <= set(res["figures"]), want - set(res["figures"])
     for k in want:
@@ -29,4 +29,6 @@ def test_torch_bench_quick_reports_every_figure(tmp_path):
     assert res["figures"]["amber_delta_bytes"]["median"] < 0.2 * res["figures"]["amber_full_bytes"]["median"]
     assert len(res["targets"]) == 8 and all(isinstance(t["met"], bool) for t in res["targets"])
     assert "| target |" in p.stdout and "dcp.load" in p.stdout
+    assert res["ratios"]["load_floor_vs_dcp_load"]["median"] > 0
+    assert "no cold load" in p.stdout
     assert not (tmp_path / "scratch").exists()  # the scratch directory is removed

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 import amber
+from amber import device
 from conftest import ROOT, run_python
 
 STRUCTS = {
@@ -18,6 +19,10 @@ STRUCTS = {
     "amber_reader_opts": amber._ReaderOpts,
     "amber_ckpt_info": amber._CkptInfo,
     "amber_tensor_info": amber._TensorInfo,
+    "amber_comm": amber._Comm,
+    "amber_global_step_info": amber._GlobalStepInfo,
+    "amber_global_tensor": amber._GlobalTensor,
+    "amber_chunk_sel": device._ChunkSel,  # the accelerator path's pre-selected chunks
 }
 
 

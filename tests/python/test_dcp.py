@@ -308,11 +308,32 @@ def test_reader_serves_narrowed_regions(tmp_path):
     assert torch.equal(dst, x[2:4, 4:7])
 
 
-def test_world_size_above_one_is_refused(monkeypatch, tmp_path):
-    import torch.distributed as dist
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
-    with pytest.raises(NotImplementedError, match="distributed core"):
-        Writer().reset(f"{tmp_path}/run/step-1")
-    with pytest.raises(NotImplementedError, match="distributed core"):
-        Reader().reset(f"{tmp_path}/run")
+def test_reader_loads_a_store_written_by_the_checkpointer(tmp_path):
+    from amber.torch import Checkpointer
+    m, opt = make()
+    train(m, opt, 2)
+    saved = snapshot(m, opt)
+    with Checkpointer(f"{tmp_path}/ck") as ck:
+        ck.save(7, {"model": m, "optim": opt, "extra": {"epoch": 3, "name": "run"}})
+    train(m, opt, 2)
+    sd = load_into(m, opt, f"{tmp_path}/ck", extra={"epoch": 0, "name": ""})
+    equal(snapshot(m, opt), saved)
+    assert sd["extra"] == {"epoch": 3, "name": "run"}
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_checkpointer_loads_a_store_written_through_dcp(tmp_path):
+    from amber.torch import Checkpointer
+    m, opt = make()
+    train(m, opt, 2)
+    saved = snapshot(m, opt)
+    with Writer() as w:
+        dcp.save(state(m, opt, extra={"epoch": 3, "name": "run"}), storage_writer=w,
+                 checkpoint_id=f"{tmp_path}/run/step-4")
+    train(m, opt, 2)
+    st = {"model": m, "optim": opt, "extra": {"epoch": 0, "name": ""}}
+    with Checkpointer(f"{tmp_path}/run", rng=False) as ck:
+        assert ck.load(st) == 4
+    equal(snapshot(m, opt), saved)
+    assert st["extra"] == {"epoch": 3, "name": "run"}
+    assert opt.param_groups[0]["lr"] == 1e-2

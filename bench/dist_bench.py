@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""dist_bench.py - amber with many ranks side by side with PyTorch's Distributed
+Checkpoint (DCP), in one run: GPT-2 small (124M) + AdamW sharded with FSDP2
+(fully_shard, on CPU, gloo), at each world size of --ranks (the script spawns its own
+ranks; they meet through torch.distributed's file:// rendezvous).
+
+The state, its training by AdamW steps on synthetic gradients and the bounds are
+bench/torch_bench.py's (see its purpose paragraph); here each rank holds its FSDP2
+shard of them. Every figure is the slowest rank's (a save or a load is done when
+every rank is done).
+
+Saves (durable = fsynced and committed):
+  dcp.save with FileSystemWriter(sync_files=True); dcp.async_save with its default
+  stager: its stall is until its staging completed, durable when its future completes.
+  amber's distributed Checkpointer: full save (save() + wait()), steady delta
+  save-to-durable and the stall a delta costs the training thread (save() + the
+  fence before the next optimizer step); amber.dcp.Writer through dcp.save: full and
+  steady delta save-to-durable.
+Loads (cold: files dropped from the page cache; into the live model and optimizer):
+  dcp.load (FileSystemReader) + set_state_dict; amber's Checkpointer.load; dcp.load
+  with amber.dcp.Reader. Each at the world size that saved, and at every other world
+  size of --ranks (resharding: saved at 2, loaded at 4 and the reverse).
+Bounds, measured in the same run: a delta's floor = every rank reading its live
+shard and a reference once + the delta's bytes written at the disk's O_DIRECT pace;
+a cold load's floor = the full checkpoint's bytes read at that pace.
+
+    dist_bench.py [--ranks 2,4] [--repeat 1] [--deltas 2] [--policy lossy-compact] [--quick]
+                  [--json FILE] [--markdown] [--out DIR] [--timeout S]
+
+More ranks than cores oversubscribe the CPUs: the figures then include the ranks'
+contention for them (the report prints both numbers).
+"""
+import argparse
+import datetime
+import gc
+import glob
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def log(msg):
+    print(f"[dist_bench] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- one rank
+def worker(a):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import amber
+    from amber.dcp import Reader, Writer
+    from amber.torch import Checkpointer
+    sys.path.insert(0, HERE)
+    from torch_bench import GPT2Small, direct_read, direct_write, drop_cache, du, read_floor
+
+    rank, world = a.rank, a.world
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{a.init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=a.timeout))
+
+    torch.manual_seed(0)  # the same initial weights on every rank, as FSDP2 expects
+    model = GPT2Small(2, 256, 8192, 256) if a.quick else GPT2Small()
+    nparams = sum(p.numel() for p in model.parameters())
+    for b in model.h:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1 + rank)
+    std = 1.0 / nparams ** 0.5
+
+    def grads():
+        """torch_bench's fake_grads on this rank's shard (DTensor gradients)."""
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh,
+                                            p.placements, shape=p.shape, stride=p.stride(),
+                                            run_check=False)
+            p.grad.to_local().normal_(0, std, generator=gen)
+
+    def local_tensors():
+        ts = [p.to_local() for p in model.parameters()]
+        for st in opt.state.values():
+            ts += [v.to_local() for v in st.values() if isinstance(v, DTensor)]
+        return ts
+
+    grads()
+    opt.step()
+    b1, b2 = opt.defaults["betas"]
+    with torch.no_grad():  # torch_bench's warm_state: AdamW after many such steps
+        for p in model.parameters():
+            s = opt.state[p]
+            s["step"].fill_(1000.0)
+            s["exp_avg"].to_local().normal_(0, std * ((1 - b1) / (1 + b1)) ** 0.5, generator=gen)
+            s["exp_avg_sq"].to_local().normal_(1, ((1 - b2) / (1 + b2)) ** 0.5,
+                                               generator=gen).mul_(std * std)
+    for _ in range(2):
+        grads()
+        opt.step()
+    state = {"model": model, "optim": opt}
+
+    def dstate():
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optim": osd}
+
+    def cold(path):
+        dist.barrier()
+        if rank == 0:
+            drop_cache([f for f in glob.glob(os.path.join(path, "**"), recursive=True)
+                        if os.path.isfile(f)])
+        dist.barrier()
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def dcp_load(path, reader):
+        sd = dstate()
+        dcp.load(sd, storage_reader=reader, checkpoint_id=path if isinstance(reader, Reader) else None)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    def loads(f, sfx, dcp_dir, store, ck_store):
+        cold(dcp_dir)
+        f["dcp_load" + sfx] = timed(lambda: dcp_load(dcp_dir, dcp.FileSystemReader(dcp_dir)))
+        cold(ck_store)
+
+        def ckload():
+            with Checkpointer(ck_store, policy=a.policy, full_every=1000, full_share=-1) as ck:
+                assert ck.load(state) is not None
+        f["amber_load" + sfx] = timed(ckload)
+        cold(store)
+        f["amber_dcp_load" + sfx] = timed(lambda: dcp_load(store, Reader()))
+
+    rounds = []
+    base = os.path.join(a.out, f"w{a.saved_at}")
+    for r in range(1, a.repeat + 1):
+        f = {}
+        if a.phase == "load":  # stores saved at another world size
+            if rank == 0:
+                log(f"{world} ranks, round {r}: loads of the stores saved at {a.saved_at} ranks")
+            loads(f, "_other", os.path.join(base, "dcp"), os.path.join(base, "adcp"),
+                  os.path.join(base, "ck"))
+            f["loadavg"] = os.getloadavg()[0]
+            rounds.append(f)
+            continue
+        d = os.path.join(base, "dcp")
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+            os.makedirs(base)
+            log(f"{world} ranks, round {r}: dcp.save, dcp.async_save")
+        dist.barrier()
+        f["dcp_save"] = timed(lambda: dcp.save(dstate(), storage_writer=dcp.FileSystemWriter(
+            d, sync_files=True)))
+        f["dcp_bytes"] = du(d)
+        da = os.path.join(base, "dcpa")
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(dstate(), storage_writer=dcp.FileSystemWriter(da, sync_files=True))
+        if isinstance(fut, dcp.state_dict_saver.AsyncSaveResponse):
+            fut.staging_completion.result()
+            fut = fut.upload_completion
+        f["dcp_async_stall"] = time.perf_counter() - t0
+        fut.result()
+        f["dcp_async_durable"] = time.perf_counter() - t0
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(da)
+        gc.collect()
+
+        # amber's distributed Checkpointer: a full save, then deltas, alternately
+        # synchronous (save-to-durable) and overlapped (stall)
+        if rank == 0:
+            log(f"{world} ranks, round {r}: amber Checkpointer full + {2 * a.deltas} deltas")
+        ck_store = os.path.join(base, "ck")
+        dur, stall, step = [], [], 1
+        with Checkpointer(ck_store, policy=a.policy, full_every=1000, full_share=-1) as ck:
+            dist.barrier()
+            t0 = time.perf_counter()
+            ck.save(step, state, full=True)
+            ck.wait()
+            f["amber_full"] = time.perf_counter() - t0
+            for i in range(2 * a.deltas):
+                grads()
+                opt.step()
+                step += 1
+                dist.barrier()
+                t0 = time.perf_counter()
+                ck.save(step, state)
+                t_call = time.perf_counter() - t0
+                if i % 2 == 0:
+                    ck.wait()
+                    dur.append(time.perf_counter() - t0)
+                else:
+                    grads()
+                    ck.timings["fence"] = 0.0
+                    ck.fence()
+                    stall.append(t_call + ck.timings["fence"])
+                    ck.wait()
+            infos = ck.steps()
+        if any(c.kind != "delta" for c in infos[1:]):
+            raise RuntimeError(f"expected deltas after the full save: {infos}")
+        f["amber_full_bytes"] = infos[0].bytes
+        f["amber_delta"] = statistics.median(dur)
+        f["amber_delta_stall"] = statistics.median(stall)
+        dbytes = [c.bytes for c in infos[1:]]
+        f["amber_delta_bytes"] = statistics.median(dbytes)
+        f["amber_delta_bytes_max"] = max(dbytes)
+
+        # amber.dcp.Writer through dcp.save: a full save, then synchronous deltas
+        if rank == 0:
+            log(f"{world} ranks, round {r}: amber.dcp.Writer full + {a.deltas} deltas")
+        store = os.path.join(base, "adcp")
+        dur = []
+        with Writer(policy=a.policy, full_every=1000, full_share=-1) as w:
+            for i in range(a.deltas + 1):
+                if i:
+                    grads()
+                    opt.step()
+                t = timed(lambda: dcp.save(dstate(), storage_writer=w,
+                                           checkpoint_id=f"{store}/step-{i + 1}"))
+                if i == 0:
+                    f["amber_dcp_full"] = t
+                else:
+                    dur.append(t)
+        infos = amber.global_steps(store)
+        if any(c.kind != "delta" for c in infos[1:]):
+            raise RuntimeError(f"expected deltas after the full save: {infos}")
+        f["amber_dcp_delta"] = statistics.median(dur)
+        f["amber_dcp_delta_bytes_max"] = max(c.bytes for c in infos[1:])
+
+        if rank == 0:
+            log(f"{world} ranks, round {r}: loads and bounds")
+        loads(f, "", d, store, ck_store)
+        # bounds: every rank reads its live shard and a reference at once; the disk's
+        # pace is rank 0's O_DIRECT write and read of a full checkpoint's bytes
+        dist.barrier()
+        f["read_floor"] = read_floor(local_tensors())
+        dist.barrier()
+        if rank == 0:
+            t_disk = direct_write(os.path.join(a.out, "direct.bin"), f["amber_full_bytes"])
+            f["disk_rate"] = f["amber_full_bytes"] / t_disk if t_disk else math.inf
+            t_read = direct_read(f["amber_full_bytes"], a.out)
+            f["load_floor"] = t_read if t_read else None
+        dist.barrier()
+        f["loadavg"] = os.getloadavg()[0]
+        rounds.append(f)
+
+    # every figure is the slowest rank's (the bytes are global: the same on every rank)
+    got = [None] * world
+    dist.all_gather_object(got, rounds)
+    if rank == 0:
+        out = []
+        for i in range(len(rounds)):
+            m = {}
+            for k in got[0][i]:
+                vals = [g[i].get(k) for g in got if g[i].get(k) is not None]
+                m[k] = max(vals)
+            if "delta_floor" not in m and "read_floor" in m:
+                m["delta_floor"] = m["read_floor"] + m["amber_delta_bytes"] / m.pop("disk_rate")
+                if m.get("load_floor") is None:
+                    m["load_floor"] = m["read_floor"] / 2  # no O_DIRECT: memory's pace
+            out.append(m)
+        with open(a.result, "w") as fh:
+            json.dump({"params": nparams, "rounds": out}, fh)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as tests/python/dist_worker.py: no gloo teardown at interpreter exit
+
+
+# ---------------------------------------------------------------- the run
+def spawn(a, phase, world, saved_at, result):
+    """Runs `phase` on `world` ranks of this script; kills them all past --timeout."""
+    init = os.path.join(a.out, f"rdzv-{phase}-{world}-{saved_at}")
+    if os.path.exists(init):
+        os.unlink(init)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["--quick"] if a.quick else []
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", phase,
+                               "--rank", str(r), "--world", str(world), "--init", init,
+                               "--saved-at", str(saved_at), "--result", result, "--out", a.out,
+                               "--repeat", str(a.repeat), "--deltas", str(a.deltas),
+                               "--policy", a.policy, "--lr", str(a.lr),
+                               "--timeout", str(a.timeout)] + args,
+                              env=env, start_new_session=True) for r in range(world)]
+    deadline = time.monotonic() + a.timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise SystemExit(f"dist_bench: {phase} at {world} ranks failed (exit codes {codes})")
+    with open(result) as fh:
+        return json.load(fh)
+
+
+# (ratio, target, higher is better, text)
+TARGETS = [
+    ("delta_vs_dcp_save", 15.0, True, "Checkpointer delta save-to-durable >= 15x faster than dcp.save"),
+    ("dcpw_delta_vs_dcp_save", 15.0, True, "amber.dcp.Writer delta save-to-durable >= 15x faster than dcp.save"),
+    ("stall_vs_dcp_async", 20.0, True, "stall >= 20x smaller than dcp.async_save's"),
+    ("full_vs_dcp_save", 1.0, True, "Checkpointer full save at least as fast as dcp.save"),
+    ("dcpw_full_vs_dcp_save", 1.0, True, "amber.dcp.Writer full save at least as fast as dcp.save"),
+    ("load_other_vs_dcp_load", 1.5, True, "load at another world size >= 1.5x faster than dcp.load"),
+    ("delta_pct_of_dcp", 3.0, False, "each delta <= 3% of DCP's bytes"),
+    ("delta_over_floor", 1.3, False, "delta save-to-durable within 1.3x of the run's floor"),
+]
+
+
+def ratios(f):
+    r = {
+        "delta_vs_dcp_save": f["dcp_save"] / f["amber_delta"],
+        "dcpw_delta_vs_dcp_save": f["dcp_save"] / f["amber_dcp_delta"],
+        "stall_vs_dcp_async": f["dcp_async_stall"] / f["amber_delta_stall"],
+        "full_vs_dcp_save": f["dcp_save"] / f["amber_full"],
+        "dcpw_full_vs_dcp_save": f["dcp_save"] / f["amber_dcp_full"],
+        "load_vs_dcp_load": f["dcp_load"] / f["amber_load"],
+        "delta_pct_of_dcp": 100.0 * max(f["amber_delta_bytes_max"],
+                                        f["amber_dcp_delta_bytes_max"]) / f["dcp_bytes"],
+        "delta_over_floor": f["amber_delta"] / f["delta_floor"],
+        "floor_vs_dcp_save": f["dcp_save"] / f["delta_floor"],
+        "load_floor_vs_dcp_load": f["dcp_load"] / f["load_floor"],
+    }
+    if "dcp_load_other" in f:
+        r["load_other_vs_dcp_load"] = f["dcp_load_other"] / f["amber_load_other"]
+        r["dcpr_load_other_vs_dcp_load"] = f["dcp_load_other"] / f["amber_dcp_load_other"]
+    return r
+
+
+def spread(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def fmt(s, unit="s"):
+    if unit == "B":
+        return f"{s['median'] / 1e6:.1f} MB"
+    v = {"s": lambda x: f"{x:.3f}" if x < 10 else f"{x:.2f}", "x": lambda x: f"{x:.2f}",
+         "%": lambda x: f"{x:.2f}"}[unit]
+    tail = {"s": " s", "x": "x", "%": "%"}[unit]
+    if s["n"] > 1:
+        return f"{v(s['median'])}{tail} ({v(s['min'])}-{v(s['max'])})"
+    return f"{v(s['median'])}{tail}"
+
+
+ROWS = [("dcp.save (FileSystemWriter, sync_files)", "dcp_save", "dcp_bytes"),
+        ("dcp.async_save: stall (until staged)", "dcp_async_stall", None),
+        ("dcp.async_save: durable", "dcp_async_durable", None),
+        ("amber Checkpointer full save", "amber_full", "amber_full_bytes"),
+        ("amber Checkpointer delta save", "amber_delta", "amber_delta_bytes"),
+        ("amber Checkpointer delta: stall", "amber_delta_stall", None),
+        ("amber.dcp.Writer full save (dcp.save)", "amber_dcp_full", None),
+        ("amber.dcp.Writer delta save (dcp.save)", "amber_dcp_delta", "amber_dcp_delta_bytes_max"),
+        ("delta floor (read live + reference, write delta at O_DIRECT pace)", "delta_floor", None),
+        ("dcp.load + set_state_dict, same world size", "dcp_load", None),
+        ("amber Checkpointer.load, same world size", "amber_load", None),
+        ("dcp.load with amber.dcp.Reader, same world size", "amber_dcp_load", None),
+        ("dcp.load + set_state_dict, saved at {o} ranks", "dcp_load_other", None),
+        ("amber Checkpointer.load, saved at {o} ranks", "amber_load_other", None),
+        ("dcp.load with amber.dcp.Reader, saved at {o} ranks", "amber_dcp_load_other", None),
+        ("load floor: a full checkpoint's bytes read cold at O_DIRECT pace", "load_floor", None)]
+
+
+def report(res, markdown):
+    lines = []
+    for w, r in res["worlds"].items():
+        S, R, o = r["figures"], r["ratios"], r.get("other")
+        cpus = res["config"]["cpus"]
+        over = f" ({w} ranks on {cpus} CPUs: oversubscribed)" if int(w) > cpus else ""
+        lines.append(f"\n{w} ranks{over}, highest load average at a round's end "
+                     f"{r['loadavg']:.2f}:\n")
+        if markdown:
+            lines += ["| figure (slowest rank) | seconds (median, min-max) | bytes |", "|---|---|---|"]
+        for label, k, b in ROWS:
+            if k not in S:
+                continue
+            label = label.format(o=o)
+            if markdown:
+                lines.append(f"| {label} | {fmt(S[k])} | {fmt(S[b], 'B') if b else ''} |")
+            else:
+                lines.append(f"{label:68} {fmt(S[k]):26} {fmt(S[b], 'B') if b else ''}")
+        if markdown:
+            lines += ["", "| target | measured (median, min-max) | met |", "|---|---|---|"]
+        for k, tgt, hi, text in TARGETS:
+            if k not in R:
+                continue
+            s = R[k]
+            ok = s["median"] >= tgt if hi else s["median"] <= tgt
+            m = fmt(s, "%" if k.endswith("pct_of_dcp") else "x")
+            lines.append(f"| {text} | {m} | {'met' if ok else 'not met'} |" if markdown
+                         else f"{text:68} {m:26} {'met' if ok else 'NOT met'}")
+        lines.append(f"{'' if not markdown else chr(10)}Bound: the run's delta floor is "
+                     f"{fmt(R['floor_vs_dcp_save'], 'x')} faster than dcp.save; reading a full "
+                     f"checkpoint's bytes cold at the disk's O_DIRECT pace is "
+                     f"{fmt(R['load_floor_vs_dcp_load'], 'x')} faster than dcp.load.")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
+    ap.add_argument("--out", default=os.path.join(os.getcwd(), "dist-bench-out"),
+                    help="scratch directory (removed at the end)")
+    ap.add_argument("--policy", default="lossy-compact")
+    ap.add_argument("--deltas", type=int, default=2, help="synchronous and overlapped deltas per round")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds (the spread is over them)")
+    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
+    ap.add_argument("--json", help="write every figure of every round here")
+    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per spawned phase")
+    # a spawned rank's own arguments
+    ap.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--init", help=argparse.SUPPRESS)
+    ap.add_argument("--saved-at", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        a.phase = a.worker
+        return worker(a)
+    worlds = [int(x) for x in a.ranks.split(",")]
+    if a.repeat < 1 or a.deltas < 1 or any(w < 1 for w in worlds):
+        ap.error("--repeat, --deltas and --ranks must be >= 1")
+    shutil.rmtree(a.out, ignore_errors=True)
+    os.makedirs(a.out)
+    import torch
+    config = {"ranks": worlds, "policy": a.policy, "lr": a.lr, "repeat": a.repeat,
+              "deltas": a.deltas, "cpus": os.cpu_count(), "torch": torch.__version__,
+              "machine": platform.machine(), "loadavg_start": os.getloadavg()[0]}
+    log(f"world sizes {worlds}, policy {a.policy!r}, {a.repeat} round(s), "
+        f"load average {config['loadavg_start']:.2f}")
+    res = {"config": config, "worlds": {}}
+    try:
+        saved = {}
+        for w in worlds:
+            saved[w] = spawn(a, "save", w, w, os.path.join(a.out, f"save-{w}.json"))
+        config["params"] = saved[worlds[0]]["params"]
+        for i, w in enumerate(worlds):  # load what the next world size saved
+            rounds = saved[w]["rounds"]
+            other = worlds[(i + 1) % len(worlds)] if len(worlds) > 1 else None
+            if other is not None:
+                got = spawn(a, "load", w, other, os.path.join(a.out, f"load-{w}.json"))
+                for f, g in zip(rounds, got["rounds"]):
+                    f.update(g)
+            rs = [ratios(f) for f in rounds]
+            res["worlds"][str(w)] = {
+                "other": other, "rounds": rounds,
+                "loadavg": max(f["loadavg"] for f in rounds),
+                "figures": {k: spread([f[k] for f in rounds]) for k in rounds[0] if k != "loadavg"},
+                "ratios": {k: spread([r[k] for r in rs]) for k in rs[0]}}
+    finally:
+        shutil.rmtree(a.out, ignore_errors=True)
+    res["targets"] = []
+    for w, r in res["worlds"].items():
+        for k, tgt, hi, text in TARGETS:
+            if k in r["ratios"]:
+                m = r["ratios"][k]["median"]
+                res["targets"].append({"ranks": int(w), "target": text, "ratio": k, "threshold": tgt,
+                                       "met": bool(m >= tgt if hi else m <= tgt)})
+    print(f"amber dist_bench: {config['params'] / 1e6:.1f}M parameters + AdamW under FSDP2, "
+          f"policy {a.policy!r}, {a.repeat} round(s), {config['cpus']} CPUs, torch "
+          f"{config['torch']}, load average {config['loadavg_start']:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}")
+    print(report(res, a.markdown))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1, default=lambda x: None if x == math.inf else x)
+
+
+if __name__ == "__main__":
+    main()

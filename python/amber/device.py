@@ -1,0 +1,683 @@
+"""amber.device - the accelerator path: the reference and the selection live on the
+tensors' device, and only what a delta stores crosses to host memory.
+
+For a tensor on a GPU, copying all of it to the host at every save is the cost
+that selective checkpointing exists to remove. Here the reference (exactly what
+restoring the latest committed checkpoint yields) is a torch tensor on the
+tensor's own device; each delta selects on that device, with torch tensor
+operations, exactly the elements that the C library's scan (src/scan.c) would
+select under the same policy; only their indices and values are compacted and
+copied into reused host buffers (pinned for CUDA), which the library takes as
+pre-selected chunks (amber_writer_set_selection) and encodes, writes and commits
+like any delta. amber.torch uses this path for every tensor that is not on the
+CPU, and for every tensor when the environment variable AMBER_DEVICE_PATH=1 is
+set, so that the same tests cover it on any machine.
+
+The selection follows src/scan.c step by step, because a restore through this path
+must equal a restore through the CPU path:
+  - exact (and every integer or bool tensor): the elements whose bits changed;
+  - threshold:ABS:REL: |x - r| > ABS + REL*|r| in f32 for f32, f16, bf16 and f8
+    (the bound shrunk by 2^-20 and less the smallest subnormal, so that rounding
+    only ever stores more) and in f64 for f64;
+  - budget:FRAC:CAP per chunk: the threshold estimated from the same 8 runs of
+    256 elements, the same cluster rule, the same 12-bit histogram cut with ties
+    in index order, the same fill from a cluster's band;
+  - a change to or from NaN or Inf is always stored;
+  - a chunk whose selection would not be smaller than the chunk goes whole, and
+    the reference takes the whole chunk, as the C path stores it RAW.
+The reference moves only by what is stored (error feedback). The old values of
+what a save moved are kept until the save commits: a failed save puts them back.
+With AMBER_DEVICE_REFERENCE=host (for tight device memory) the references live in
+pinned host memory instead: each chunk's reference is copied to the device for the
+comparison, and the reference takes the selection from its host copy.
+A failed full save cannot (it replaced every value), so it marks the reference
+stale, and the next delta reloads it from the store, as the C writer does.
+
+Each step is a few torch operations per tensor (budget: per chunk), so it runs
+on any device. For CUDA tensors under exact and threshold, libamber_cuda
+(src/cuda/select.cu, built by nvcc) selects in two kernels instead; it is used
+with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
+"""
+import os
+import threading
+from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
+    c_uint64, c_void_p
+
+import numpy as np
+import torch
+
+import amber as _amber
+from amber import _H, _TensorInfo, _check, _fn, _name_bytes
+
+SELECT_WHOLE = (1 << 64) - 1
+KIND_FULL, KIND_DELTA = 0, 1
+
+
+class _ChunkSel(Structure):  # amber_chunk_sel
+    _fields_ = [("count", c_uint64), ("idx", c_void_p), ("vals", c_void_p)]
+
+
+_add_preselected = _fn("amber_writer_add_preselected", c_int, _H, c_char_p, c_int, c_uint32,
+                       POINTER(c_int64), POINTER(c_size_t))
+_plan = _fn("amber_writer_plan", c_int, _H, c_uint64, c_uint32, POINTER(c_uint32))
+_info = _fn("amber_writer_info", c_int, _H, c_size_t, POINTER(_TensorInfo))
+_set_selection = _fn("amber_writer_set_selection", c_int, _H, c_size_t, POINTER(_ChunkSel),
+                     c_uint64)
+
+
+# ---- the C entry points, on an amber.Writer ------------------------------------------
+
+def add_preselected(writer, name, dtype, shape):
+    """Declares a pre-selected tensor on `writer` (amber_writer_add_preselected);
+    returns its index."""
+    with writer._lock:
+        shape = tuple(int(d) for d in shape)
+        arr = (c_int64 * max(1, len(shape)))(*shape)
+        idx = c_size_t()
+        _check(_add_preselected(writer._handle(), _name_bytes(name), dtype, len(shape), arr,
+                                byref(idx)), writer._h)
+        writer.count += 1
+        return idx.value
+
+
+def plan(writer, step, flags):
+    """The kind (KIND_FULL or KIND_DELTA) of the next save of `step` with `flags`,
+    fixed for it (amber_writer_plan)."""
+    kind = c_uint32()
+    with writer._lock:
+        _check(_plan(writer._handle(), step, flags, byref(kind)), writer._h)
+    return kind.value
+
+
+def chunking(writer, index):
+    """(chunk_elems, nchunks, policy spec) of tensor `index`, as planned."""
+    i = _TensorInfo()
+    with writer._lock:
+        _check(_info(writer._handle(), index, byref(i)), writer._h)
+    return i.chunk_elems, i.nchunks, i.policy.decode()
+
+
+def set_selection(writer, index, sels, count):
+    """Hands tensor `index`'s `count` chunk selections (a ctypes array of _ChunkSel)
+    to the next save; what they point to must stay until the fence."""
+    with writer._lock:
+        _check(_set_selection(writer._handle(), index, sels, count), writer._h)
+
+
+def asynchronous():
+    """AMBER_DEVICE_ASYNC=1: the selection runs on a thread (see Background)."""
+    return os.environ.get("AMBER_DEVICE_ASYNC") == "1"
+
+
+def wanted(t):
+    """Whether tensor `t` takes this path: it is not on the CPU, or
+    AMBER_DEVICE_PATH=1 asks for it."""
+    return t.device.type != "cpu" or os.environ.get("AMBER_DEVICE_PATH") == "1"
+
+
+# ---- the selection, as src/scan.c makes it -------------------------------------------
+
+_SHRINK = 1.0 - 1.0 / 1048576.0
+_TINY = 2.0 ** -149
+_FORCED = 0xFFFFFFFF
+_EXP32 = 0x7F800000
+_EXP64 = 0x7FF0000000000000
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SMALL = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_FLOAT = _SMALL + (torch.float32, torch.float64)
+_RUNS, _RUN = 8, 256
+
+
+def _bits(t):
+    return t.view(_INT[t.element_size()])
+
+
+def _f32_down(v):
+    """float(v * SHRINK) rounded to f32 and never above it (scan.c's bounds)."""
+    if v == float("inf"):
+        return v
+    s = v * _SHRINK
+    f = np.float32(s)
+    if float(f) > s:
+        f = np.nextafter(f, np.float32(0))
+    return float(f)
+
+
+def _parse(spec):
+    """(kind, a, b) of a policy spec as amber__policy_parse reads it."""
+    if spec == "exact":
+        return "exact", 0.0, 0.0
+    kind, _, args = spec.partition(":")
+    a, _, b = args.partition(":")
+    if kind == "threshold":
+        return kind, float(a), float(b) if b else 0.0
+    if kind == "budget":
+        return kind, float(a), float(b) if b else float("inf")
+    raise ValueError(f"unknown policy {spec!r}")
+
+
+def _flags(x, r, abs_b, rel_b, cap_b):
+    """(selected, key, f32 change) of flags_f32 / flags_f64 for flat float tensors x
+    and r (same dtype); abs_b may be a tensor (one bound per element)."""
+    if x.dtype == torch.float64:
+        xb, rb = x.view(torch.int64), r.view(torch.int64)
+        d = (x - r).abs()
+        b = abs_b + rel_b * r.abs()
+        nf = ((xb & _EXP64) == _EXP64) | ((rb & _EXP64) == _EXP64)
+        forced = (nf & (xb != rb)) | (d > cap_b)
+        sel = (d > b) | forced
+        df = torch.where(d > 3e38, torch.full_like(d, 3e38), d).float()
+    else:
+        fx, fr = (x.float(), r.float()) if x.dtype != torch.float32 else (x, r)
+        xb, rb = fx.view(torch.int32), fr.view(torch.int32)
+        d = (fx - fr).abs()
+        b = (abs_b + rel_b * fr.abs()) - _TINY  # the order of scan.c's f32 arithmetic
+        b = torch.where(b > 0, b, torch.zeros_like(b))  # NaN is not > 0: 0, as in C
+        nf = ((xb & _EXP32) == _EXP32) | ((rb & _EXP32) == _EXP32)
+        forced = (nf & (xb != rb)) | (d > cap_b)
+        sel = (d > b) | forced
+        df = d
+        if x.dtype != torch.float32:  # distinct NaNs of a small float may widen alike
+            extra = ~sel & torch.isnan(fx) & (_bits(x) != _bits(r))
+            sel = sel | extra
+            forced = forced | extra
+    kb = df.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(forced, torch.full_like(kb, _FORCED),
+                      torch.where(nf, torch.zeros_like(kb), kb))
+    return sel, key, df
+
+
+def _candidates(x, r, abs_b, rel_b, cap_b, keys):
+    """(indices, keys or None, change) of what _flags selects, in fewer passes: for a
+    finite change the rule is `d > min(bound, cap)` (a reference that is not finite
+    makes the change not finite), so only the rare elements whose change is not
+    finite (NaN, Inf, overflow) take _flags' full rule. `change` is |x - r| in the
+    precision of the comparison (f32 for every dtype but f64)."""
+    f64 = x.dtype == torch.float64
+    fx, fr = (x, r) if x.dtype in (torch.float32, torch.float64) else (x.float(), r.float())
+    d = fx - fr
+    d.abs_()
+    if rel_b:
+        b = fr.abs()
+        b.mul_(rel_b).add_(abs_b)
+        if not f64:
+            b.sub_(_TINY).clamp_min_(0.0)
+        lim = b.clamp_max_(cap_b) if cap_b != float("inf") else b
+    else:
+        lim = min(abs_b if f64 else max(abs_b - _TINY, 0.0), cap_b)
+    sel = d > lim
+    special = None
+    if d.numel() and not torch.isfinite(d.amax()):  # NaN propagates through amax
+        special = (~torch.isfinite(d)).nonzero().squeeze(1)
+        sel[special] = False
+    idx = sel.nonzero().squeeze(1)
+    key = None
+    if keys:
+        dk = d[idx]
+        if f64:
+            dk = torch.where(dk > 3e38, torch.full_like(dk, 3e38), dk).float()
+        kb = dk.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        key = torch.where(d[idx] > cap_b, torch.full_like(kb, _FORCED), kb)
+    if special is not None and special.numel():
+        ssel, skey, _ = _flags(x[special], r[special], abs_b, rel_b, cap_b)
+        idx = torch.cat([idx, special[ssel]])
+        order = idx.argsort()
+        idx = idx[order]
+        if keys:
+            key = torch.cat([key, skey[ssel]])[order]
+    return idx, key, d
+
+
+def _sample_d(x, r):
+    """budget_threshold's sampled changes as f32: f32 in f32, the rest via f64."""
+    if x.dtype == torch.float32:
+        v = (x - r).abs()
+        return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    v = (x.double() - r.double()).abs()
+    return torch.where(torch.isfinite(v), v, torch.zeros_like(v)).float()
+
+
+def _budget_threshold(d, n, budget):
+    """(thr, strict, lo, hi) from the sampled changes `d` (numpy f32) of a chunk of
+    n elements, as budget_threshold computes them."""
+    m = len(d)
+    in_sample = float(budget) * float(m) / float(n)
+    want = int(1.25 * in_sample) or 1
+    if want >= m:
+        return 0.0, False, 0.0, 0.0
+    kth = np.sort(d)[::-1][want]
+    thr = float(np.nextafter(kth, np.float32(0))) if kth > 0 else 0.0
+    if not (kth > 0) or not np.isfinite(kth):
+        return thr, False, 0.0, 0.0
+    lo = np.float32(kth) * np.float32(1.0 - 2.0 ** -10)
+    hi = np.float32(kth) * np.float32(1.0 + 2.0 ** -10)
+    near = int(np.count_nonzero((d > lo) & (d <= hi)))
+    if near >= 8 and near >= 4 * in_sample:
+        return thr, True, float(lo), float(hi)
+    return thr, False, 0.0, 0.0
+
+
+def _sample_positions(n):
+    if n <= _RUNS * _RUN:
+        return torch.arange(n)
+    step = (n - _RUN) // (_RUNS - 1)
+    return torch.cat([torch.arange(step * k, step * k + _RUN) for k in range(_RUNS)])
+
+
+def _budget_chunk(x, r, frac, cap):
+    """Indices (int64, increasing) that a budget selects in one chunk."""
+    n = x.numel()
+    budget = int(frac * n)
+    if budget == 0 and frac > 0:
+        budget = 1
+    strict, lo, hi = False, 0.0, 0.0
+    if budget >= n:
+        abs_ = 0.0
+    else:
+        pos = _sample_positions(n).to(x.device)
+        d = _sample_d(x[pos], r[pos]).cpu().numpy()
+        abs_, strict, lo, hi = _budget_threshold(d, n, budget)
+    if abs_ > cap or hi > cap:
+        abs_ = min(abs_, cap)
+        strict = False
+    if x.dtype == torch.float64:
+        strict = False
+        idx, key, df = _candidates(x, r, abs_, 0.0, cap, True)
+    else:
+        abs_f = hi if strict else _f32_down(abs_)
+        idx, key, df = _candidates(x, r, abs_f, 0.0, _f32_down(cap), True)
+    k = idx.numel()
+    if k > budget:  # budget_cut: keep forced, the largest by 12-bit buckets, ties first
+        keys = key  # per candidate
+        forced = keys == _FORCED
+        bucket = keys >> 20
+        hist = torch.bincount(bucket[~forced], minlength=4096)
+        ge = hist.flip(0).cumsum(0).flip(0)  # ge[b]: candidates in buckets >= b
+        cut = int((ge > budget).sum()) - 1
+        partial = 0
+        if cut >= 0:
+            partial = budget - (int(ge[cut + 1]) if cut < 4095 else 0)
+        eq = (bucket == cut) & ~forced
+        keep = forced | (bucket > cut) | (eq & (eq.cumsum(0) <= partial))
+        return idx[keep]
+    if strict and k < budget:  # fill_band: more from the cluster, in index order
+        band = (df > lo) & (df <= hi)
+        band[idx] = False  # candidates are in the reference already
+        more = band.nonzero().squeeze(1)[:budget - k]
+        return torch.cat([idx, more]).sort().values
+    return idx
+
+
+# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu) ----------------------------
+
+_cuda = None  # the loaded library, False when there is none
+
+
+def _cuda_lib():
+    """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
+    loaded libamber (the package or the build directory)."""
+    global _cuda
+    if _cuda is None:
+        _cuda = False
+        paths = [os.environ.get("AMBER_CUDA_LIBRARY"),
+                 os.path.join(os.path.dirname(_amber.library_path()), "libamber_cuda.so")]
+        for path in paths:
+            if path and os.path.exists(path):
+                import ctypes
+                lib = ctypes.CDLL(path)
+                lib.amber_cuda_tiles.restype = c_uint64
+                lib.amber_cuda_tiles.argtypes = [c_uint64]
+                lib.amber_cuda_supports.argtypes = [c_int, c_int]
+                args = [c_int, c_int, c_int, c_void_p, c_void_p, c_uint64, ctypes.c_double,
+                        ctypes.c_double]
+                lib.amber_cuda_count.argtypes = args + [c_void_p, c_void_p]
+                lib.amber_cuda_write.argtypes = args + [c_void_p, c_void_p, c_void_p]
+                _cuda = lib
+                break
+    return _cuda or None
+
+
+def _kernel_wanted(x):
+    """The kernels run for CUDA tensors with AMBER_CUDA_KERNEL=1: they have not yet
+    been checked on a GPU (tests/gpu/run.sh does), so the portable path is the
+    default."""
+    return x.device.type == "cuda" and os.environ.get("AMBER_CUDA_KERNEL") == "1" and \
+        _cuda_lib() is not None
+
+
+def _kernel_indices(x, r, kind, code, abs_b, rel_b):
+    """The selected indices (int64, increasing) by libamber_cuda's two passes, on the
+    current stream; None when the kernels do not cover (kind, dtype)."""
+    lib = _cuda_lib()
+    k = 1 if kind == "threshold" else 0
+    if not lib.amber_cuda_supports(k, code):
+        return None
+    n = x.numel()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    tiles = int(lib.amber_cuda_tiles(n))
+    counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
+    a = (k, code, x.element_size(), x.data_ptr(), r.data_ptr(), n, abs_b, rel_b)
+    rc = lib.amber_cuda_count(*a, counts.data_ptr(), stream)
+    if rc:
+        raise RuntimeError(f"amber_cuda_count failed: CUDA error {-rc}")
+    ends = counts.to(torch.int64).cumsum(0)
+    total = int(ends[-1]) if tiles else 0
+    out = torch.empty(total, dtype=torch.int64, device=x.device)
+    if total:
+        starts = ends - counts  # each tile's offset: an exclusive scan
+        rc = lib.amber_cuda_write(*a, starts.data_ptr(), out.data_ptr(), stream)
+        if rc:
+            raise RuntimeError(f"amber_cuda_write failed: CUDA error {-rc}")
+    return out
+
+
+class _Host:
+    """A reused host buffer (pinned when the tensors are on CUDA) that only grows."""
+
+    def __init__(self, pinned):
+        self.pinned = pinned
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes):
+        if self.buf.numel() < nbytes:
+            cap = max(nbytes, 2 * self.buf.numel(), 4096)
+            self.buf = torch.empty(cap, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.buf
+
+
+class _Tensor:
+    """One pre-selected tensor: its reference on the device and its host buffers."""
+
+    def __init__(self, name, index, t, code, host_ref=False):
+        self.name, self.index, self.code = name, index, code
+        # host_ref: the reference lives in (pinned) host memory, for tight device
+        # memory; each save compares chunk by chunk, each chunk's reference copied in
+        self.host_ref = host_ref
+        self.dtype, self.shape, self.device = t.dtype, tuple(t.shape), t.device
+        self.n = t.numel()
+        self.w = t.element_size()
+        self.ref = None     # the reference, flat, on the device (or the host: host_ref)
+        self.valid = False  # it equals the restore of the latest committed step
+        pinned = t.device.type == "cuda"
+        self.hidx, self.hvals, self.hwhole = _Host(pinned), _Host(pinned), _Host(pinned)
+        self.undo = None    # what the save in flight moved: (idx, old values, whole chunks)
+        self.copied = 0     # bytes copied to the host by the last selection
+        self.sels = None    # the ctypes array handed to the library
+        self.pending = None  # host_ref: what the reference takes once the copies are done
+
+    def _new_ref(self, like):
+        if not self.host_ref:
+            return torch.empty_like(like)
+        return torch.empty(self.n, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def seed(self, live):
+        self.ref = self._new_ref(live.reshape(-1))
+        self.ref.copy_(live.detach().reshape(-1))
+        self.valid = True
+
+    def _flat(self, live):
+        x = live.detach()
+        if x.is_conj():
+            x = x.resolve_conj()
+        if x.is_neg():
+            x = x.resolve_neg()
+        return x.reshape(-1)  # a copy only when not contiguous
+
+    def select(self, live, full, chunk, nchunks, spec):
+        """Selects this save's chunks (every chunk whole for a full save), moves
+        the reference, fills the host buffers and returns the selections."""
+        x = self._flat(live)
+        sels = (_ChunkSel * max(1, nchunks))()
+        if full:
+            host = self.hwhole.get(self.n * self.w)[:self.n * self.w]
+            if self.n:
+                host.view(self.dtype).copy_(x)
+            base = host.data_ptr()
+            for j in range(nchunks):
+                sels[j] = _ChunkSel(SELECT_WHOLE, None, base + j * chunk * self.w)
+            if self.ref is None or self.ref.numel() != self.n:
+                self.ref = self._new_ref(x)
+            self.ref.copy_(host.view(self.dtype) if self.host_ref and self.n else x)
+            self.undo = "full"
+            self.valid = True
+            self.copied = self.n * self.w
+            self.sels = sels
+            return sels, host
+        if self.host_ref:  # chunk by chunk, each chunk's reference copied in
+            parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
+                                          chunk, 1, spec) + o for o in range(0, self.n, chunk)]
+            idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+        else:
+            idx = self._select_indices(x, self.ref, chunk, nchunks, spec)
+        counts = torch.bincount(idx // chunk, minlength=nchunks).tolist() if nchunks else []
+        sizes = [min(chunk, self.n - j * chunk) for j in range(nchunks)]
+        dense = [1 + (m + 7) // 8 + k * self.w >= m * self.w for k, m in zip(counts, sizes)]
+        xb = _bits(x)
+        whole = [j for j in range(nchunks) if dense[j] and counts[j]]
+        if whole:
+            keep = torch.tensor(dense, device=idx.device)[idx // chunk]
+            idx = idx[~keep]
+        vals = xb[idx]
+        if not self.host_ref:
+            rb = _bits(self.ref)
+            olds = rb[idx]
+            wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
+                    for j in whole]
+            rb[idx] = vals  # the reference takes what is stored, and only that
+            for j in whole:
+                rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
+            self.undo = (idx, olds, wold)
+        # compact and copy out: indices within their chunk (u32), values, whole chunks
+        k = idx.numel()
+        hidx = self.hidx.get(4 * k)[:4 * k].view(torch.int32)
+        hvals = self.hvals.get(k * self.w)[:k * self.w].view(xb.dtype)
+        if k:
+            hidx.copy_((idx % chunk).to(torch.int32), non_blocking=True)
+            hvals.copy_(vals, non_blocking=True)
+        nwhole = sum(sizes[j] for j in whole)
+        hwhole = self.hwhole.get(nwhole * self.w)[:nwhole * self.w].view(xb.dtype)
+        woff, at = {}, 0
+        for j in whole:
+            hwhole[at:at + sizes[j]].copy_(xb[j * chunk:j * chunk + sizes[j]], non_blocking=True)
+            woff[j] = at
+            at += sizes[j]
+        self.copied = k * (4 + self.w) + nwhole * self.w
+        if self.host_ref:  # moved by finish(), from the host copies, once they are done
+            self.pending = (idx.to("cpu", non_blocking=True), hvals,
+                            [(j * chunk, j * chunk + sizes[j], hwhole[woff[j]:woff[j] + sizes[j]])
+                             for j in whole])
+        ip, vp, wp, off = hidx.data_ptr(), hvals.data_ptr(), hwhole.data_ptr(), 0
+        for j in range(nchunks):
+            if j in woff:
+                sels[j] = _ChunkSel(SELECT_WHOLE, None, wp + woff[j] * self.w)
+                continue
+            c = counts[j] if not dense[j] else 0
+            sels[j] = _ChunkSel(c, ip + 4 * off if c else None, vp + self.w * off if c else None)
+            off += c
+        self.sels = sels
+        return sels, (hidx, hvals, hwhole)
+
+    def finish(self):
+        """host_ref, after the copies: the reference takes what is stored."""
+        if self.pending is None:
+            return
+        idx, vals, whole = self.pending
+        self.pending = None
+        rb = _bits(self.ref)
+        self.undo = (idx, rb[idx], [(lo, hi, rb[lo:hi].clone()) for lo, hi, _ in whole])
+        rb[idx] = vals
+        for lo, hi, v in whole:
+            rb[lo:hi] = v
+
+    def _select_indices(self, x, r, chunk, nchunks, spec):
+        kind, a, b = _parse(spec)
+        n = x.numel()
+        if kind == "exact" or self.dtype not in _FLOAT:
+            kind = "exact"
+        if kind != "budget" and _kernel_wanted(x):
+            if kind == "threshold" and self.dtype != torch.float64:
+                a, b = _f32_down(a), _f32_down(b)
+            idx = _kernel_indices(x, r, kind, self.code, a, b)
+            if idx is not None:
+                return idx
+            kind, a, b = _parse(spec)  # not covered: the portable path
+        if kind == "exact" or self.dtype not in _FLOAT:
+            return (_bits(x) != _bits(r)).nonzero().squeeze(1)
+        if kind == "threshold":
+            if self.dtype != torch.float64:
+                a, b = _f32_down(a), _f32_down(b)
+            # On a CPU, in slices whose temporaries stay in cache (fresh large
+            # allocations cost page faults); on a GPU, in slices that bound the
+            # temporaries (a few bytes per element of a slice) of a huge tensor.
+            step = 1 << 17 if x.device.type == "cpu" else 1 << 26
+            parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
+                     for o in range(0, n, step)]
+            return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+        parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
+                 + j * chunk for j in range(nchunks)]
+        return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+
+    def commit(self):
+        self.undo = self.sels = self.pending = None
+
+    def rollback(self):
+        """After a failed save: the reference as it was before it."""
+        if self.undo == "full":
+            self.valid = False  # reloaded from the store by the next delta
+        elif self.undo is not None:
+            idx, olds, wold = self.undo
+            rb = _bits(self.ref)
+            rb[idx] = olds
+            for lo, hi, old in wold:
+                rb[lo:hi] = old
+        self.undo = self.sels = self.pending = None
+
+
+class DevicePath:
+    """The pre-selected tensors of one amber.Writer, by name."""
+
+    def __init__(self, host_ref=None):
+        # AMBER_DEVICE_REFERENCE=host: references in pinned host memory
+        self.host_ref = os.environ.get("AMBER_DEVICE_REFERENCE") == "host" \
+            if host_ref is None else host_ref
+        self.tensors = {}  # name -> _Tensor
+        self.hold = None   # host buffers of the save in flight
+        self.copied = 0    # bytes the last save copied from the devices to the host
+
+    def declare(self, writer, name, dtype_code, t):
+        index = add_preselected(writer, name, dtype_code, t.shape)
+        self.tensors[name] = _Tensor(name, index, t, dtype_code, self.host_ref)
+        return index
+
+    def seed(self, live):
+        """The live tensors (name -> tensor) hold exactly the latest committed step."""
+        for name, dt in self.tensors.items():
+            dt.seed(live[name])
+
+    def load_refs(self, store, step):
+        """Reads the references from committed step `step` (the store's latest);
+        False when a tensor is missing or differs."""
+        try:
+            with store.reader(step) as r:
+                for name, dt in self.tensors.items():
+                    i = r.find(name)
+                    host = torch.empty(dt.n, dtype=dt.dtype)
+                    if dt.n:
+                        r.read_into(i, host.data_ptr(), dt.n * dt.w)
+                    dt.ref = host if dt.host_ref else host.to(dt.device)
+                    dt.valid = True
+        except (_amber.AmberError, KeyError, ValueError):
+            return False
+        return True
+
+    def before_begin(self, writer, store, step, flags, live, full_flag):
+        """plan() then select(): returns the flags the save must be begun with."""
+        flags, kind = self.plan(writer, store, step, flags, full_flag)
+        self.select(writer, kind, live)
+        return flags
+
+    def plan(self, writer, store, step, flags, full_flag):
+        """Plans the save of `step`: (flags, kind), the flags the save must be begun
+        with (a full one when a reference could not be had from the store)."""
+        if not self.tensors:
+            return flags, None
+        kind = plan(writer, step, flags)
+        if kind == KIND_DELTA and not all(dt.valid for dt in self.tensors.values()):
+            latest = store.latest()
+            if latest is None or not self.load_refs(store, latest):
+                flags |= full_flag
+                kind = plan(writer, step, flags)
+        return flags, kind
+
+    def select(self, writer, kind, live):
+        """Selects every pre-selected tensor of `live` (name -> tensor) for the
+        planned save and hands the selections to the writer."""
+        if not self.tensors:
+            return
+        hold = []
+        try:
+            for name, dt in self.tensors.items():
+                chunk, nchunks, spec = chunking(writer, dt.index)
+                sels, bufs = dt.select(live[name], kind == KIND_FULL, chunk, nchunks, spec)
+                hold.append(bufs)
+                set_selection(writer, dt.index, sels, nchunks)
+        except BaseException:
+            self.rollback()
+            raise
+        for d in {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}:
+            torch.cuda.current_stream(d).synchronize()  # the library reads the host buffers
+        for dt in self.tensors.values():
+            dt.finish()
+        self.hold = hold
+        self.copied = sum(dt.copied for dt in self.tensors.values())
+
+    def commit(self):
+        for dt in self.tensors.values():
+            dt.commit()
+        self.hold = None
+
+    def rollback(self):
+        for dt in self.tensors.values():
+            dt.rollback()
+        self.hold = None
+
+
+class Background:
+    """The device part of a save on its own thread (AMBER_DEVICE_ASYNC=1): save()
+    returns at once and the selection, its copy to the host and the begin of the save
+    run while training computes; fence() waits (join) until they are done, so the
+    optimizer step waits only for the selection. On CUDA the thread selects on a side
+    stream that first waits for what the caller's stream had queued at save() (the
+    optimizer step that made the state)."""
+
+    def __init__(self, fn, devices):
+        self.error = None
+        self.ready = self.device = None
+        cuda = [d for d in devices if d.type == "cuda"]
+        if cuda:
+            self.device = cuda[0]
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(self.device))
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="amber-device",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, fn):
+        try:
+            if self.device is None:
+                fn()
+                return
+            torch.cuda.set_device(self.device)
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                side.wait_event(self.ready)
+                fn()
+        except BaseException as e:  # raised by join() on the caller's thread
+            self.error = e
+
+    def join(self):
+        """Waits for the thread and raises its failure, once."""
+        self.thread.join()
+        e, self.error = self.error, None
+        if e is not None:
+            raise e

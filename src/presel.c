@@ -1,0 +1,77 @@
+/*
+ * presel.c - the encoding of a chunk whose selection the caller made (see
+ * amber_writer_set_selection): a device that keeps its own reference selects
+ * under the tensor's policy and lends amber only the selected indices and
+ * values. The chunk is stored with the same encodings a scanned delta uses
+ * (docs/FORMAT.md, "Encodings"): UNCHANGED for nothing selected, SPARSE for a
+ * selection, RAW for a whole chunk. There is no reference here, so a dense
+ * selection cannot become RAW or XOR_ZSTD as a scanned chunk's can: it
+ * stays SPARSE, which restores the same values. A caller that wants the smaller
+ * file hands a dense chunk over whole, as the device path does.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <time.h>
+
+#include "codec.h"
+#include "internal.h"
+#include "presel.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The caller's indices are not trusted: an unsorted or out-of-range one would
+ * write a body that does not restore what was meant (or a bitmap bit past the
+ * chunk), so the save fails instead. Returns the first bad position, or k. */
+static size_t first_bad_index(const uint32_t *idx, size_t k, size_t n) {
+  for (size_t i = 0; i < k; i++)
+    if (idx[i] >= n || (i && idx[i] <= idx[i - 1])) return i;
+  return k;
+}
+
+void amber__chunk_presel(amber__scratch *s, const amber__chunk_src *src,
+                         const amber_chunk_sel *sel, uint64_t j, amber__chunk *c) {
+  size_t isz = amber_dtype_size(src->dtype), n = src->n;
+  double t0 = now_s();
+  if (sel->count == AMBER_SELECT_WHOLE) {
+    c->encoding = AMBER__ENC_RAW;
+    c->stored = n;
+    amber__ckpt_append_hashed(src->out, c, sel->vals, n * isz);
+    s->encode_s += now_s() - t0;
+    return;
+  }
+  size_t k = (size_t)sel->count;
+  c->stored = k;
+  if (k == 0) {
+    c->encoding = AMBER__ENC_UNCHANGED;
+    c->checksum = 0;
+    amber__ckpt_append(src->out, c, NULL, 0);
+    return;
+  }
+  size_t bad = first_bad_index(sel->idx, k, n);
+  if (bad < k) {
+    char why[AMBER__ERRLEN];
+    snprintf(why, sizeof why,
+             "tensor '%s', chunk %" PRIu64 ": selected index %" PRIu32 " at position %zu is %s",
+             src->name, j, sel->idx[bad], bad,
+             sel->idx[bad] >= n ? "past the chunk's end" : "not above the one before it");
+    amber__ckpt_fail(src->out, AMBER_EINVAL, why);
+    return;
+  }
+  /* the scratch body holds the bitmap form of a whole chunk (writer.c sizes it) */
+  size_t blen = amber__sparse_encode(s->body, sel->idx, sel->vals, k, n, isz), plen;
+  if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(blen), s->body,
+                           blen, &plen) != 0) {
+    char why[AMBER__ERRLEN];
+    snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", src->name);
+    amber__ckpt_fail(src->out, AMBER_ENOMEM, why);
+    return;
+  }
+  c->encoding = AMBER__ENC_SPARSE;
+  c->checksum = amber__xxh3(s->zbuf, plen);
+  amber__ckpt_append(src->out, c, s->zbuf, plen);
+  s->encode_s += now_s() - t0;
+}

@@ -1,0 +1,275 @@
+"""The accelerator path (amber.device, issue 15) on CPU tensors, as AMBER_DEVICE_PATH=1
+forces it: the reference lives with the tensors and the selection is made with
+torch operations, so only the selection crosses to the host.
+
+- A trajectory saved through the device path restores, at every step, to exactly
+  the state that the same trajectory saved through the CPU path restores: exact,
+  threshold, budget with a CAP (so the same bounds and the same share), the lossy
+  preset, over f32, bf16, f16, f64 and integer tensors, a change to NaN and back,
+  and a Checkpointer reopened halfway (its device reference is read from the store);
+  and over every other dtype (f8, bool, u16, u64), a scalar, a transposed view and
+  an empty tensor.
+- Only the selection crosses: a sparse delta copies a small share of the state.
+- A failed save puts the device reference back as it was (error feedback stays exact).
+- With AMBER_DEVICE_REFERENCE=host the references live in host memory, compared chunk
+  by chunk, and restores are the same.
+- With AMBER_DEVICE_ASYNC=1 the selection runs on a thread while training goes on
+  (the fence waits for it): restores are the same, errors of the plan still come from
+  save(), and a tensor changed in place before the fence fails the save.
+The whole PyTorch suite also runs a second time with AMBER_DEVICE_PATH=1
+(scripts/run-tests)."""
+import os
+
+import pytest
+import torch
+
+import amber
+from amber import device
+from amber.torch import Checkpointer
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(40, 130)                            # f32
+        self.b = torch.nn.Linear(130, 30).to(torch.bfloat16)         # bf16
+        self.c = torch.nn.Parameter(torch.randn(777, dtype=torch.float16))
+        self.d = torch.nn.Parameter(torch.randn(333, dtype=torch.float64))
+        self.register_buffer("count", torch.zeros(50, dtype=torch.int64))
+
+    def forward(self, x):
+        h = self.b(self.a(x).to(torch.bfloat16)).float()
+        return h.sum() + self.c.float().sum() * 1e-3 + self.d.sum().float() * 1e-3
+
+
+def restored(path):
+    with amber.Store(path, readonly=True) as st, st.reader() as r:
+        return {t.name: bytes(r.read(t.index)) for t in r.tensors()}
+
+
+def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7):
+    """Saves one seeded AdamW trajectory; returns per step the restored bytes
+    of every tensor, the kinds of the checkpoints and the bytes copied out."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
+    out, copied, live_a = [], [], []
+    ck = Checkpointer(path, policy=policy, chunk_elems=1500, full_every=100, rng=False)
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        net(torch.randn(6, 40)).backward()
+        opt.step()
+        with torch.no_grad():
+            net.count[step % 50] += step
+            if step == 4:
+                net.a.weight[3, 5] = float("nan")
+            if step == 5:
+                net.a.weight[3, 5] = 0.25
+        if step == reopen_at:  # a new Checkpointer: its reference comes from the store
+            ck.close()
+            ck = Checkpointer(path, policy=policy, chunk_elems=1500, full_every=100,
+                              rng=False)
+        ck.save(step, {"net": net, "optim": opt})
+        ck.wait()
+        copied.append(ck._dev.copied if ck._dev is not None else None)
+        out.append(restored(path))
+        live_a.append(net.a.weight.detach().clone())
+    kinds = [i.kind for i in ck.steps()]
+    assert ck._dev.host_ref == (os.environ.get("AMBER_DEVICE_REFERENCE") == "host")
+    ck.close()
+    return out, kinds, copied, live_a
+
+
+@pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:2e-2",
+                                    "budget:0.02", "lossy", "lossy-compact"])
+def test_device_path_restores_what_the_cpu_path_restores(tmp_path, monkeypatch, policy):
+    cpu, kinds_cpu, _, _ = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    dev, kinds_dev, copied, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    assert kinds_dev == kinds_cpu and "delta" in kinds_dev
+    assert copied[0] > 0  # the device path ran
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def test_budget_with_cap_keeps_its_bound_through_the_device_path(tmp_path, monkeypatch):
+    cap = 2e-2
+    out, kinds, _, live_a = trajectory(str(tmp_path / "s"), f"budget:0.05:{cap}", monkeypatch,
+                                       True, steps=10, reopen_at=0)
+    assert kinds.count("delta") >= 5
+    for step, (got, live) in enumerate(zip(out, live_a), 1):
+        got = torch.frombuffer(bytearray(got["net/a.weight"]), dtype=torch.float32).view(130, 40)
+        err = (got - live).abs().nan_to_num(0.0).max().item()
+        assert err <= cap, f"step {step}: {err} above the CAP"
+        if kinds[step - 1] == "delta":
+            assert not torch.equal(got, live)  # a lossy delta: something was deferred
+
+
+def test_only_the_selection_crosses_to_the_host(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    p = torch.nn.Parameter(torch.zeros(1 << 20))
+    opt = torch.optim.SGD([p], lr=1.0)
+    with Checkpointer(str(tmp_path / "s"), policy="threshold:1e-3", rng=False) as ck:
+        ck.save(1, {"p": p, "optim": opt})
+        ck.wait()
+        assert ck._dev.copied == p.numel() * 4  # a full save copies everything
+        with torch.no_grad():
+            p[::1000] += 1.0  # 0.1% of the elements change beyond the bound
+            p += 1e-5        # every element changes within it
+        ck.save(2, {"p": p, "optim": opt})
+        ck.wait()
+        assert [i.kind for i in ck.steps()] == ["full", "delta"]
+        assert 0 < ck._dev.copied <= 0.01 * p.numel() * 4
+
+
+@pytest.mark.parametrize("host_ref", [False, True])
+def test_a_failed_save_puts_the_device_reference_back(tmp_path, host_ref):
+    path = str(tmp_path / "s")
+    x = torch.arange(5000, dtype=torch.float32)
+    with amber.Store(path) as st:
+        w = st.writer(chunk_elems=2048)
+        dp = device.DevicePath(host_ref=host_ref)
+        dp.declare(w, "x", amber.F32, x)
+        w.add_policy("threshold:0.5")
+        flags = dp.before_begin(w, st, 1, 0, {"x": x}, amber.SAVE_FULL)
+        w.begin(1)
+        w.wait()
+        dp.commit()
+        ref1 = dp.tensors["x"].ref.clone()
+        x[::7] += 1.0    # stored: beyond the bound
+        x[1::7] += 0.25  # deferred: within it
+        x[:2048] += 2.0  # a dense chunk goes whole
+        flags = dp.before_begin(w, st, 2, amber.SAVE_CONFIRM, {"x": x}, amber.SAVE_FULL)
+        assert flags == amber.SAVE_CONFIRM  # a delta
+        assert not torch.equal(dp.tensors["x"].ref, ref1)  # the selection moved it
+        w.begin(2, confirm=True)
+        w.confirm(False, "vetoed by the test")
+        with pytest.raises(amber.AmberError) as e:
+            w.wait()
+        assert e.value.name == "AMBER_ECHANGED"
+        dp.rollback()
+        assert torch.equal(dp.tensors["x"].ref, ref1)  # as it was before step 2
+        # the next save selects against the committed state again
+        dp.before_begin(w, st, 2, 0, {"x": x}, amber.SAVE_FULL)
+        w.begin(2)
+        w.wait()
+        dp.commit()
+        with st.reader() as r:
+            got = torch.frombuffer(bytearray(r.read(r.find("x"))), dtype=torch.float32)
+        assert torch.equal(got, dp.tensors["x"].ref)
+        assert (got - x).abs().max().item() <= 0.5
+        assert got[2052] == 2052.0 and got[2051] == x[2051]  # deferred, stored
+        w.close()
+
+
+@pytest.mark.parametrize("policy", ["threshold:1e-3:1e-2", "budget:0.05:2e-2"])
+def test_a_reference_in_host_memory_restores_the_same(tmp_path, monkeypatch, policy):
+    """AMBER_DEVICE_REFERENCE=host: the references in (pinned) host memory, each
+    chunk's copied in for the comparison, moved from the host copies of the selection."""
+    cpu, _, _, _ = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
+    dev, _, copied, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    assert copied[0] > 0
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def every_dtype_trajectory(path, policy, monkeypatch, on):
+    """f8 (both), f16 with NaN, bool, u16, u64, a scalar, a transposed view and an
+    empty tensor, as plain tensors of the state; the restored bytes per step."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4000, generator=g)
+    st = {"e4": base.to(torch.float8_e4m3fn), "e5": base.to(torch.float8_e5m2),
+          "h": base.half(), "b": torch.zeros(3000, dtype=torch.bool),
+          "u16": torch.zeros(100, dtype=torch.uint16), "u64": torch.zeros(70, dtype=torch.uint64),
+          "s": torch.tensor(1.5), "t": torch.randn(60, 50, generator=g).t(), "z": torch.zeros(0)}
+    out = []
+    with Checkpointer(path, policy=policy, chunk_elems=1024, rng=False, full_every=100) as ck:
+        for step in range(1, 9):
+            base += torch.randn(4000, generator=g) * 0.05
+            st["e4"].copy_(base.to(torch.float8_e4m3fn))
+            st["e5"].copy_(base.to(torch.float8_e5m2))
+            st["h"].copy_(base.half())
+            if step == 3:
+                st["h"][5] = float("nan")
+                st["e4"][6] = float("nan")
+            st["b"][step * 11] = True
+            st["u16"][step] = step * 1000
+            st["u64"][step] = 2 ** 40 + step
+            st["s"] += 0.25
+            st["t"] += torch.randn(60, 50, generator=g).t() * 0.01
+            ck.save(step, {"x": st})
+            ck.wait()
+            out.append(restored(path))
+        assert ck._dev is not None and bool(ck._dev.tensors) == on
+    return out
+
+
+@pytest.mark.parametrize("policy", ["exact", "threshold:0.02:0.01", "budget:0.05:0.1"])
+def test_every_dtype_restores_as_through_the_cpu_path(tmp_path, monkeypatch, policy):
+    cpu = every_dtype_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    dev = every_dtype_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def overlapped_trajectory(path, monkeypatch, on, asynchronous):
+    """Saves while training goes on: no wait() between steps; the optimizer's fence
+    hook is what orders each save before the next step. Returns each step's restore."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    monkeypatch.setenv("AMBER_DEVICE_ASYNC", "1" if asynchronous else "0")
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
+    with Checkpointer(path, policy="budget:0.05:2e-2", chunk_elems=1500, rng=False) as ck:
+        for step in range(1, 9):
+            opt.zero_grad()
+            net(torch.randn(6, 40)).backward()  # the forward pass of the next step
+            opt.step()  # fences the save in flight first
+            ck.save(step, {"net": net, "optim": opt})
+            if asynchronous and on:
+                assert ck._dev_job is not None  # the selection runs on its thread
+            with torch.no_grad():
+                net.count.add_(step)  # as a forward pass changes buffers: captured at save()
+    out = []
+    with amber.Store(path, readonly=True) as st:
+        for step in range(1, 9):
+            with st.reader(step) as r:
+                out.append({t.name: bytes(r.read(t.index)) for t in r.tensors()})
+    return out
+
+
+def test_selecting_on_a_thread_overlaps_training_and_restores_the_same(tmp_path, monkeypatch):
+    cpu = overlapped_trajectory(str(tmp_path / "cpu"), monkeypatch, False, False)
+    dev = overlapped_trajectory(str(tmp_path / "dev"), monkeypatch, True, True)
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}, tensor {name} differs"
+
+
+def test_selecting_on_a_thread_keeps_the_errors_and_the_gate(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setenv("AMBER_DEVICE_ASYNC", "1")
+    p = torch.nn.Parameter(torch.zeros(1 << 18))
+    opt = torch.optim.SGD([p], lr=1.0)
+    with Checkpointer(str(tmp_path / "s"), rng=False) as ck:
+        ck.save(1, {"p": p, "optim": opt})
+        with pytest.raises(amber.AmberError) as e:  # planned in save(): raised there
+            ck.save(1, {"p": p, "optim": opt})
+        assert e.value.name == "AMBER_EEXIST"
+        ck.save(2, {"p": p, "optim": opt})
+        with torch.no_grad():
+            p.add_(1.0)  # read by the thread until the fence: the gate refuses step 2
+        with pytest.raises(amber.AmberError) as e:
+            ck.wait()
+        assert e.value.name == "AMBER_ECHANGED" and "'p'" in str(e.value)
+        assert ck.latest() == 1
+        ck.save(3, {"p": p, "optim": opt})  # the reference went back: step 3 is right
+        ck.wait()
+        q = torch.empty(1 << 18)
+        assert ck.load({"p": q}, strict=False) == 3 and torch.equal(q, p.detach())

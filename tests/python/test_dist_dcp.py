@@ -1,0 +1,58 @@
+"""amber.dcp under a gloo process group of 2 ranks (tests/python/dist_worker.py):
+dcp.save and dcp.async_save of FSDP2 (DTensor) state through amber.dcp.Writer, dcp.load
+through amber.dcp.Reader at the same world size and at 3 ranks, and the CLI on the
+store; the same under torchrun. Bounded in time like test_dist_checkpointer's runs."""
+import json
+import os
+import signal
+import subprocess
+
+from conftest import HERE, PYTHON
+from test_dist_checkpointer import TIMEOUT, WORKER, cli, ranks
+
+
+def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
+    """2 ranks save through amber.dcp (dcp.save, then dcp.async_save) and load; 3 ranks
+    load that store, and stores written by one process (amber.dcp's and amber.torch's:
+    dcp.load and the distributed Checkpointer load both, rank 0 gets the RNG states of
+    the Checkpointer's, the others keep theirs with a warning; many ranks refuse to
+    save into a single-process store)."""
+    d = str(tmp_path)
+    ranks("dcp", 2, d)
+    ls = cli("ls", f"{d}/x", "--json")
+    assert ls.returncode == 0, ls.stderr
+    steps = json.loads(ls.stdout)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    # the long-lived Writer keeps its reference: saves after the first are deltas, the
+    # async one (step 4) too
+    assert [s["kind"] for s in steps] == ["full", "delta", "delta", "delta"]
+    assert cli("verify", f"{d}/x").returncode == 0
+    ex = cli("export", f"{d}/x", "-o", f"{d}/x.safetensors")
+    assert ex.returncode == 0, ex.stderr
+    import torch
+    from safetensors.torch import load_file
+    got, want = load_file(f"{d}/x.safetensors"), torch.load(f"{d}/x.pt")
+    model = {k: v for k, v in want.items() if k.startswith("model/")}
+    assert model and all(torch.equal(got[k], v) for k, v in model.items())
+    import dist_worker
+    dist_worker.save_one_process(d)  # stores of one process, loaded at 3 ranks too
+    ranks("dcpload", 3, d)
+
+
+def test_dcp_save_and_load_under_torchrun(tmp_path):
+    d = str(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p))
+    p = subprocess.Popen([PYTHON, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", WORKER, "dcptiny", "-", "-", "env", d],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=TIMEOUT)
+    finally:
+        if p.poll() is None:  # torchrun and its ranks share the session
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, out
+    assert open(f"{d}/dcptiny.ok").read() == "2"
+    assert cli("verify", f"{d}/t").returncode == 0
