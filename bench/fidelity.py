@@ -86,8 +86,9 @@ POLICIES = {
     "v1-small-exact": rules("budget:0.02:2e-3", "budget:0.02:2e-4", "threshold:0:0.5", *SMALL),
     # every class tighter: between lossy-compact and lossy
     "mid": rules("budget:0.04:5e-4", "budget:0.04:5e-5", "threshold:0:0.2"),
+    # = "lossy" since issue 16
     "mid2": rules("budget:0.04:2.5e-4", "budget:0.04:2.5e-5", "threshold:0:0.15"),
-    # the candidate that kept fidelity in an earlier sweep (deltas ~30%): now "lossy"
+    # the candidate that kept fidelity in an earlier sweep (deltas ~30%)
     "tight-30pct": rules("budget:0.08:1.25e-4", "budget:0.08:1.25e-5", "threshold:0:0.15"),
 }
 
