@@ -202,6 +202,163 @@ def train(a):
     print(f"[{a.tag}] done: eval loss {final['final_eval']:.5f}", flush=True)
 
 
+# ---- the multi-process part: 2 FSDP2 ranks (gloo), SIGKILLed, resumed by 1 and by 2 ----
+
+def dtrain(a):
+    """One rank of a distributed run: the demo's model under FSDP2 (fully_shard on
+    CPU, gloo), each rank training on its share of the same global batch, saving every
+    step with the distributed Checkpointer (exact policy)."""
+    import datetime
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from amber.torch import Checkpointer
+    torch.set_num_threads(1)
+    rank, world = a.rank, a.world
+    dist.init_process_group("gloo", init_method=f"file://{a.rendezvous}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    train_data, held, _ = corpus()
+    model, opt, sched = build(a.steps)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    # build() made the optimizer on the unsharded parameters: remake it on the DTensors
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    other = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": other, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
+    lr_at = sched.lr_lambdas[0]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    torch.manual_seed(1000 + rank)  # dropout: per rank
+    state = {"model": model, "optim": opt, "sched": sched, "extra": {"data_pos": 0}}
+    ck = Checkpointer(a.store[0], policy="exact", process_group=dist.group.WORLD)
+    start = (ck.load(state) or 0) if a.resume else 0
+    log = open(a.log, "a") if rank == 0 else None
+    if log:
+        log.write(json.dumps({"tag": a.tag, "start": start, "world": world}) + "\n")
+        print(f"[{a.tag}] {world} rank(s): " + (f"resumed from step {start}" if a.resume
+                                                else "starting"), flush=True)
+    for step in range(start + 1, a.steps + 1):
+        x, y = batch(train_data, step, BATCH)
+        x, y = x[rank::world], y[rank::world]  # this rank's share of the global batch
+        loss = loss_of(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        gl = loss.detach().clone()
+        dist.all_reduce(gl)
+        state["extra"]["data_pos"] = step
+        ck.save(step, state)
+        if log:
+            log.write(json.dumps({"step": step, "loss": gl.item() / world}) + "\n")
+            log.flush()
+            print(f"STEP {step}", flush=True)
+            if step % 20 == 0 or step == a.steps:
+                print(f"[{a.tag}] step {step:4d}/{a.steps}  loss {gl.item() / world:.4f}",
+                      flush=True)
+    ck.close()
+    ev = eval_loss(model, held)
+    if log:
+        log.write(json.dumps({"final_eval": ev, "final_loss": gl.item() / world}) + "\n")
+        log.close()
+        print(f"[{a.tag}] done: eval loss {ev:.5f}", flush=True)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # leave without tearing the gloo group down (see tests/python/dist_worker.py)
+
+
+def dchild(out, tag, store, steps, world, resume=False, kill_at=0, timeout=240):
+    """Runs a `world`-rank job; SIGKILLs all its ranks after rank 0 reports step
+    `kill_at`. Returns True when it finished, False when killed."""
+    import tempfile
+    log = os.path.join(out, f"{tag}.jsonl")
+    rdv = tempfile.mktemp(prefix="amber-demo-rdv-")
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, os.path.abspath(__file__), "dtrain", "--tag", tag, "--log", log,
+               "--store", store, "--policy", "exact", "--steps", str(steps),
+               "--rank", str(r), "--world", str(world), "--rendezvous", rdv] + \
+            (["--resume"] if resume else [])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE if r == 0 else
+                                      subprocess.DEVNULL, text=True, bufsize=1))
+    deadline = time.time() + timeout
+    killed = False
+    try:
+        for line in procs[0].stdout:
+            if time.time() > deadline:
+                raise RuntimeError("timeout")
+            if line.startswith("STEP "):
+                if kill_at and int(line.split()[1]) >= kill_at:
+                    for p in procs:
+                        os.kill(p.pid, signal.SIGKILL)
+                    print(f"[{tag}] SIGKILL of all {world} ranks after step {line.split()[1]} "
+                          f"began saving", flush=True)
+                    killed = True
+                    break
+                continue
+            print(line, end="", flush=True)
+        rcs = [p.wait(timeout=max(1, deadline - time.time())) for p in procs]
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+        raise
+    finally:
+        if os.path.exists(rdv):
+            os.remove(rdv)
+    if not killed and any(rcs):
+        sys.exit(f"demo: distributed job {tag} failed ({rcs})")
+    return not killed
+
+
+def distributed(out, steps, kill_at):
+    """The multi-process part: returns the logs of its runs by tag."""
+    for name in os.listdir(out):
+        if name.startswith("dist"):
+            p = os.path.join(out, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    ref, st = os.path.join(out, "dist-ref"), os.path.join(out, "dist-exact")
+    print(f"\n== D1. 2 FSDP2 ranks (gloo), {steps} steps, uninterrupted, exact policy ==")
+    dchild(out, "dist-2r", ref, steps, 2)
+    print(f"\n== D2. the same 2-rank job SIGKILLed (all ranks) after step {kill_at} ==")
+    dchild(out, "dist-killed", st, steps, 2, kill_at=kill_at)
+    logs = {}
+    for world in (2, 1):
+        s2 = os.path.join(out, f"dist-exact-{world}r")
+        shutil.copytree(st, s2)
+        print(f"\n== D{5 - world}. resumed from that store by {world} rank(s), trained to "
+              f"step {steps} ==")
+        shutil.copy(os.path.join(out, "dist-killed.jsonl"),
+                    os.path.join(out, f"dist-resume-{world}r.jsonl"))
+        dchild(out, f"dist-resume-{world}r", s2, steps, world, resume=True)
+    for tag in ("dist-2r", "dist-resume-2r", "dist-resume-1r"):
+        logs[tag] = [json.loads(x) for x in open(os.path.join(out, f"{tag}.jsonl"))]
+    return logs
+
+
+def report_dist(logs, steps):
+    fin = lambda log: next(r for r in log if "final_eval" in r)  # noqa: E731
+    base = fin(logs["dist-2r"])
+    print(f"\n== fidelity, many ranks: 2 FSDP2 ranks, SIGKILLed, resumed by 2 and by 1 rank, "
+          f"trained to step {steps} (exact) ==")
+    print(f"{'run':32}{'from':>8}{'final eval loss':>17}{'vs 2-rank run':>18}"
+          f"{'last train loss':>17}")
+    print(f"{'2 ranks, uninterrupted':32}{'-':>8}{base['final_eval']:17.6f}{'':>18}"
+          f"{base['final_loss']:17.6f}")
+    for tag, label in (("dist-resume-2r", "killed, resumed by 2 ranks"),
+                       ("dist-resume-1r", "killed, resumed by 1 rank")):
+        log = logs[tag]
+        f = fin(log)
+        frm = [r["start"] for r in log if "start" in r][-1]
+        d = 100 * (f["final_eval"] - base["final_eval"]) / base["final_eval"]
+        same = f["final_eval"] == base["final_eval"] and f["final_loss"] == base["final_loss"]
+        print(f"{label:32}{frm:>8}{f['final_eval']:17.6f}{d:+17.4f}%{f['final_loss']:17.6f}"
+              + ("   bit-identical" if same else ""))
+    print("  (1 rank: the same global batch and state, but its gradients are summed in another"
+          " order and its dropout RNG is rank 0's: close, not bit-identical)")
+
+
 # ---- the orchestrating script -------------------------------------------------------
 
 def child(out, tag, args, kill_at=0):
@@ -338,6 +495,18 @@ def plots(out, logs, exact_sizes, lossy_sizes, ts, every):
         label, color, _ = styles[tag]
         rs = {r["step"]: r["loss"] for r in logs[tag] if "step" in r and r["step"] in ref}
         dx.plot(sorted(rs), [rs[s] - ref[s] for s in sorted(rs)], color=color, lw=1, label=label)
+    for tag, label, color in (("dist-2r", "2 FSDP2 ranks, uninterrupted", "tab:green"),
+                              ("dist-resume-2r", "2 ranks, killed, resumed by 2", "tab:red"),
+                              ("dist-resume-1r", "2 ranks, killed, resumed by 1", "tab:purple")):
+        if tag in logs:
+            rs = {r["step"]: r["loss"] for r in logs[tag] if "step" in r}
+            ax.plot(sorted(rs), [rs[s] for s in sorted(rs)], color=color, lw=1, label=label,
+                    ls="--" if tag != "dist-2r" else "-", alpha=0.8)
+            if tag != "dist-2r":
+                base = {r["step"]: r["loss"] for r in logs["dist-2r"] if "step" in r}
+                ss = sorted(x for x in rs if x in base)
+                dx.plot(ss, [rs[x] - base[x] for x in ss], color=color, lw=1,
+                        label=label + " (vs 2-rank run)")
     starts = [r["start"] for r in logs[f"lossy-k{every}"] if "start" in r][1:]
     for a in (ax, dx):
         for s in starts:
@@ -389,7 +558,7 @@ def plots(out, logs, exact_sizes, lossy_sizes, ts, every):
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "train":
+    if len(sys.argv) > 1 and sys.argv[1] in ("train", "dtrain"):
         ap = argparse.ArgumentParser()
         ap.add_argument("mode")
         ap.add_argument("--store", action="append", required=True)
@@ -400,13 +569,21 @@ def main():
         ap.add_argument("--torch-save", default="")
         ap.add_argument("--tag", required=True)
         ap.add_argument("--log", required=True)
-        return train(ap.parse_args())
+        ap.add_argument("--rank", type=int, default=0)
+        ap.add_argument("--world", type=int, default=1)
+        ap.add_argument("--rendezvous", default="")
+        a = ap.parse_args()
+        return dtrain(a) if a.mode == "dtrain" else train(a)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "demo-out"))
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--kill-every", default="20",
                     help="K[,K...]: a repeated-failure run per K and policy "
                          "(the first K is plotted)")
+    ap.add_argument("--dist-steps", type=int, default=60,
+                    help="steps of the multi-process part (0: skip it)")
+    ap.add_argument("--dist-kill", type=int, default=0, help="its kill step (default: half)")
+    ap.add_argument("--dist-only", action="store_true")
     a = ap.parse_args()
     kills = [int(k) for k in a.kill_every.split(",") if k]
     t0 = time.time()
@@ -430,6 +607,10 @@ def main():
             stores[f"{policy}-k{k}"] = os.path.join(out, policy if i == 0 else f"{policy}-k{k}")
     n = ["--steps", str(a.steps)]
     logs = {}
+    if a.dist_only:
+        dl = distributed(out, a.dist_steps, a.dist_kill or a.dist_steps // 2)
+        report_dist(dl, a.dist_steps)
+        return
     print("\n== 1. uninterrupted reference run (lossy preset; torch.save+fsync every 10th step) ==")
     logs["reference"] = repeated(out, "reference", n + ["--store", stores["ref"], "--policy",
                                                         "lossy", "--measure", "--torch-save",
@@ -444,7 +625,11 @@ def main():
             extra = ["--measure"] if policy == "exact" and k == kills[0] else []
             logs[tag] = repeated(out, tag, n + ["--store", stores[tag], "--policy", policy] + extra,
                                  a.steps, k)
+    if a.dist_steps:
+        logs.update(distributed(out, a.dist_steps, a.dist_kill or a.dist_steps // 2))
     report(out, logs, stores, a.steps, kills)
+    if a.dist_steps:
+        report_dist(logs, a.dist_steps)
     shutil.rmtree(os.path.join(out, "torch"), ignore_errors=True)
     print(f"\ndemo training finished in {time.time() - t0:.0f} s")
 
