@@ -356,3 +356,16 @@ int amber__index_decode(amber__err *e, const char *what, const uint8_t *in, uint
   if (rc) amber__index_free(ix);
   return rc;
 }
+
+void amber__tensor_info(const amber__tensor *t, amber_tensor_info *out) {
+  memset(out, 0, sizeof *out);
+  out->name = t->name;
+  out->dtype = t->dtype;
+  out->ndim = t->ndim;
+  for (uint32_t d = 0; d < t->ndim; d++) out->shape[d] = (int64_t)t->shape[d];
+  out->nelems = t->nelems;
+  out->nbytes = t->nbytes;
+  out->chunk_elems = t->chunk_elems;
+  out->nchunks = t->n_chunks;
+  out->policy = t->policy;
+}

@@ -68,6 +68,11 @@ typedef struct amber__index {
   char *strings; /* arena that names and policies point into */
 } amber__index;
 
+/* The public description of a tensor of an index (amber_reader_info,
+ * amber_writer_info): name, dtype, shape, sizes, chunking, policy; the stored_*
+ * fields are left 0 for the caller. */
+void amber__tensor_info(const amber__tensor *t, amber_tensor_info *out);
+
 void amber__header_encode(const amber__header *h, uint8_t out[AMBER__HEADER_SIZE]);
 /* Decodes and checks a header; `what` names the file in messages. */
 int amber__header_decode(amber__err *e, const char *what, const uint8_t *in,

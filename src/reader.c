@@ -280,16 +280,7 @@ int amber_reader_info(const amber_reader *r, size_t index, amber_tensor_info *ou
     return amber__fail((amber__err *)&r->err, AMBER_EINVAL, "tensor index %zu out of range",
                        index);
   const amber__tensor *t = &ix->tensors[index];
-  memset(out, 0, sizeof *out);
-  out->name = t->name;
-  out->dtype = t->dtype;
-  out->ndim = t->ndim;
-  for (uint32_t d = 0; d < t->ndim; d++) out->shape[d] = (int64_t)t->shape[d];
-  out->nelems = t->nelems;
-  out->nbytes = t->nbytes;
-  out->chunk_elems = t->chunk_elems;
-  out->nchunks = t->n_chunks;
-  out->policy = t->policy;
+  amber__tensor_info(t, out);
   for (uint64_t j = 0; j < t->n_chunks; j++) {
     out->stored_bytes += ix->chunks[t->first_chunk + j].size;
     out->stored_elems += ix->chunks[t->first_chunk + j].stored;
@@ -459,6 +450,17 @@ static int verify_tensor(amber_reader *r, size_t index) {
   return r->rc;
 }
 
+/* The job table of a parallel restore, kept between reads. */
+static int ensure_jobs(amber_reader *r, size_t njobs) {
+  if (njobs <= r->jobs_cap) return 0;
+  free(r->jobs);
+  r->jobs_cap = 0;
+  if (!(r->jobs = malloc(njobs * sizeof *r->jobs)))
+    return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+  r->jobs_cap = njobs;
+  return 0;
+}
+
 int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
   if (!r || (!buf && size)) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read: NULL");
   return amber_reader_read_many(r, 1, &index, &buf, &size);
@@ -482,13 +484,7 @@ int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
       return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s': NULL buffer", tt->name);
     if (sizes[i]) njobs += (size_t)tt->n_chunks;
   }
-  if (njobs > r->jobs_cap) {
-    free(r->jobs);
-    r->jobs_cap = 0;
-    if (!(r->jobs = malloc(njobs * sizeof *r->jobs)))
-      return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
-    r->jobs_cap = njobs;
-  }
+  if (ensure_jobs(r, njobs)) return AMBER_ENOMEM;
   size_t j = 0;
   for (size_t i = 0; i < count; i++) {
     if (!sizes[i]) continue;
@@ -518,13 +514,7 @@ int amber__reader_read_chunks(amber_reader *r, size_t index, const uint8_t *want
   size_t njobs = 0;
   for (uint64_t c = 0; c < tt->n_chunks; c++) njobs += want[c] != 0;
   if (!njobs) return 0;
-  if (njobs > r->jobs_cap) {
-    free(r->jobs);
-    r->jobs_cap = 0;
-    if (!(r->jobs = malloc(njobs * sizeof *r->jobs)))
-      return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
-    r->jobs_cap = njobs;
-  }
+  if (ensure_jobs(r, njobs)) return AMBER_ENOMEM;
   size_t j = 0;
   for (uint64_t c = 0; c < tt->n_chunks; c++)
     if (want[c]) r->jobs[j++] = (struct job){index, c, buf};

@@ -872,16 +872,7 @@ int amber_writer_info(const amber_writer *w, size_t index, amber_tensor_info *ou
     return amber__fail(NULL, AMBER_ERANGE, "tensor index %zu out of range (%zu tensors)", index,
                        w->dc.n);
   const amber__tensor *t = &w->dc.d[index].t;
-  memset(out, 0, sizeof *out);
-  out->name = t->name;
-  out->dtype = t->dtype;
-  out->ndim = t->ndim;
-  for (uint32_t d = 0; d < t->ndim; d++) out->shape[d] = (int64_t)t->shape[d];
-  out->nelems = t->nelems;
-  out->nbytes = t->nbytes;
-  out->chunk_elems = t->chunk_elems;
-  out->nchunks = t->n_chunks;
-  out->policy = t->policy;
+  amber__tensor_info(t, out);
   return 0;
 }
 
