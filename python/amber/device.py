@@ -772,6 +772,7 @@ class DevicePath:
                 events[d] = side
             with torch.cuda.stream(events[d]):
                 dst.copy_(src, non_blocking=True)
+            src.record_stream(events[d])  # not reused before the copy, whatever happens
         out = {}
         for d, side in events.items():
             e = torch.cuda.Event()
