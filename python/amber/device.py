@@ -8,8 +8,12 @@ tensor's own device; each delta selects on that device, with torch tensor
 operations, exactly the elements that the C library's scan (src/scan.c) would
 select under the same policy; only their indices and values are compacted and
 copied into reused host buffers (pinned for CUDA), which the library takes as
-pre-selected chunks (amber_writer_set_selection) and encodes, writes and commits
-like any delta. amber.torch uses this path for every tensor that is not on the
+pre-selected chunks (amber_writer_set_selection, or per chunk through a source:
+amber_writer_set_source) and encodes, writes and commits like any delta. A full save
+copies each tensor into its reference on the device and streams the reference out
+chunk by chunk through a ring of one reused host buffer per worker of the save. On
+CUDA a delta's copies run on a side stream after the selection, so the fence waits
+only for the selection's event. amber.torch uses this path for every tensor that is not on the
 CPU, and for every tensor when the environment variable AMBER_DEVICE_PATH=1 is
 set, so that the same tests cover it on any machine.
 
