@@ -927,19 +927,27 @@ int amber_writer_info(const amber_writer *w, size_t index, amber_tensor_info *ou
   return 0;
 }
 
+/* Pre-selected tensor `index` for `what` into *out; 0 or the error (in w). */
+static int presel_decl(amber_writer *w, size_t index, const char *what, decl **out) {
+  if (busy(w, what)) return AMBER_EBUSY;
+  if (index >= w->dc.n)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
+                       index, w->dc.n);
+  *out = &w->dc.d[index];
+  if (!(*out)->presel)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
+                       (*out)->t.name);
+  return 0;
+}
+
 int amber_writer_set_selection(amber_writer *w, size_t index, const amber_chunk_sel *chunks,
                                uint64_t nchunks) {
   if (!w || (nchunks && !chunks))
     return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_selection: NULL argument");
-  if (busy(w, "amber_writer_set_selection")) return AMBER_EBUSY;
-  if (index >= w->dc.n)
-    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
-                       index, w->dc.n);
-  decl *d = &w->dc.d[index];
-  if (!d->presel)
-    return amber__fail(&w->err, AMBER_EINVAL,
-                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
-                       d->t.name);
+  decl *d = NULL;
+  int rc = presel_decl(w, index, "amber_writer_set_selection", &d);
+  if (rc) return rc;
   if (!w->dc.frozen)
     return amber__fail(&w->err, AMBER_EINVAL,
                        "tensor '%s': call amber_writer_plan first (it fixes the chunking)",
@@ -962,15 +970,9 @@ int amber_writer_set_selection(amber_writer *w, size_t index, const amber_chunk_
 
 int amber_writer_set_source(amber_writer *w, size_t index, amber_chunk_source fn, void *user) {
   if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_source: NULL writer");
-  if (busy(w, "amber_writer_set_source")) return AMBER_EBUSY;
-  if (index >= w->dc.n)
-    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
-                       index, w->dc.n);
-  decl *d = &w->dc.d[index];
-  if (!d->presel)
-    return amber__fail(&w->err, AMBER_EINVAL,
-                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
-                       d->t.name);
+  decl *d = NULL;
+  int rc = presel_decl(w, index, "amber_writer_set_source", &d);
+  if (rc) return rc;
   d->src = fn;
   d->src_user = fn ? user : NULL;
   return 0;
