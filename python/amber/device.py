@@ -65,11 +65,27 @@ _set_selection = _fn("amber_writer_set_selection", c_int, _H, c_size_t, POINTER(
                      c_uint64)
 
 
-# ---- the C entry points, on an amber.Writer ------------------------------------------
+# ---- the C entry points, on an amber.Writer or an amber.GlobalWriter ----------------
+#
+# A GlobalWriter's tensors are this rank's shards of global tensors: each function
+# goes to its amber_global_writer_* counterpart (plan is then collective: every rank
+# calls it, in the same order, and gets the same kind).
 
-def add_preselected(writer, name, dtype, shape):
+def _global(writer):
+    return isinstance(writer, _amber.GlobalWriter)
+
+
+def add_preselected(writer, name, dtype, shape, global_shape=None, offsets=None,
+                    replicated=False):
     """Declares a pre-selected tensor on `writer` (amber_writer_add_preselected);
-    returns its index."""
+    returns its index. On a GlobalWriter, `shape` is this rank's box of global
+    tensor `name`, at `offsets` (default: zeros) of `global_shape` (default:
+    `shape`), or the whole of it when `replicated`."""
+    if _global(writer):
+        shape = tuple(int(d) for d in shape)
+        return writer.add_preselected(name, dtype, shape if global_shape is None else global_shape,
+                                      (0,) * len(shape) if offsets is None else offsets, shape,
+                                      replicated)
     with writer._lock:
         shape = tuple(int(d) for d in shape)
         arr = (c_int64 * max(1, len(shape)))(*shape)
@@ -82,7 +98,13 @@ def add_preselected(writer, name, dtype, shape):
 
 def plan(writer, step, flags):
     """The kind (KIND_FULL or KIND_DELTA) of the next save of `step` with `flags`,
-    fixed for it (amber_writer_plan)."""
+    fixed for it (amber_writer_plan; on a GlobalWriter amber_global_writer_plan,
+    collective)."""
+    if _global(writer):
+        if flags & ~(_amber.SAVE_FULL | _amber.SAVE_CONFIRM):
+            raise ValueError(f"a global save takes SAVE_FULL and SAVE_CONFIRM, not {flags:#x}")
+        return writer.plan(step, full=bool(flags & _amber.SAVE_FULL),
+                           confirm=bool(flags & _amber.SAVE_CONFIRM))
     kind = c_uint32()
     with writer._lock:
         _check(_plan(writer._handle(), step, flags, byref(kind)), writer._h)
@@ -91,6 +113,9 @@ def plan(writer, step, flags):
 
 def chunking(writer, index):
     """(chunk_elems, nchunks, policy spec) of tensor `index`, as planned."""
+    if _global(writer):
+        i = writer.info(index)
+        return i.chunk_elems, i.nchunks, i.policy
     i = _TensorInfo()
     with writer._lock:
         _check(_info(writer._handle(), index, byref(i)), writer._h)
@@ -100,6 +125,9 @@ def chunking(writer, index):
 def set_selection(writer, index, sels, count):
     """Hands tensor `index`'s `count` chunk selections (a ctypes array of _ChunkSel)
     to the next save; what they point to must stay until the fence."""
+    if _global(writer):
+        writer.set_selection(index, sels, count)
+        return
     with writer._lock:
         _check(_set_selection(writer._handle(), index, sels, count), writer._h)
 
@@ -576,13 +604,22 @@ class DevicePath:
 
     def load_refs(self, store, step):
         """Reads the references from committed step `step` (the store's latest);
-        False when a tensor is missing or differs."""
+        False when a tensor is missing or differs. `store` is an amber.Store, or the
+        amber.GlobalWriter that declared the tensors: each reference is then this
+        rank's box of its global tensor in global step `step`, read from the shards
+        that hold it (whatever world size wrote them)."""
+        glob = _global(store)
         try:
-            with store.reader(step) as r:
+            with _amber.GlobalReader(store.path, step) if glob else store.reader(step) as r:
                 for name, dt in self.tensors.items():
                     i = r.find(name)
+                    if i is None or r.tensors()[i].dtype != dt.code:
+                        raise KeyError(name)
                     host = torch.empty(dt.n, dtype=dt.dtype)
-                    if dt.n:
+                    if dt.n and glob:
+                        off, shape = store.box(dt.index)
+                        r.read_into(i, off, shape, host.data_ptr(), dt.n * dt.w)
+                    elif dt.n:
                         r.read_into(i, host.data_ptr(), dt.n * dt.w)
                     dt.ref = host if dt.host_ref else host.to(dt.device)
                     dt.valid = True
