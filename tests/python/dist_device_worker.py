@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import amber
 from amber.torch import Checkpointer
 from dist_worker import build, full_state, run, train_step
 
@@ -84,8 +85,22 @@ def scenario_device(rank, world, d):
         assert all(dt.valid for dt in ck._dev.tensors.values())
         same(full_state(model, opt), live, "the restart")
         run(model, opt, ck, 6, 6)
-        assert [s.kind for s in ck.steps()][5:] == ["delta"]
-    same(restore(f"{d}/b", rank), full_state(model, opt), "step 6 after the restart")
+        # a write that fails on rank 1: the step fails everywhere, the references go
+        # back, and the next step (full) restores the live state
+        blocker = f"{d}/b/rank-00001/ckpt-{7:020d}.amber"
+        if rank == 1:
+            os.mkdir(blocker)
+        dist.barrier()
+        train_step(model, opt)
+        ck.save(7, {"model": model, "optim": opt, "extra": {}})
+        try:
+            ck.wait()
+            raise AssertionError("a step whose write failed on rank 1 committed")
+        except amber.AmberError as e:
+            assert "step 7 not committed: rank 1 failed" in e.message, e.message
+        run(model, opt, ck, 8, 8)
+        assert [s.kind for s in ck.steps()][5:] == ["delta", "full"]
+    same(restore(f"{d}/b", rank), full_state(model, opt), "step 8 after the restart")
 
     # threshold: within its bound of the live state, and the CPU path's restore
     pol = "threshold:1e-3"
