@@ -355,67 +355,29 @@ def _budget_chunk(x, r, frac, cap):
     return idx
 
 
-# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu) ----------------------------
-
-_cuda = None  # the loaded library, False when there is none
-
+# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu, called by amber._cuda) ---
 
 def _cuda_lib():
-    """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
-    loaded libamber (the package or the build directory)."""
-    global _cuda
-    if _cuda is None:
-        _cuda = False
-        paths = [os.environ.get("AMBER_CUDA_LIBRARY"),
-                 os.path.join(os.path.dirname(_amber.library_path()), "libamber_cuda.so")]
-        for path in paths:
-            if path and os.path.exists(path):
-                import ctypes
-                lib = ctypes.CDLL(path)
-                lib.amber_cuda_tiles.restype = c_uint64
-                lib.amber_cuda_tiles.argtypes = [c_uint64]
-                lib.amber_cuda_supports.argtypes = [c_int, c_int]
-                args = [c_int, c_int, c_int, c_void_p, c_void_p, c_uint64, ctypes.c_double,
-                        ctypes.c_double]
-                lib.amber_cuda_count.argtypes = args + [c_void_p, c_void_p]
-                lib.amber_cuda_write.argtypes = args + [c_void_p, c_void_p, c_void_p]
-                _cuda = lib
-                break
-    return _cuda or None
+    """libamber_cuda through ctypes (amber._cuda.lib()), or None."""
+    from amber import _cuda
+    return _cuda.lib()
 
 
 def _kernel_wanted(x):
-    """The kernels run for CUDA tensors with AMBER_CUDA_KERNEL=1: they have not yet
+    """The fused kernel runs for CUDA tensors with AMBER_CUDA_KERNEL=1: it has not yet
     been checked on a GPU (tests/gpu/run.sh does), so the portable path is the
     default."""
     return x.device.type == "cuda" and os.environ.get("AMBER_CUDA_KERNEL") == "1" and \
         _cuda_lib() is not None
 
 
-def _kernel_indices(x, r, kind, code, abs_b, rel_b):
-    """The selected indices (int64, increasing) by libamber_cuda's two passes, on the
-    current stream; None when the kernels do not cover (kind, dtype)."""
-    lib = _cuda_lib()
-    k = 1 if kind == "threshold" else 0
-    if not lib.amber_cuda_supports(k, code):
-        return None
-    n = x.numel()
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    tiles = int(lib.amber_cuda_tiles(n))
-    counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
-    a = (k, code, x.element_size(), x.data_ptr(), r.data_ptr(), n, abs_b, rel_b)
-    rc = lib.amber_cuda_count(*a, counts.data_ptr(), stream)
-    if rc:
-        raise RuntimeError(f"amber_cuda_count failed: CUDA error {-rc}")
-    ends = counts.to(torch.int64).cumsum(0)
-    total = int(ends[-1]) if tiles else 0
-    out = torch.empty(total, dtype=torch.int64, device=x.device)
-    if total:
-        starts = ends - counts  # each tile's offset: an exclusive scan
-        rc = lib.amber_cuda_write(*a, starts.data_ptr(), out.data_ptr(), stream)
-        if rc:
-            raise RuntimeError(f"amber_cuda_write failed: CUDA error {-rc}")
-    return out
+def _kernel_indices(x, r, kind, code, a, b, chunk=0, nchunks=0):
+    """The selected indices (int64, increasing) by libamber_cuda's fused pass, on the
+    current stream, the reference untouched; None when it does not cover (kind,
+    dtype). threshold: (a, b) already shrunk; budget: (a, b) = (FRAC, CAP), per chunk
+    (amber._cuda.indices)."""
+    from amber import _cuda
+    return _cuda.indices(x, r, kind, code, a, b, chunk, nchunks)
 
 
 class _Host:
@@ -577,10 +539,10 @@ class _Tensor:
         n = x.numel()
         if kind == "exact" or self.dtype not in _FLOAT:
             kind = "exact"
-        if kind != "budget" and _kernel_wanted(x):
+        if _kernel_wanted(x):
             if kind == "threshold" and self.dtype != torch.float64:
                 a, b = _f32_down(a), _f32_down(b)
-            idx = _kernel_indices(x, r, kind, self.code, a, b)
+            idx = _kernel_indices(x, r, kind, self.code, a, b, chunk, nchunks)
             if idx is not None:
                 return idx
             kind, a, b = _parse(spec)  # not covered: the portable path

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU (tests/gpu/test_cuda_kernel.py is skipped elsewhere):
-# builds libamber and libamber_cuda (nvcc), checks the kernels against the portable
-# path and the device path on CUDA tensors against the CPU path (selecting in line and
-# on a thread), then runs bench/gpu_bench.py on GPT-2 small (torch operations, then
-# kernels + thread) and on 0.5B parameters (kernels + thread). Output goes to
+# builds libamber and libamber_cuda (nvcc), checks the fused kernel (indices, values,
+# olds and the moved reference, every dtype and policy) against the portable path and
+# the device path on CUDA tensors against the CPU path (selecting in line and on a
+# thread), then runs bench/gpu_bench.py on GPT-2 small (torch operations, then
+# kernel + thread) and on 0.5B parameters (kernel + thread). Output goes to
 # ${OUT:-gpu-out}/ (a log per part).
 #
 # Needs: nvcc, CMake, a Python with torch (CUDA), numpy and pytest; zstd, xxHash and
