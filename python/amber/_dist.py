@@ -460,21 +460,8 @@ class DistCheckpointer(_at.Checkpointer):
 
     def _plan(self, step, flags):
         """The kind of the step for the device path, the same on every rank, and the
-        flags to begin it with (collective). A delta needs every rank's device
-        references: a rank whose references are not valid (a new writer, a failed
-        full step) reads its boxes of the latest global step; if any rank cannot,
-        the step is full everywhere."""
-        kind = _device.plan(self._gw, step, flags)
-        if kind != _device.KIND_DELTA:
-            return flags, kind
-        ok = all(dt.valid for dt in self._dev.tensors.values())
-        if not ok:
-            steps = _amber.global_steps(self.path)
-            ok = bool(steps) and self._dev.load_refs(self._gw, steps[-1].step)
-        if all(self._comm.allgather(b"\x01" if ok else b"\x00")):
-            return flags, kind
-        flags |= _amber.SAVE_FULL
-        return flags, _device.plan(self._gw, step, flags)
+        flags to begin it with (collective; DevicePath.plan_global)."""
+        return self._dev.plan_global(self._gw, self._comm, self.path, step, flags)
 
     def _declare(self, flat, state):
         """Per tensor: (name, dtype, global shape, offsets, local shape, replicated,

@@ -726,6 +726,25 @@ class DevicePath:
                 kind = plan(writer, step, flags)
         return flags, kind
 
+    def plan_global(self, gw, comm, path, step, flags):
+        """plan() for a GlobalWriter (collective: every rank calls it, also one with
+        no device tensors): (flags, kind), the same kind on every rank. A delta needs
+        every rank's references: a rank whose references are not valid (a new writer,
+        a failed full step) reads its boxes of the latest global step of the store at
+        `path`; if any rank cannot, the step is full everywhere. `comm` has
+        allgather(bytes) over the ranks (amber._dist's)."""
+        kind = plan(gw, step, flags)
+        if kind != KIND_DELTA:
+            return flags, kind
+        ok = all(dt.valid for dt in self.tensors.values())
+        if not ok:
+            steps = _amber.global_steps(path)
+            ok = bool(steps) and self.load_refs(gw, steps[-1].step)
+        if all(comm.allgather(b"\x01" if ok else b"\x00")):
+            return flags, kind
+        flags |= _amber.SAVE_FULL
+        return flags, plan(gw, step, flags)
+
     def select(self, writer, kind, live):
         """Selects every pre-selected tensor of `live` (name -> tensor) for the
         planned save and hands the selections to the writer: a full save's and
