@@ -452,7 +452,13 @@ class _Tensor:
             self.sels = None
             return None, []
         sels = (_ChunkSel * max(1, nchunks))()
-        if self.host_ref:  # chunk by chunk, each chunk's reference copied in
+        fused = None  # libamber_cuda's one pass: (idx, vals, olds), the reference moved
+        if not self.host_ref and _kernel_wanted(x):
+            from amber import _cuda
+            fused = _cuda.select(x, self.ref, spec, self.code, chunk, nchunks)
+        if fused is not None:
+            idx = fused[0]
+        elif self.host_ref:  # chunk by chunk, each chunk's reference copied in
             parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
                                           chunk, 1, spec) + o for o in range(0, self.n, chunk)]
             idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
@@ -463,17 +469,30 @@ class _Tensor:
         dense = [1 + (m + 7) // 8 + k * self.w >= m * self.w for k, m in zip(counts, sizes)]
         xb = _bits(x)
         whole = [j for j in range(nchunks) if dense[j] and counts[j]]
+        rb = None if self.host_ref else _bits(self.ref)
+        if fused is not None:  # the old values of whole chunks: the moved ones put back
+            wold = []
+            for j in whole:
+                lo, hi = j * chunk, j * chunk + sizes[j]
+                old, inside = rb[lo:hi].clone(), (idx >= lo) & (idx < hi)
+                old[idx[inside] - lo] = fused[2][inside].view(old.dtype)
+                wold.append((lo, hi, old))
         if whole:
             keep = torch.tensor(dense, device=idx.device)[idx // chunk]
             idx = idx[~keep]
-        vals = xb[idx]
+        if fused is not None:
+            vals, olds = fused[1].view(xb.dtype), fused[2].view(xb.dtype)
+            if whole:
+                vals, olds = vals[~keep], olds[~keep]
+        else:
+            vals = xb[idx]
         wsrc = xb  # where whole chunks are copied from
         if not self.host_ref:
-            rb = _bits(self.ref)
-            olds = rb[idx]
-            wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
-                    for j in whole]
-            rb[idx] = vals  # the reference takes what is stored, and only that
+            if fused is None:
+                olds = rb[idx]
+                wold = [(j * chunk, j * chunk + sizes[j],
+                         rb[j * chunk:j * chunk + sizes[j]].clone()) for j in whole]
+                rb[idx] = vals  # the reference takes what is stored, and only that
             for j in whole:
                 rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
             self.undo = (idx, olds, wold)

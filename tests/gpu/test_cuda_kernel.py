@@ -377,3 +377,40 @@ def test_glue_budget_fills_from_a_cluster(model):
     out = _cuda._budget_plan(x, r, 0.05, float("inf"), 65536, 2)
     assert any(out[3]), "no strict chunk: the case is not tested"
     check(x, r, "budget:0.05", 65536, "cpu")
+
+
+@pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy"])
+def test_the_fused_select_in_the_device_path_restores_what_the_cpu_path_restores(
+        model, tmp_path, monkeypatch, policy):
+    """amber.device's _Tensor.select takes (indices, values, olds) from the fused pass
+    with the reference moved (here over the model, CPU tensors made to take it):
+    the trajectory restores as through the CPU path, dense chunks included, and a
+    failed save puts the reference back as the last committed step restores it."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
+    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
+    calls = []
+    real = _cuda.select
+    monkeypatch.setattr(_cuda, "select", lambda *a: calls.append(1) or real(*a))
+    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
+    assert calls, "the fused select was not used"
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}: {name} differs"
+    # a failed save: the references go back to what the store restores
+    path = str(tmp_path / "dev")
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(5))
+    with Checkpointer(path + "2", policy=policy, chunk_elems=65536, rng=False) as ck:
+        ck.save(1, {"x": x})
+        ck.wait()
+        x += 0.5 * (torch.rand(x.shape) < 0.01)
+        ck.save(2, {"x": x})
+        ck.wait()
+        ref2 = ck._dev.tensors["x"].ref.clone()
+        x += 1e-2 * torch.randn(x.shape)
+        monkeypatch.setattr(amber.Writer, "begin", lambda *a, **k: (_ for _ in ()).throw(
+            OSError("disk gone")))
+        with pytest.raises(OSError):
+            ck.save(3, {"x": x})
+        assert torch.equal(ck._dev.tensors["x"].ref.view(torch.int32), ref2.view(torch.int32))
