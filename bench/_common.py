@@ -154,6 +154,14 @@ def _pieces(n, inflight, io):
         w.join()
 
 
+def _create_direct(path):
+    """A new file open for O_DIRECT writes; None where the file system refuses O_DIRECT."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        return None
+
+
 def direct_write(path, nbytes, piece=8 << 20, inflight=2, reps=3):
     """Seconds to write `nbytes` to a new file with O_DIRECT, `inflight` writes at
     once (as amber does), then fsync: the disk's own pace, which a full save of
@@ -162,9 +170,8 @@ def direct_write(path, nbytes, piece=8 << 20, inflight=2, reps=3):
     n = (nbytes + piece - 1) // piece
     times = []
     for _ in range(reps):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        except (OSError, AttributeError):
+        fd = _create_direct(path)
+        if fd is None:
             return None
         try:
             t0 = time.perf_counter()
@@ -184,9 +191,8 @@ def direct_read(nbytes, dirpath, piece=8 << 20, inflight=2, reps=3):
     path = os.path.join(dirpath, "direct-read.bin")
     buf = _pattern(piece)
     n = (nbytes + piece - 1) // piece
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except (OSError, AttributeError):
+    fd = _create_direct(path)
+    if fd is None:
         return None
     try:
         for i in range(n):
@@ -257,6 +263,14 @@ def dcp_async_save(state, path, dev=None, **writer):
     return stall, time.perf_counter() - t0
 
 
+def amber_full(ck, step, state):
+    """Seconds for a full save through Checkpointer `ck` to be durable (save() + wait())."""
+    t0 = time.perf_counter()
+    ck.save(step, state, full=True)
+    ck.wait()
+    return time.perf_counter() - t0
+
+
 def amber_deltas(ck, state, step, n, grads, opt_step, barrier=None):
     """`n` delta saves through Checkpointer `ck` after step `step`, alternately
     synchronous (save() + wait(): save-to-durable) and overlapped (save() + the fence
@@ -285,6 +299,13 @@ def amber_deltas(ck, state, step, n, grads, opt_step, barrier=None):
     return step, dur, stall
 
 
+def delta_figures(dur, stall, dbytes):
+    """The steady delta's figures: medians of save-to-durable, stall and bytes, the
+    largest delta's bytes."""
+    return {"amber_delta": statistics.median(dur), "amber_delta_stall": statistics.median(stall),
+            "amber_delta_bytes": statistics.median(dbytes), "amber_delta_bytes_max": max(dbytes)}
+
+
 # ---------------------------------------------------------------- statistics, formatting
 def spread(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
@@ -308,6 +329,13 @@ def fmt(s, unit="s"):
     return f"{v(s['median'])}{tail}"
 
 
+def row(cells, markdown, widths=()):
+    """A table row: markdown (| a | b |), or text with the first cells padded to `widths`."""
+    if markdown:
+        return "| " + " | ".join(cells) + " |"
+    return " ".join([f"{c:{w}}" for c, w in zip(cells, widths)] + list(cells[len(widths):]))
+
+
 def met(median, threshold, higher):
     return bool(median >= threshold if higher else median <= threshold)
 
@@ -328,10 +356,8 @@ def target_lines(targets, ratios, markdown, widths):
         s = ratios[k]
         m = fmt(s, "%" if "_pct_of_" in k else "x")
         ok = met(s["median"], tgt, hi)
-        if markdown:
-            lines.append(f"| {text} | {m} | {'met' if ok else 'not met'} |")
-        else:
-            lines.append(f"{text:{widths[0]}} {m:{widths[1]}} {'met' if ok else 'NOT met'}")
+        verdict = "met" if ok else "not met" if markdown else "NOT met"
+        lines.append(row([text, m, verdict], markdown, widths))
     return lines
 
 
@@ -344,6 +370,22 @@ def target_records(targets, ratios, **extra):
 def write_json(path, res):
     with open(path, "w") as fh:
         json.dump(res, fh, indent=1, default=lambda x: None if x == math.inf else x)
+
+
+def emit(head, report, res, json_path):
+    """Prints the run's head line and report; writes `res` to json_path where given."""
+    print(head)
+    print(report)
+    if json_path:
+        write_json(json_path, res)
+
+
+def add_run_args(ap):
+    """The options --quick, --json, --markdown and --lr of torch_bench and dist_bench."""
+    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
+    ap.add_argument("--json", help="write every figure of every round here")
+    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
+    ap.add_argument("--lr", type=float, default=1e-4)
 
 
 # ---------------------------------------------------------------- a group of ranks

@@ -41,12 +41,12 @@ import platform
 import shutil
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (TARGETS_HEAD, GPT2Small, amber_deltas, dcp_async_save, dcp_save,  # noqa: E402
-                     direct_read, direct_write, drop_cache, du, fmt, logger, quick_model, read_floor,
-                     run_group, spreads, target_lines, target_records, timed, write_json)
+from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
+                     dcp_async_save, dcp_save, delta_figures, direct_read, direct_write, drop_cache,
+                     du, emit, fmt, logger, quick_model, read_floor, row, run_group, spreads,
+                     target_lines, target_records, timed)
 
 log = logger("dist_bench")
 
@@ -177,21 +177,14 @@ def worker(a):
         step = 1
         with Checkpointer(ck_store, policy=a.policy, full_every=1000, full_share=-1) as ck:
             dist.barrier()
-            t0 = time.perf_counter()
-            ck.save(step, state, full=True)
-            ck.wait()
-            f["amber_full"] = time.perf_counter() - t0
+            f["amber_full"] = amber_full(ck, step, state)
             step, dur, stall = amber_deltas(ck, state, step, 2 * a.deltas, grads, opt.step,
                                             dist.barrier)
             infos = ck.steps()
         if any(c.kind != "delta" for c in infos[1:]):
             raise RuntimeError(f"expected deltas after the full save: {infos}")
         f["amber_full_bytes"] = infos[0].bytes
-        f["amber_delta"] = statistics.median(dur)
-        f["amber_delta_stall"] = statistics.median(stall)
-        dbytes = [c.bytes for c in infos[1:]]
-        f["amber_delta_bytes"] = statistics.median(dbytes)
-        f["amber_delta_bytes_max"] = max(dbytes)
+        f.update(delta_figures(dur, stall, [c.bytes for c in infos[1:]]))
 
         # amber.dcp.Writer through dcp.save: a full save, then synchronous deltas
         if rank == 0:
@@ -340,11 +333,8 @@ def report(res, markdown):
         for label, k, b in ROWS:
             if k not in S:
                 continue
-            label = label.format(o=o)
-            if markdown:
-                lines.append(f"| {label} | {fmt(S[k])} | {fmt(S[b], 'B') if b else ''} |")
-            else:
-                lines.append(f"{label:68} {fmt(S[k]):26} {fmt(S[b], 'B') if b else ''}")
+            lines.append(row([label.format(o=o), fmt(S[k]), fmt(S[b], 'B') if b else ''],
+                             markdown, (68, 26)))
         if markdown:
             lines += TARGETS_HEAD
         lines += target_lines(TARGETS, R, markdown, (68, 26))
@@ -363,10 +353,7 @@ def main():
     ap.add_argument("--policy", default="lossy-compact")
     ap.add_argument("--deltas", type=int, default=2, help="synchronous and overlapped deltas per round")
     ap.add_argument("--repeat", type=int, default=1, help="rounds (the spread is over them)")
-    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
-    ap.add_argument("--json", help="write every figure of every round here")
-    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    add_run_args(ap)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per spawned phase")
     # a spawned rank's own arguments
     ap.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
@@ -413,13 +400,10 @@ def main():
         shutil.rmtree(a.out, ignore_errors=True)
     res["targets"] = [t for w, r in res["worlds"].items()
                       for t in target_records(TARGETS, r["ratios"], ranks=int(w))]
-    print(f"amber dist_bench: {config['params'] / 1e6:.1f}M parameters + AdamW under FSDP2, "
-          f"policy {a.policy!r}, {a.repeat} round(s), {config['cpus']} CPUs, torch "
-          f"{config['torch']}, load average {config['loadavg_start']:.2f} -> "
-          f"{os.getloadavg()[0]:.2f}")
-    print(report(res, a.markdown))
-    if a.json:
-        write_json(a.json, res)
+    emit(f"amber dist_bench: {config['params'] / 1e6:.1f}M parameters + AdamW under FSDP2, "
+         f"policy {a.policy!r}, {a.repeat} round(s), {config['cpus']} CPUs, torch "
+         f"{config['torch']}, load average {config['loadavg_start']:.2f} -> "
+         f"{os.getloadavg()[0]:.2f}", report(res, a.markdown), res, a.json)
 
 
 if __name__ == "__main__":

@@ -58,10 +58,10 @@ import amber
 from amber.torch import Checkpointer, PRESETS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (TARGETS_HEAD, GPT2Small, amber_deltas, dcp_async_save, dcp_save,  # noqa: E402
-                     dcp_state, direct_read, direct_write, drop_cache, du, fake_grads, fmt, logger,
-                     quick_model, read_floor, spreads, target_lines, target_records, timed,
-                     torch_save, warm_up, write_json)
+from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
+                     dcp_async_save, dcp_save, dcp_state, delta_figures, direct_read, direct_write,
+                     drop_cache, du, emit, fake_grads, fmt, logger, quick_model, read_floor, row,
+                     spreads, target_lines, target_records, timed, torch_save, warm_up)
 
 log = logger("torch_bench")
 
@@ -177,10 +177,7 @@ def amber_round(tr, out, r, policy, deltas):
     log(f"round {r}: amber full and {deltas} deltas ({policy})")
     with Checkpointer(store, policy=policy, full_every=1000, full_share=-1) as ck:
         step += 1
-        t0 = time.perf_counter()
-        ck.save(step, state, full=True)
-        ck.wait()
-        f["amber_full"] = time.perf_counter() - t0
+        f["amber_full"] = amber_full(ck, step, state)
         # the full save's stall: save() call + the fence in the next step
         tr.grads()
         tr.step()
@@ -202,10 +199,7 @@ def amber_round(tr, out, r, policy, deltas):
         raise RuntimeError(f"expected only deltas after step {full_step}, got {kinds}")
     dbytes = [infos[s].bytes for s in infos if s > full_step]
     f["amber_full_bytes"] = infos[full_step].bytes
-    f["amber_delta"] = statistics.median(dur)
-    f["amber_delta_stall"] = statistics.median(stall)
-    f["amber_delta_bytes"] = statistics.median(dbytes)
-    f["amber_delta_bytes_max"] = max(dbytes)
+    f.update(delta_figures(dur, stall, dbytes))
 
     files = lambda: glob.glob(os.path.join(store, "*.amber"))  # noqa: E731
     # read-only load of the latest step
@@ -297,7 +291,7 @@ def report(res, markdown):
                 ("amber first delta after a load: stall", "first_after_load_stall", None),
                 ("delta floor (read live + reference, write delta at O_DIRECT pace)", "delta_floor", None)]
         for label, k, b in rows:
-            lines.append(f"| {label} | {fmt(S[k])} | {fmt(S[b], 'B') if b else ''} |")
+            lines.append(row([label, fmt(S[k]), fmt(S[b], 'B') if b else ''], True))
         lines += ["", "| load (cold, into the live model and optimizer) | seconds |", "|---|---|"]
         for label, k in [("torch.load + load_state_dict", "torch_load"),
                          ("safetensors load_file + copy", "st_load"),
@@ -305,7 +299,7 @@ def report(res, markdown):
                          ("amber load, resuming (seeds the next delta)", "amber_load"),
                          ("amber load, read-only", "amber_load_ro"),
                          ("floor: a full checkpoint's bytes read cold at O_DIRECT pace", "load_floor")]:
-            lines.append(f"| {label} | {fmt(S[k])} |")
+            lines.append(row([label, fmt(S[k])], True))
         lines += TARGETS_HEAD + target_lines(TARGETS, R, True, (70, 28))
         b = R["floor_vs_dcp_save"]
         lines.append(f"\nBound: the run's delta floor is {fmt(b, 'x')} faster than dcp.save; "
@@ -335,10 +329,7 @@ def main():
                     help=f"amber's policy (presets: {', '.join(PRESETS)})")
     ap.add_argument("--deltas", type=int, default=4, help="synchronous and overlapped deltas per round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (the spread is over them)")
-    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
-    ap.add_argument("--json", help="write every figure of every round here")
-    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    add_run_args(ap)
     a = ap.parse_args()
     if a.repeat < 1 or a.deltas < 1:
         ap.error("--repeat and --deltas must be >= 1")
@@ -383,12 +374,10 @@ def main():
     res = {"config": config, "rounds": rounds, "figures": figures,
            "ratios": spreads(rs)}
     res["targets"] = target_records(TARGETS, res["ratios"])
-    print(f"amber torch_bench: {nparams / 1e6:.1f}M parameters + AdamW, policy {a.policy!r}, "
-          f"{a.repeat} round(s), {config['cpus']} CPUs, torch {torch.__version__}, "
-          f"load average {config['loadavg_start']:.2f} -> {rounds[-1]['loadavg']:.2f}")
-    print(report(res, a.markdown))
-    if a.json:
-        write_json(a.json, res)
+    emit(f"amber torch_bench: {nparams / 1e6:.1f}M parameters + AdamW, policy {a.policy!r}, "
+         f"{a.repeat} round(s), {config['cpus']} CPUs, torch {torch.__version__}, "
+         f"load average {config['loadavg_start']:.2f} -> {rounds[-1]['loadavg']:.2f}",
+         report(res, a.markdown), res, a.json)
 
 
 if __name__ == "__main__":
