@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 import amber as _amber
 from amber import AmberError, GlobalReader, GlobalWriter
+from amber import device as _device
 from amber import torch as _at
 
 try:
@@ -348,6 +349,7 @@ class DistCheckpointer(_at.Checkpointer):
         self.path = str(path)
         self.store = None
         self._gw = None
+        self._dev = None     # amber.device.DevicePath: this rank's shards on a device
         self._sig = None
         self._ptrs = []
         self._stage = {}
@@ -412,10 +414,12 @@ class DistCheckpointer(_at.Checkpointer):
             meta_json = json.dumps(meta, allow_nan=False, separators=(",", ":"))
         except Exception as e:  # every rank must learn of it before anyone begins
             err = e
-        sig = None if decl is None else [d[:6] for d in decl]
+        sig = None if decl is None else [d[:6] + (d[6] is None,) for d in decl]
+        devs = {d[0]: d[7] for d in decl or () if d[6] is None}
         votes = self._comm.gather_objects(
             {"err": None if err is None else f"{type(err).__name__}: {err}",
-             "reopen": err is None and (self._sig is None or sig != self._sig)})
+             "reopen": err is None and (self._sig is None or sig != self._sig),
+             "dev": bool(devs)})
         bad = next((r for r, v in enumerate(votes) if v["err"]), None)
         if bad is not None:
             e = AmberError(_amber.ECANCELED, f"step {int(step)} not committed: rank {bad} failed: "
@@ -441,18 +445,43 @@ class DistCheckpointer(_at.Checkpointer):
         self._gated = True
         self._busy = True
         try:
-            w.begin(int(step), full=full, confirm=True)
+            flags = _amber.SAVE_CONFIRM | (_amber.SAVE_FULL if full else 0)
+            if any(v["dev"] for v in votes):  # some rank selects on its device
+                flags, kind = self._plan(int(step), flags)
+                self._dev.select(w, kind, devs)
+            w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=True)
         except BaseException:
             self._pinned = self._versions = None
             self._gated = self._busy = False
+            if self._dev is not None:
+                self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
+
+    def _plan(self, step, flags):
+        """The kind of the step for the device path, the same on every rank, and the
+        flags to begin it with (collective). A delta needs every rank's device
+        references: a rank whose references are not valid (a new writer, a failed
+        full step) reads its boxes of the latest global step; if any rank cannot,
+        the step is full everywhere."""
+        kind = _device.plan(self._gw, step, flags)
+        if kind != _device.KIND_DELTA:
+            return flags, kind
+        ok = all(dt.valid for dt in self._dev.tensors.values())
+        if not ok:
+            steps = _amber.global_steps(self.path)
+            ok = bool(steps) and self._dev.load_refs(self._gw, steps[-1].step)
+        if all(self._comm.allgather(b"\x01" if ok else b"\x00")):
+            return flags, kind
+        flags |= _amber.SAVE_FULL
+        return flags, _device.plan(self._gw, step, flags)
 
     def _declare(self, flat, state):
         """Per tensor: (name, dtype, global shape, offsets, local shape, replicated,
         address, local tensor, writes, read in place, the tensor as given). Tensors this rank writes
         and that no optimizer of the state owns are copied into staging buffers,
-        as amber.torch does; the others are read in place until the fence."""
+        as amber.torch does; the others are read in place until the fence. Those
+        that amber.device selects on their device (address None) are neither."""
         owned = _at._owned_storages(state)
         out = []
         with torch.no_grad():
@@ -471,6 +500,10 @@ class DistCheckpointer(_at.Checkpointer):
                     continue
                 if not writes:
                     continue  # a replica of a shard that another rank writes
+                if _device.wanted(local):  # selected on its device: nothing to read here
+                    out.append((name, _at._DTYPES[local.dtype], gshape, off, lshape, repl, None,
+                                local, True, False, t))
+                    continue
                 nbytes = local.numel() * local.element_size()
                 inplace = (local.device.type == "cpu" and local.is_contiguous() and
                            not local.is_conj() and not local.is_neg() and
@@ -498,12 +531,17 @@ class DistCheckpointer(_at.Checkpointer):
             self._gw.close()
             self._gw = None
         self._open_writer()
+        self._dev = _device.DevicePath()
         try:
             for k, v in state.items():  # step counters are never lossy
                 if isinstance(v, torch.optim.Optimizer):
                     self._gw.add_policy(f"{_at._glob_escape(k)}/*/step=exact")
-            for name, dt, gshape, off, lshape, repl, addr, *_ in decl:
-                self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
+            for name, dt, gshape, off, lshape, repl, addr, local, *_ in decl:
+                if addr is None:  # this rank's box, selected on its device
+                    self._dev.declare(self._gw, name, dt, local, global_shape=gshape,
+                                      offsets=off, replicated=repl)
+                else:
+                    self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
             self._gw.close()
             self._gw = None
@@ -550,7 +588,14 @@ class DistCheckpointer(_at.Checkpointer):
         try:
             self.fence()
             self._busy = False
-            self._gw.wait()
+            try:
+                self._gw.wait()
+            except BaseException:
+                if self._dev is not None:  # the device references go back as well
+                    self._dev.rollback()
+                raise
+            if self._dev is not None:
+                self._dev.commit()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
         if "keep_last" in self._wopts:
@@ -612,6 +657,7 @@ class DistCheckpointer(_at.Checkpointer):
         self._open()
         self.wait()
         self.skipped = 0
+        latest = step is None
         if self._single_store():
             return self._load_single(state, step, strict, fallback)
         if step is None and not _amber.global_steps(self.path):
@@ -651,7 +697,27 @@ class DistCheckpointer(_at.Checkpointer):
                                   f"{g.world_size} ranks: rank {self.rank} keeps its own RNG "
                                   "states", RuntimeWarning, stacklevel=2)
             ld.apply()
+        if strict and latest and not self.skipped:
+            self._seed(state)
         return done
+
+    def _seed(self, state):
+        """After a load of the latest global step: the live tensors hold exactly its
+        restore of this rank's boxes, so the device references (of the tensors this
+        Checkpointer declared) are seeded from them, as amber.torch seeds after
+        load(). A Checkpointer that has not saved yet has none: its first delta
+        reads them from the step (DevicePath.load_refs)."""
+        if self._dev is None or not self._dev.tensors:
+            return
+        try:
+            flat, _ = _at._flatten(state, False, dist=True)
+        except (TypeError, ValueError):
+            return
+        live = {n: t.to_local() if _at._is_dtensor(t) else t for n, t in flat.tensors
+                if n in self._dev.tensors}
+        if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
+               for n, dt in self._dev.tensors.items()):
+            self._dev.seed(live)
 
     def _agree_on_step(self, step):
         """load(fallback=True): the newest global step (from `step`, default the

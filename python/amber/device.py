@@ -72,11 +72,27 @@ _SOURCE = CFUNCTYPE(c_int, c_void_p, c_int, c_size_t, c_uint64, POINTER(_ChunkSe
 _set_source = _fn("amber_writer_set_source", c_int, _H, c_size_t, _SOURCE, c_void_p)
 
 
-# ---- the C entry points, on an amber.Writer ------------------------------------------
+# ---- the C entry points, on an amber.Writer or an amber.GlobalWriter ----------------
+#
+# A GlobalWriter's tensors are this rank's shards of global tensors: each function
+# goes to its amber_global_writer_* counterpart (plan is then collective: every rank
+# calls it, in the same order, and gets the same kind).
 
-def add_preselected(writer, name, dtype, shape):
+def _global(writer):
+    return isinstance(writer, _amber.GlobalWriter)
+
+
+def add_preselected(writer, name, dtype, shape, global_shape=None, offsets=None,
+                    replicated=False):
     """Declares a pre-selected tensor on `writer` (amber_writer_add_preselected);
-    returns its index."""
+    returns its index. On a GlobalWriter, `shape` is this rank's box of global
+    tensor `name`, at `offsets` (default: zeros) of `global_shape` (default:
+    `shape`), or the whole of it when `replicated`."""
+    if _global(writer):
+        shape = tuple(int(d) for d in shape)
+        return writer.add_preselected(name, dtype, shape if global_shape is None else global_shape,
+                                      (0,) * len(shape) if offsets is None else offsets, shape,
+                                      replicated)
     with writer._lock:
         shape = tuple(int(d) for d in shape)
         arr = (c_int64 * max(1, len(shape)))(*shape)
@@ -89,7 +105,13 @@ def add_preselected(writer, name, dtype, shape):
 
 def plan(writer, step, flags):
     """The kind (KIND_FULL or KIND_DELTA) of the next save of `step` with `flags`,
-    fixed for it (amber_writer_plan)."""
+    fixed for it (amber_writer_plan; on a GlobalWriter amber_global_writer_plan,
+    collective)."""
+    if _global(writer):
+        if flags & ~(_amber.SAVE_FULL | _amber.SAVE_CONFIRM):
+            raise ValueError(f"a global save takes SAVE_FULL and SAVE_CONFIRM, not {flags:#x}")
+        return writer.plan(step, full=bool(flags & _amber.SAVE_FULL),
+                           confirm=bool(flags & _amber.SAVE_CONFIRM))
     kind = c_uint32()
     with writer._lock:
         _check(_plan(writer._handle(), step, flags, byref(kind)), writer._h)
@@ -98,6 +120,9 @@ def plan(writer, step, flags):
 
 def chunking(writer, index):
     """(chunk_elems, nchunks, policy spec) of tensor `index`, as planned."""
+    if _global(writer):
+        i = writer.info(index)
+        return i.chunk_elems, i.nchunks, i.policy
     i = _TensorInfo()
     with writer._lock:
         _check(_info(writer._handle(), index, byref(i)), writer._h)
@@ -107,6 +132,9 @@ def chunking(writer, index):
 def set_selection(writer, index, sels, count):
     """Hands tensor `index`'s `count` chunk selections (a ctypes array of _ChunkSel)
     to the next save; what they point to must stay until the fence."""
+    if _global(writer):
+        writer.set_selection(index, sels, count)
+        return
     with writer._lock:
         _check(_set_selection(writer._handle(), index, sels, count), writer._h)
 
@@ -115,6 +143,9 @@ def set_source(writer, index, fn):
     """Gives tensor `index` a source of chunk selections (a _SOURCE callback, or None
     to remove it): the save asks it per chunk when no selection was set
     (amber_writer_set_source). The caller keeps `fn` alive."""
+    if _global(writer):
+        writer.set_source(index, fn if fn is not None else _SOURCE())
+        return
     with writer._lock:
         _check(_set_source(writer._handle(), index, fn if fn is not None else _SOURCE(), None),
                writer._h)
@@ -324,67 +355,29 @@ def _budget_chunk(x, r, frac, cap):
     return idx
 
 
-# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu) ----------------------------
-
-_cuda = None  # the loaded library, False when there is none
-
+# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu, called by amber._cuda) ---
 
 def _cuda_lib():
-    """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
-    loaded libamber (the package or the build directory)."""
-    global _cuda
-    if _cuda is None:
-        _cuda = False
-        paths = [os.environ.get("AMBER_CUDA_LIBRARY"),
-                 os.path.join(os.path.dirname(_amber.library_path()), "libamber_cuda.so")]
-        for path in paths:
-            if path and os.path.exists(path):
-                import ctypes
-                lib = ctypes.CDLL(path)
-                lib.amber_cuda_tiles.restype = c_uint64
-                lib.amber_cuda_tiles.argtypes = [c_uint64]
-                lib.amber_cuda_supports.argtypes = [c_int, c_int]
-                args = [c_int, c_int, c_int, c_void_p, c_void_p, c_uint64, ctypes.c_double,
-                        ctypes.c_double]
-                lib.amber_cuda_count.argtypes = args + [c_void_p, c_void_p]
-                lib.amber_cuda_write.argtypes = args + [c_void_p, c_void_p, c_void_p]
-                _cuda = lib
-                break
-    return _cuda or None
+    """libamber_cuda through ctypes (amber._cuda.lib()), or None."""
+    from amber import _cuda
+    return _cuda.lib()
 
 
 def _kernel_wanted(x):
-    """The kernels run for CUDA tensors with AMBER_CUDA_KERNEL=1: they have not yet
+    """The fused kernel runs for CUDA tensors with AMBER_CUDA_KERNEL=1: it has not yet
     been checked on a GPU (tests/gpu/run.sh does), so the portable path is the
     default."""
     return x.device.type == "cuda" and os.environ.get("AMBER_CUDA_KERNEL") == "1" and \
         _cuda_lib() is not None
 
 
-def _kernel_indices(x, r, kind, code, abs_b, rel_b):
-    """The selected indices (int64, increasing) by libamber_cuda's two passes, on the
-    current stream; None when the kernels do not cover (kind, dtype)."""
-    lib = _cuda_lib()
-    k = 1 if kind == "threshold" else 0
-    if not lib.amber_cuda_supports(k, code):
-        return None
-    n = x.numel()
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    tiles = int(lib.amber_cuda_tiles(n))
-    counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
-    a = (k, code, x.element_size(), x.data_ptr(), r.data_ptr(), n, abs_b, rel_b)
-    rc = lib.amber_cuda_count(*a, counts.data_ptr(), stream)
-    if rc:
-        raise RuntimeError(f"amber_cuda_count failed: CUDA error {-rc}")
-    ends = counts.to(torch.int64).cumsum(0)
-    total = int(ends[-1]) if tiles else 0
-    out = torch.empty(total, dtype=torch.int64, device=x.device)
-    if total:
-        starts = ends - counts  # each tile's offset: an exclusive scan
-        rc = lib.amber_cuda_write(*a, starts.data_ptr(), out.data_ptr(), stream)
-        if rc:
-            raise RuntimeError(f"amber_cuda_write failed: CUDA error {-rc}")
-    return out
+def _kernel_indices(x, r, kind, code, a, b, chunk=0, nchunks=0):
+    """The selected indices (int64, increasing) by libamber_cuda's fused pass, on the
+    current stream, the reference untouched; None when it does not cover (kind,
+    dtype). threshold: (a, b) already shrunk; budget: (a, b) = (FRAC, CAP), per chunk
+    (amber._cuda.indices)."""
+    from amber import _cuda
+    return _cuda.indices(x, r, kind, code, a, b, chunk, nchunks)
 
 
 class _Host:
@@ -546,10 +539,10 @@ class _Tensor:
         n = x.numel()
         if kind == "exact" or self.dtype not in _FLOAT:
             kind = "exact"
-        if kind != "budget" and _kernel_wanted(x):
+        if _kernel_wanted(x):
             if kind == "threshold" and self.dtype != torch.float64:
                 a, b = _f32_down(a), _f32_down(b)
-            idx = _kernel_indices(x, r, kind, self.code, a, b)
+            idx = _kernel_indices(x, r, kind, self.code, a, b, chunk, nchunks)
             if idx is not None:
                 return idx
             kind, a, b = _parse(spec)  # not covered: the portable path
@@ -646,8 +639,10 @@ class DevicePath:
         self._lock = threading.Lock()
         self._source = _SOURCE(self._ask)  # kept alive with the writer's tensors
 
-    def declare(self, writer, name, dtype_code, t):
-        index = add_preselected(writer, name, dtype_code, t.shape)
+    def declare(self, writer, name, dtype_code, t, **box):
+        """Declares tensor `t` pre-selected on `writer` (on a GlobalWriter, `box`:
+        global_shape, offsets, replicated, as add_preselected takes them)."""
+        index = add_preselected(writer, name, dtype_code, t.shape, **box)
         self.tensors[name] = _Tensor(name, index, t, dtype_code, self.host_ref)
         self.by_index[index] = self.tensors[name]
         set_source(writer, index, self._source)
@@ -689,13 +684,22 @@ class DevicePath:
 
     def load_refs(self, store, step):
         """Reads the references from committed step `step` (the store's latest);
-        False when a tensor is missing or differs."""
+        False when a tensor is missing or differs. `store` is an amber.Store, or the
+        amber.GlobalWriter that declared the tensors: each reference is then this
+        rank's box of its global tensor in global step `step`, read from the shards
+        that hold it (whatever world size wrote them)."""
+        glob = _global(store)
         try:
-            with store.reader(step) as r:
+            with _amber.GlobalReader(store.path, step) if glob else store.reader(step) as r:
                 for name, dt in self.tensors.items():
                     i = r.find(name)
+                    if i is None or r.tensors()[i].dtype != dt.code:
+                        raise KeyError(name)
                     host = torch.empty(dt.n, dtype=dt.dtype)
-                    if dt.n:
+                    if dt.n and glob:
+                        off, shape = store.box(dt.index)
+                        r.read_into(i, off, shape, host.data_ptr(), dt.n * dt.w)
+                    elif dt.n:
                         r.read_into(i, host.data_ptr(), dt.n * dt.w)
                     dt.ref = host if dt.host_ref else host.to(dt.device)
                     dt.valid = True

@@ -378,3 +378,45 @@ def test_the_fence_waits_for_the_selection_only(tmp_path, monkeypatch, on):
         ck.load({"p": q}, strict=False)
         assert torch.equal(q, saved) and not torch.equal(q, p.detach())
     assert (len(calls) == 0) == on
+
+
+def dcp_trajectory(path, policy, monkeypatch, on, staged):
+    """dcp.save (or async_save) through amber.dcp.Writer in one process; the restored
+    bytes per step, and whether the device path held the tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from amber.dcp import Writer
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.GELU(), torch.nn.Linear(300, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = []
+    with Writer(policy=policy, chunk_elems=2048, full_every=4, full_share=-1) as w:
+        for step in range(1, 8):
+            m(torch.randn(16, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            msd, osd = get_state_dict(m, opt)
+            sd, cid = {"model": msd, "optim": osd}, f"{path}/step-{step}"
+            if staged:
+                resp = dcp.async_save(sd, storage_writer=w, checkpoint_id=cid)
+                resp.staging_completion.result(timeout=30)
+                resp.upload_completion.result(timeout=30)
+            else:
+                dcp.save(sd, storage_writer=w, checkpoint_id=cid)
+            out.append(restored(path))
+        held = bool(w._dev is not None and w._dev.tensors)
+    return out, held
+
+
+@pytest.mark.parametrize("policy,staged", [("exact", False), ("budget:0.05:2e-2", True)])
+def test_the_dcp_writer_takes_the_device_path(tmp_path, monkeypatch, policy, staged):
+    """amber.dcp.Writer selects device tensors on their device too: restores equal
+    those of the CPU path, through dcp.save and dcp.async_save."""
+    cpu, held_cpu = dcp_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False, staged)
+    dev, held_dev = dcp_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True, staged)
+    assert held_dev and not held_cpu
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
