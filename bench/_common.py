@@ -263,7 +263,7 @@ def dcp_async_save(state, path, dev=None, **writer):
     return stall, time.perf_counter() - t0
 
 
-def amber_full(ck, step, state):
+def amber_full(ck, state, step):
     """Seconds for a full save through Checkpointer `ck` to be durable (save() + wait())."""
     t0 = time.perf_counter()
     ck.save(step, state, full=True)

@@ -177,7 +177,7 @@ def worker(a):
         step = 1
         with Checkpointer(ck_store, policy=a.policy, full_every=1000, full_share=-1) as ck:
             dist.barrier()
-            f["amber_full"] = amber_full(ck, step, state)
+            f["amber_full"] = amber_full(ck, state, step)
             step, dur, stall = amber_deltas(ck, state, step, 2 * a.deltas, grads, opt.step,
                                             dist.barrier)
             infos = ck.steps()

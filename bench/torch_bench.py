@@ -177,7 +177,7 @@ def amber_round(tr, out, r, policy, deltas):
     log(f"round {r}: amber full and {deltas} deltas ({policy})")
     with Checkpointer(store, policy=policy, full_every=1000, full_share=-1) as ck:
         step += 1
-        f["amber_full"] = amber_full(ck, step, state)
+        f["amber_full"] = amber_full(ck, state, step)
         # the full save's stall: save() call + the fence in the next step
         tr.grads()
         tr.step()
