@@ -128,20 +128,12 @@ def read_floor(tensors, reps=3):
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for t in tensors:
-            t.sum()
-        for t in copies:
+        for t in tensors + copies:
             t.sum()
         times.append(time.perf_counter() - t0)
     del copies
     gc.collect()
     return statistics.median(times)
-
-
-def _pattern(piece):
-    buf = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
-    buf.write(bytes(range(256)) * (piece // 256))
-    return buf
 
 
 def _pieces(n, inflight, io):
@@ -154,33 +146,38 @@ def _pieces(n, inflight, io):
         w.join()
 
 
-def _create_direct(path):
-    """A new file open for O_DIRECT writes; None where the file system refuses O_DIRECT."""
+def _write_direct(path, nbytes, piece, inflight):
+    """Seconds to write `nbytes` to a new file `path` with O_DIRECT, `inflight` writes
+    at once, then fsync; the file stays. None where the file system refuses O_DIRECT."""
+    buf = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
+    buf.write(bytes(range(256)) * (piece // 256))
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     except (OSError, AttributeError):
         return None
+    try:
+        t0 = time.perf_counter()
+        _pieces((nbytes + piece - 1) // piece, inflight, lambda k, i: os.pwrite(fd, buf, i * piece))
+        os.fsync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
 
 
 def direct_write(path, nbytes, piece=8 << 20, inflight=2, reps=3):
     """Seconds to write `nbytes` to a new file with O_DIRECT, `inflight` writes at
     once (as amber does), then fsync: the disk's own pace, which a full save of
     raw bytes cannot beat. None where the file system refuses O_DIRECT."""
-    buf = _pattern(piece)
-    n = (nbytes + piece - 1) // piece
     times = []
     for _ in range(reps):
-        fd = _create_direct(path)
-        if fd is None:
-            return None
         try:
-            t0 = time.perf_counter()
-            _pieces(n, inflight, lambda k, i: os.pwrite(fd, buf, i * piece))
-            os.fsync(fd)
-            times.append(time.perf_counter() - t0)
+            t = _write_direct(path, nbytes, piece, inflight)
         finally:
-            os.close(fd)
-            os.remove(path)
+            if os.path.exists(path):
+                os.remove(path)
+        if t is None:
+            return None
+        times.append(t)
     return statistics.median(times)
 
 
@@ -189,19 +186,11 @@ def direct_read(nbytes, dirpath, piece=8 << 20, inflight=2, reps=3):
     the disk's read pace, which no load of a raw checkpoint of that size can beat
     (a cold load reads every byte from the disk). None without O_DIRECT."""
     path = os.path.join(dirpath, "direct-read.bin")
-    buf = _pattern(piece)
     n = (nbytes + piece - 1) // piece
-    fd = _create_direct(path)
-    if fd is None:
-        return None
-    try:
-        for i in range(n):
-            os.pwrite(fd, buf, i * piece)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
     times = []
     try:
+        if _write_direct(path, nbytes, piece, inflight) is None:
+            return None
         for _ in range(reps):
             drop_cache([path])
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -213,7 +202,8 @@ def direct_read(nbytes, dirpath, piece=8 << 20, inflight=2, reps=3):
             finally:
                 os.close(fd)
     finally:
-        os.remove(path)
+        if os.path.exists(path):
+            os.remove(path)
     return statistics.median(times)
 
 
