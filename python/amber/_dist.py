@@ -350,6 +350,8 @@ class DistCheckpointer(_at.Checkpointer):
         self.store = None
         self._gw = None
         self._dev = None     # amber.device.DevicePath: this rank's shards on a device
+        self._dev_error = None  # its selection's failure in the step in progress
+        self._zeros = None      # what _stand_in hands over for a full step
         self._sig = None
         self._ptrs = []
         self._stage = {}
@@ -448,7 +450,11 @@ class DistCheckpointer(_at.Checkpointer):
             flags = _amber.SAVE_CONFIRM | (_amber.SAVE_FULL if full else 0)
             if any(v["dev"] for v in votes):  # some rank selects on its device
                 flags, kind = self._plan(int(step), flags)
-                self._dev.select(w, kind, devs)
+                try:
+                    self._dev.select(w, kind, devs)
+                except Exception as e:  # begun all the same (begin is collective): the
+                    self._dev_error = e  # fence refuses this rank's part, wait raises
+                    self._stand_in(kind)
             w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=True)
         except BaseException:
             self._pinned = self._versions = None
@@ -457,6 +463,26 @@ class DistCheckpointer(_at.Checkpointer):
                 self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
+
+    def _stand_in(self, kind):
+        """After a failed selection: selections that store nothing true (unchanged
+        chunks, or zeros for a full step), so that this rank's part begins as every
+        rank's must, and the fence refuses it with the selection's error. If even
+        these cannot be handed over, the part fails at begin (no selection)."""
+        try:
+            for dt in self._dev.tensors.values():
+                chunk, n, _ = _device.chunking(self._gw, dt.index)
+                sels = (_device._ChunkSel * max(1, n))()
+                if kind == _device.KIND_FULL:
+                    size = chunk * torch.empty(0, dtype=dt.dtype).element_size()
+                    if self._zeros is None or self._zeros.numel() < size:
+                        self._zeros = torch.zeros(max(size, 1), dtype=torch.uint8)
+                    for j in range(n):  # every chunk reads the same zeros
+                        sels[j] = _device._ChunkSel(_device.SELECT_WHOLE, None,
+                                                    self._zeros.data_ptr())
+                _device.set_selection(self._gw, dt.index, sels, n)
+        except Exception:
+            pass
 
     def _plan(self, step, flags):
         """The kind of the step for the device path, the same on every rank, and the
@@ -571,12 +597,15 @@ class DistCheckpointer(_at.Checkpointer):
             self._pinned = self._versions = None
             self.timings["fence"] = time.perf_counter() - t0
             if gated:
+                err = self._dev_error
                 why = "" if changed is None else (
                     f"tensor '{changed}' changed in place after save() and before the fence: "
                     "the checkpoint could hold a torn state, so it was not committed; call "
                     "fence() (or wait()) before changing saved tensors outside optimizer.step()")
+                if err is not None:
+                    why = f"its device selection failed: {type(err).__name__}: {err}"
                 try:
-                    self._gw.confirm(changed is None, why)
+                    self._gw.confirm(changed is None and err is None, why)
                 except AmberError:
                     pass  # the step fails anyway; wait() reports it
 
@@ -592,9 +621,12 @@ class DistCheckpointer(_at.Checkpointer):
             self._busy = False
             try:
                 self._gw.wait()
-            except BaseException:
+            except BaseException as e:
                 if self._dev is not None:  # the device references go back as well
                     self._dev.rollback()
+                err, self._dev_error = self._dev_error, None
+                if err is not None:
+                    raise e from err
                 raise
             if self._dev is not None:
                 self._dev.commit()

@@ -98,9 +98,29 @@ def scenario_device(rank, world, d):
             raise AssertionError("a step whose write failed on rank 1 committed")
         except amber.AmberError as e:
             assert "step 7 not committed: rank 1 failed" in e.message, e.message
-        run(model, opt, ck, 8, 8)
-        assert [s.kind for s in ck.steps()][5:] == ["delta", "full"]
-    same(restore(f"{d}/b", rank), full_state(model, opt), "step 8 after the restart")
+        run(model, opt, ck, 8, 9)
+        # a selection that fails on rank 1 (a device error), in a delta step and in
+        # the full one after it: every rank begins the step all the same, and it
+        # fails everywhere, naming rank 1 and the error
+        select = ck._dev.select
+        for step in (10, 11):
+            if rank == 1:
+                def broken(*_):
+                    raise RuntimeError("device lost")
+                ck._dev.select = broken
+            train_step(model, opt)
+            ck.save(step, {"model": model, "optim": opt, "extra": {}})
+            ck._dev.select = select
+            try:
+                ck.wait()
+                raise AssertionError("a step whose selection failed on rank 1 committed")
+            except amber.AmberError as e:
+                assert f"step {step} not committed: rank 1 failed" in e.message, e.message
+                assert "device lost" in e.message, e.message
+                assert rank != 1 or isinstance(e.__cause__, RuntimeError), e.__cause__
+        run(model, opt, ck, 12, 12)
+        assert [s.kind for s in ck.steps()][5:] == ["delta", "full", "delta", "full"]
+    same(restore(f"{d}/b", rank), full_state(model, opt), "step 12 after the restart")
 
     # threshold: within its bound of the live state, and the CPU path's restore
     pol = "threshold:1e-3"
