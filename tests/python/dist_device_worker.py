@@ -9,9 +9,7 @@ AMBER_DEVICE_PATH=1 in the environment: every local shard goes through amber.dev
 pre-selected chunks). A scenario sets AMBER_DEVICE_PATH=0 itself for the runs it
 compares with the CPU path.
 """
-import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -153,22 +151,8 @@ def scenario_device1(rank, world, d):
     same(restore(f"{d}/a", rank, process_group=group), full_state(model, opt), "1 rank, step 7")
 
 
-def main():
-    scenario, rank, world, init, d = sys.argv[1:6]
-    rank, world = int(rank), int(world)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        globals()[f"scenario_{scenario}"](rank, world, d)
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    sys.stdout.flush()  # leave without the gloo teardown, as dist_worker.py does
-    sys.stderr.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # dist_worker.py's main, with these scenarios
+    import dist_worker
+    dist_worker.scenario_device = scenario_device
+    dist_worker.scenario_device1 = scenario_device1
+    dist_worker.main()
