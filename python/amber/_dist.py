@@ -457,7 +457,7 @@ class DistCheckpointer(_at.Checkpointer):
                     self._stand_in(kind)
             w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=True)
         except BaseException:
-            self._pinned = self._versions = None
+            self._pinned = self._versions = self._dev_error = None
             self._gated = self._busy = False
             if self._dev is not None:
                 self._dev.rollback()
