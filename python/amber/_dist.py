@@ -352,6 +352,7 @@ class DistCheckpointer(_at.Checkpointer):
         self._dev = None     # amber.device.DevicePath: this rank's shards on a device
         self._dev_error = None  # its selection's failure in the step in progress
         self._zeros = None      # what _stand_in hands over for a full step
+        self._seeds = None   # DevicePath seeded by a load before the first save (_seed)
         self._sig = None
         self._ptrs = []
         self._stage = {}
@@ -566,8 +567,14 @@ class DistCheckpointer(_at.Checkpointer):
                 if addr is None:  # as DevicePath.declare, for this rank's box
                     i = _device.add_preselected(self._gw, name, dt, lshape, global_shape=gshape,
                                                 offsets=off, replicated=repl)
-                    self._dev.tensors[name] = _device._Tensor(name, i, local, dt,
-                                                              self._dev.host_ref)
+                    seeded = (self._seeds.tensors if self._seeds else {}).get(name)
+                    if seeded is not None and seeded.shape == tuple(local.shape) and \
+                            seeded.dtype == local.dtype and seeded.device == local.device:
+                        seeded.index = i  # seeded by a load before this first save
+                        self._dev.tensors[name] = seeded
+                    else:
+                        self._dev.tensors[name] = _device._Tensor(name, i, local, dt,
+                                                                  self._dev.host_ref)
                 else:
                     self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
@@ -576,6 +583,7 @@ class DistCheckpointer(_at.Checkpointer):
             raise
         self._sig = sig
         self._ptrs = [d[6] for d in decl]
+        self._seeds = None
 
     def _point(self, decl):
         for i, d in enumerate(decl):
@@ -737,21 +745,34 @@ class DistCheckpointer(_at.Checkpointer):
 
     def _seed(self, state):
         """After a load of the latest global step: the live tensors hold exactly its
-        restore of this rank's boxes, so the device references (of the tensors this
-        Checkpointer declared) are seeded from them, as amber.torch seeds after
-        load(). A Checkpointer that has not saved yet has none: its first delta
-        reads them from the step (DevicePath.load_refs)."""
-        if self._dev is None or not self._dev.tensors:
-            return
+        restore of this rank's boxes, so the device references are seeded from them,
+        as amber.torch seeds after load(). A Checkpointer that has not declared its
+        tensors yet (a restart: its writer is opened, collectively, by the first
+        save) keeps the seeds until that first save, whose declarations take those
+        that match; a tensor without one reads its boxes back from the store."""
         try:
             flat, _ = _at._flatten(state, False, dist=True)
+            live = {}
+            for name, t in flat.tensors:  # the tensors _declare sends to the device path
+                local, _, _, _, writes, repl = _box(t) if _at._is_dtensor(t) else \
+                    (t, None, None, None, True, True)
+                if writes and (self.rank == 0 or not repl) and local.dtype in _at._DTYPES \
+                        and _device.wanted(local):
+                    live[name] = local
         except (TypeError, ValueError):
             return
-        live = {n: t.to_local() if _at._is_dtensor(t) else t for n, t in flat.tensors
-                if n in self._dev.tensors}
-        if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
-               for n, dt in self._dev.tensors.items()):
-            self._dev.seed(live)
+        if self._dev is not None and self._dev.tensors:
+            self._seeds = None
+            if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
+                   for n, dt in self._dev.tensors.items()):
+                self._dev.seed({n: live[n] for n in self._dev.tensors})
+            return
+        self._seeds = _device.DevicePath()
+        for name, local in live.items():
+            dt = _device._Tensor(name, None, local, _at._DTYPES[local.dtype],
+                                 self._seeds.host_ref)
+            dt.seed(local)
+            self._seeds.tensors[name] = dt
 
     def _agree_on_step(self, step):
         """load(fallback=True): the newest global step (from `step`, default the

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import amber
+from amber import device as _device
 from amber.torch import Checkpointer
 from dist_worker import build, full_state, run, train_step
 
@@ -67,8 +68,16 @@ def scenario_device(rank, world, d):
     if rank == 0:
         torch.save(live, f"{d}/a.pt")
 
-    # a restart: the first delta reads each rank's references back from the store;
-    # a load of the latest step in an open Checkpointer seeds them from the live state
+    # a restart: the load seeds each rank's references, so its first step is a delta
+    # that reads nothing back; a load of the latest step in a Checkpointer that has
+    # saved seeds them too; a reopen without a load reads them back from the store
+    reads = []
+    load_refs = _device.DevicePath.load_refs
+
+    def counted(self, *args):
+        reads.append(args[1])
+        return load_refs(self, *args)
+    _device.DevicePath.load_refs = counted
     trajectory(f"{d}/b", rank, 3, dev=True)
     torch.manual_seed(999)
     model, opt = build(7)
@@ -77,6 +86,7 @@ def scenario_device(rank, world, d):
         assert ck.load(state) == 3
         run(model, opt, ck, 4, 5)
         assert [s.kind for s in ck.steps()][3:] == ["delta"] * 2
+        assert not reads, reads
         for dt in ck._dev.tensors.values():
             dt.valid = False  # as after a failed full step: only a seed makes them valid
         assert ck.load(state) == 5
@@ -119,6 +129,12 @@ def scenario_device(rank, world, d):
         run(model, opt, ck, 12, 12)
         assert [s.kind for s in ck.steps()][5:] == ["delta", "full", "delta", "full"]
     same(restore(f"{d}/b", rank), full_state(model, opt), "step 12 after the restart")
+    with Checkpointer(f"{d}/b", full_share=-1) as ck:
+        run(model, opt, ck, 13, 13)
+        assert ck.steps()[-1].kind == "delta"
+    assert reads == [12], reads
+    _device.DevicePath.load_refs = load_refs
+    same(restore(f"{d}/b", rank), full_state(model, opt), "step 13 after a reopen")
 
     # threshold: within its bound of the live state, and the CPU path's restore
     pol = "threshold:1e-3"
