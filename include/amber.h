@@ -528,6 +528,30 @@ AMBER_API int amber_writer_info(const amber_writer *w, size_t index,
 AMBER_API int amber_writer_set_selection(amber_writer *w, size_t index,
                                          const amber_chunk_sel *chunks, uint64_t nchunks);
 
+/* A source of chunk selections, for a caller that would rather hand chunks over one
+ * at a time than all at once: the save asks it for chunk `chunk` of pre-selected
+ * tensor `index` when it is about to encode that chunk, and the source fills *sel
+ * with the same rules as amber_writer_set_selection (AMBER_SELECT_WHOLE for every
+ * chunk of a full save). The caller can then copy each chunk out of its device into
+ * one reused buffer per worker while earlier chunks are written, instead of holding
+ * a host copy of the whole tensor. It is called from the save's worker threads
+ * (`worker` in 0..threads-1), concurrently for different workers, never twice at
+ * once with the same worker, and never after amber_writer_wait returns. What *sel
+ * points to must stay valid and unchanged until that worker's next call of any
+ * source of this writer, or the save's end. A nonzero return (an AMBER_E* code, or
+ * any other value for AMBER_EIO) fails the save, naming the tensor and chunk:
+ * nothing of it is committed. */
+typedef int (*amber_chunk_source)(void *user, int worker, size_t index, uint64_t chunk,
+                                  amber_chunk_sel *sel);
+
+/* Gives pre-selected tensor `index` a source of selections (fn NULL removes it). A
+ * save takes each pre-selected tensor's chunks from the selection given by
+ * amber_writer_set_selection since the last save if there is one, else from its
+ * source. The source may be set once and serve every save (the pointer `user` is
+ * kept). AMBER_EBUSY while a save is in progress. */
+AMBER_API int amber_writer_set_source(amber_writer *w, size_t index, amber_chunk_source fn,
+                                      void *user);
+
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
@@ -776,6 +800,14 @@ AMBER_API int amber_global_writer_info(const amber_global_writer *gw, size_t ind
 AMBER_API int amber_global_writer_set_selection(amber_global_writer *gw, size_t index,
                                                 const amber_chunk_sel *chunks,
                                                 uint64_t nchunks);
+/* Gives pre-selected tensor `index` (declaration order) a source of selections, as
+ * amber_writer_set_source: asked per chunk by the save's workers when no selection
+ * was set for the save, with `index` the global writer's. It may be set before the
+ * first plan and stays for every save (also across the rank writer's reopening
+ * after a failed step). fn NULL removes it. AMBER_EINVAL for a tensor declared with
+ * amber_global_writer_add; AMBER_EBUSY during a save. Not collective. */
+AMBER_API int amber_global_writer_set_source(amber_global_writer *gw, size_t index,
+                                             amber_chunk_source fn, void *user);
 /* Where the time of the global writer's last save went on this rank: for
  * profiling, and what `amber bench --ranks` prints. Wall-clock seconds. */
 typedef struct amber_global_save_stats {

@@ -30,6 +30,8 @@ typedef struct gtensor {
   const void *data;
   int local;  /* written by this rank */
   int presel; /* pre-selected: the caller selects, and keeps its reference */
+  amber_chunk_source src; /* pre-selected: its source of selections, or NULL */
+  void *src_user;
 } gtensor;
 
 struct amber_global_writer {
@@ -368,16 +370,27 @@ int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
 }
 
 /* (Re)creates the rank's writer from the declarations. */
+/* The rank writer's sources: tensor li of the rank writer is the li-th local one of
+ * the global writer, whose source is asked with the global index. */
+static int global_source(void *user, int worker, size_t li, uint64_t chunk, amber_chunk_sel *sel) {
+  amber_global_writer *gw = user;
+  for (size_t i = 0; i < gw->nt; i++)
+    if (gw->t[i].local && li-- == 0)
+      return gw->t[i].src ? gw->t[i].src(gw->t[i].src_user, worker, i, chunk, sel) : AMBER_EINVAL;
+  return AMBER_ERANGE;
+}
+
 static int ensure_writer(amber_global_writer *gw) {
   if (gw->w) return 0;
   int rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
   if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
   for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
-  for (size_t i = 0; rc == 0 && i < gw->nt; i++)
-    if (gw->t[i].local && gw->t[i].presel)
+  for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++)
+    if (gw->t[i].local && gw->t[i].presel) {
       rc = amber_writer_add_preselected(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
-                                        gw->t[i].lshape, NULL);
-    else if (gw->t[i].local)
+                                        gw->t[i].lshape, &li);
+      if (rc == 0 && gw->t[i].src) rc = amber_writer_set_source(gw->w, li, global_source, gw);
+    } else if (gw->t[i].local)
       rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
                             gw->t[i].lshape, gw->t[i].data, NULL);
   if (rc < 0) {
@@ -598,6 +611,30 @@ int amber_global_writer_set_selection(amber_global_writer *gw, size_t index,
     rc = amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s' is not pre-selected (declared "
                      "with amber_global_writer_add)", gw->t[index].name);
   if (rc == 0 && (rc = amber_writer_set_selection(gw->w, li, chunks, nchunks)) < 0)
+    amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  return rc;
+}
+
+int amber_global_writer_set_source(amber_global_writer *gw, size_t index,
+                                   amber_chunk_source fn, void *user) {
+  if (!gw) return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_set_source: NULL writer");
+  if (gw->busy || gw->committing)
+    return amber__fail(&gw->err, AMBER_EBUSY,
+                       "amber_global_writer_set_source: a save is in progress");
+  if (index >= gw->nt)
+    return amber__fail(&gw->err, AMBER_ERANGE,
+                       "amber_global_writer_set_source: tensor index %zu out of range (%zu "
+                       "declared)", index, gw->nt);
+  gtensor *t = &gw->t[index];
+  if (!t->presel)
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s' is not pre-selected (declared "
+                       "with amber_global_writer_add)", t->name);
+  t->src = fn;
+  t->src_user = fn ? user : NULL;
+  int rc = 0;
+  if (gw->w && t->local &&
+      (rc = amber_writer_set_source(gw->w, local_index(gw, index), fn ? global_source : NULL,
+                                    gw)) < 0)
     amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
   return rc;
 }

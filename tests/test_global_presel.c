@@ -52,6 +52,7 @@ typedef struct dev {
   uint32_t *idx;
   amber_chunk_sel *sels;
   size_t n;
+  atomic_int asked; /* chunks its source answered (job.source) */
 } dev;
 
 static void dev_init(dev *d, size_t n) {
@@ -70,7 +71,8 @@ static void dev_free(dev *d) {
 /* Selects tensor `index` for the planned save (every chunk whole for a full one;
  * else the elements that changed by more than `thr`, bitwise for 0), moves the
  * reference by what is selected and hands the selection to the global writer. */
-static int dev_hand_over(amber_global_writer *gw, size_t index, dev *d, int full, float thr) {
+static int dev_hand_over(amber_global_writer *gw, size_t index, dev *d, int full, float thr,
+                         int by_source) {
   amber_tensor_info info;
   int rc = amber_global_writer_info(gw, index, &info);
   if (rc < 0) return rc;
@@ -93,7 +95,18 @@ static int dev_hand_over(amber_global_writer *gw, size_t index, dev *d, int full
     }
     d->sels[j] = (amber_chunk_sel){k - start, d->idx + start, d->vals + start};
   }
+  if (by_source) return 0; /* its source answers from d->sels */
   return amber_global_writer_set_selection(gw, index, d->sels, info.nchunks);
+}
+
+/* The source of tensor "w" (index 0) when job.source: chunk j of its selection. */
+static int dev_source(void *user, int worker, size_t index, uint64_t j, amber_chunk_sel *sel) {
+  dev *d = user;
+  (void)worker;
+  if (index != 0) return AMBER_EINVAL;
+  *sel = d->sels[j];
+  atomic_fetch_add(&d->asked, 1);
+  return 0;
 }
 
 /* Reads box (off, shape) of `name` at `step` and compares it with `want`. */
@@ -118,6 +131,7 @@ typedef struct job {
   uint32_t full_every;
   uint32_t kinds[2][16]; /* what plan said, by rank and step */
   int lossy[2];          /* a rank's reference ended apart from its live values */
+  int source;            /* "w" through amber_global_writer_set_source, set before any plan */
 } job;
 
 /* Rank r holds rows [r*ROWS/2, (r+1)*ROWS/2) of "w" (pre-selected), "b" (replicated,
@@ -142,6 +156,11 @@ static void presel_main(const amber_comm *c, void *arg) {
   RCHECK(amber_global_writer_add_preselected(gw, "b", AMBER_F32, 1, &bn, NULL, NULL,
                                              AMBER_SHARD_REPLICATED) == 0);
   RCHECK(amber_global_writer_add(gw, "c", AMBER_F32, 2, gshape, off, shape, cpu, 0) == 0);
+  if (jb->source) {
+    RCHECK(amber_global_writer_set_source(gw, 0, dev_source, &w) == 0);
+    RCHECK(amber_global_writer_set_source(gw, 2, dev_source, &w) == AMBER_EINVAL);
+    RCHECK(amber_global_writer_set_source(gw, 3, dev_source, &w) == AMBER_ERANGE);
+  }
   for (uint64_t s = jb->first; s <= jb->last; s++) {
     for (int64_t i = 0; i < shape[0]; i++)
       for (int64_t j = 0; j < COLS; j++)
@@ -151,9 +170,10 @@ static void presel_main(const amber_comm *c, void *arg) {
     RCHECK(amber_global_writer_plan(gw, s, AMBER_SAVE_CONFIRM, &kind) == 0);
     jb->kinds[c->rank][s] = kind;
     int full = kind == AMBER_KIND_FULL;
-    RCHECK(dev_hand_over(gw, 0, &w, full, jb->thr) == 0);
+    RCHECK(dev_hand_over(gw, 0, &w, full, jb->thr, jb->source) == 0);
+    atomic_store(&w.asked, 0);
     if (c->rank == 0) {
-      RCHECK(dev_hand_over(gw, 1, &b, full, 0) == 0);
+      RCHECK(dev_hand_over(gw, 1, &b, full, 0, 0) == 0);
     } else { /* rank 0 writes the replicated tensor: rank 1 has nothing to hand over */
       amber_tensor_info info;
       RCHECK(amber_global_writer_info(gw, 1, &info) == AMBER_EINVAL);
@@ -165,6 +185,7 @@ static void presel_main(const amber_comm *c, void *arg) {
     RCHECK(amber_global_writer_fence(gw) == 0);
     RCHECK(amber_global_writer_confirm(gw, 1, NULL) == 0);
     RCHECK(amber_global_writer_wait(gw) == 0);
+    RCHECK(atomic_load(&w.asked) == (jb->source ? (int)((n + CHUNK - 1) / CHUNK) : 0));
     /* the step restores what this rank selected: its reference, not its live values */
     RCHECK(box_is(jb->path, s, "w", off, shape, w.ref, n));
     RCHECK(box_is(jb->path, s, "c", off, shape, cpu, n));
@@ -188,7 +209,7 @@ static void run(job *jb) {
 }
 
 static void test_exact_full_and_deltas_restore_what_each_rank_selected(void) {
-  job jb = {tu_tmpdir(), 1, 6, 0, 4, {{0}}, {0, 0}};
+  job jb = {tu_tmpdir(), 1, 6, 0, 4, {{0}}, {0, 0}, 0};
   run(&jb);
   /* full, three deltas, full (full_every 4 over the step), delta */
   uint32_t want[] = {0, AMBER_KIND_FULL, AMBER_KIND_DELTA, AMBER_KIND_DELTA, AMBER_KIND_DELTA,
@@ -210,10 +231,21 @@ static void test_exact_full_and_deltas_restore_what_each_rank_selected(void) {
 }
 
 static void test_threshold_selection_restores_the_references_not_the_live_values(void) {
-  job jb = {tu_tmpdir(), 1, 4, 0.5f, 0, {{0}}, {0, 0}};
+  job jb = {tu_tmpdir(), 1, 4, 0.5f, 0, {{0}}, {0, 0}, 0};
   run(&jb);
   CHECK(jb.kinds[0][1] == AMBER_KIND_FULL && jb.kinds[0][4] == AMBER_KIND_DELTA);
   CHECK(jb.lossy[0] && jb.lossy[1]); /* some changes were below the threshold */
+}
+
+/* A source set before the first plan (before the rank writer exists) serves every
+ * save, full and delta, asked once per chunk with the global index; the steps
+ * restore what each rank's source answered. */
+static void test_a_source_serves_every_save_from_before_the_first_plan(void) {
+  job jb = {tu_tmpdir(), 1, 6, 0.5f, 3, {{0}}, {0, 0}, 1};
+  run(&jb);
+  CHECK(jb.kinds[0][1] == AMBER_KIND_FULL && jb.kinds[0][2] == AMBER_KIND_DELTA);
+  CHECK(jb.kinds[0][5] == AMBER_KIND_FULL && jb.kinds[0][6] == AMBER_KIND_DELTA);
+  CHECK(jb.lossy[0] && jb.lossy[1]);
 }
 
 /* ---- the planned kind is the same on every rank ---- */
@@ -240,7 +272,7 @@ static void vote_main(const amber_comm *c, void *arg) {
   if (vj->mode < 2) {
     uint32_t k = 99;
     RCHECK(amber_global_writer_plan(gw, 1, 0, &k) == 0 && k == AMBER_KIND_FULL);
-    RCHECK(dev_hand_over(gw, 0, &d, 1, 0) == 0);
+    RCHECK(dev_hand_over(gw, 0, &d, 1, 0, 0) == 0);
     RCHECK(amber_global_writer_save(gw, 1, 0) == 0);
   }
   if (vj->mode != 1) {
@@ -249,7 +281,7 @@ static void vote_main(const amber_comm *c, void *arg) {
     uint32_t flags = c->rank == 1 && vj->mode == 0 ? AMBER_SAVE_FULL : 0;
     vj->rc[c->rank] = amber_global_writer_plan(gw, 2, flags, &vj->kind[c->rank]);
     if (vj->rc[c->rank] == 0) {
-      RCHECK(dev_hand_over(gw, 0, &d, vj->kind[c->rank] == AMBER_KIND_FULL, 0) == 0);
+      RCHECK(dev_hand_over(gw, 0, &d, vj->kind[c->rank] == AMBER_KIND_FULL, 0, 0) == 0);
       RCHECK(amber_global_writer_save(gw, 2, flags) == 0);
     }
   }
@@ -392,6 +424,7 @@ static void test_wrong_use_is_refused_with_what_to_do(void) {
 int main(void) {
   TEST_RUN(test_exact_full_and_deltas_restore_what_each_rank_selected);
   TEST_RUN(test_threshold_selection_restores_the_references_not_the_live_values);
+  TEST_RUN(test_a_source_serves_every_save_from_before_the_first_plan);
   TEST_RUN(test_one_rank_asking_for_full_makes_the_planned_step_full_everywhere);
   TEST_RUN(test_a_rank_without_a_reference_makes_the_planned_step_full_everywhere);
   TEST_RUN(test_wrong_use_is_refused_with_what_to_do);

@@ -733,6 +733,7 @@ _gw_info = _fn("amber_global_writer_info", c_int, _H, c_size_t, POINTER(_TensorI
 # the selections: a ctypes array of amber.device's amber_chunk_sel
 _gw_set_selection = _fn("amber_global_writer_set_selection", c_int, _H, c_size_t, c_void_p,
                         c_uint64)
+_gw_set_source = _fn("amber_global_writer_set_source", c_int, _H, c_size_t, c_void_p, c_void_p)
 _g_is_store = _fn("amber_global_is_store", c_int, c_char_p)
 _g_list = _fn("amber_global_list", c_int, c_char_p, POINTER(POINTER(_GlobalStepInfo)),
               POINTER(c_size_t))
@@ -918,6 +919,14 @@ class GlobalWriter(_Handle):
         to must stay until the fence. Not collective."""
         with self._lock:
             _check(_gw_set_selection(self._handle(), index, sels, count), self._h)
+
+    def set_source(self, index, fn):
+        """Gives pre-selected tensor `index` a source of selections (a ctypes
+        amber_chunk_source callback, kept alive by the caller; None removes it), asked
+        per chunk by the save when no selection was set. Not collective."""
+        with self._lock:
+            ptr = ctypes.cast(fn, c_void_p) if fn else None
+            _check(_gw_set_source(self._handle(), index, ptr, None), self._h)
 
     def set_data(self, index, address):
         with self._lock:

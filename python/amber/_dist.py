@@ -564,17 +564,14 @@ class DistCheckpointer(_at.Checkpointer):
                 if isinstance(v, torch.optim.Optimizer):
                     self._gw.add_policy(f"{_at._glob_escape(k)}/*/step=exact")
             for name, dt, gshape, off, lshape, repl, addr, local, *_ in decl:
-                if addr is None:  # as DevicePath.declare, for this rank's box
-                    i = _device.add_preselected(self._gw, name, dt, lshape, global_shape=gshape,
-                                                offsets=off, replicated=repl)
+                if addr is None:  # this rank's box, selected on its device
+                    self._dev.declare(self._gw, name, dt, local, global_shape=gshape,
+                                      offsets=off, replicated=repl)
                     seeded = (self._seeds.tensors if self._seeds else {}).get(name)
-                    if seeded is not None and seeded.shape == tuple(local.shape) and \
-                            seeded.dtype == local.dtype and seeded.device == local.device:
-                        seeded.index = i  # seeded by a load before this first save
-                        self._dev.tensors[name] = seeded
-                    else:
-                        self._dev.tensors[name] = _device._Tensor(name, i, local, dt,
-                                                                  self._dev.host_ref)
+                    dd = self._dev.tensors[name]
+                    if seeded is not None and seeded.shape == dd.shape and \
+                            seeded.dtype == dd.dtype and seeded.device == dd.device:
+                        dd.ref, dd.valid = seeded.ref, True  # seeded by a load before
                 else:
                     self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
@@ -598,6 +595,8 @@ class DistCheckpointer(_at.Checkpointer):
             return
         t0 = time.perf_counter()
         try:
+            if self._dev is not None:
+                self._dev.fence()  # the device-side selection (an event on CUDA)
             self._gw.fence()
         finally:
             changed = self._changed()

@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 import amber as _amber
 from amber import AmberError, Store
 from amber import _dist
+from amber import device as _device
 from amber import torch as _at
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
@@ -161,6 +162,7 @@ class Writer(StorageWriter, AsyncStager):
         self._begun = None    # {fqn: name}, objects of a save whose scan has started
         self._staged = None   # Future of the fence of a staged save
         self._pinned = None
+        self._dev = None      # amber.device.DevicePath: tensors selected on their device
         if self._id is not None:
             parse_checkpoint_id(self._id)
 
@@ -289,6 +291,7 @@ class Writer(StorageWriter, AsyncStager):
         except BaseException:
             self._abort()
             raise
+        self._settled(True)
         self._begun = None
         self._staged = None
 
@@ -371,10 +374,14 @@ class Writer(StorageWriter, AsyncStager):
         flat = _at._Flat()
         for name, t in tensors:
             flat.tensor(name, t)
-        sig = [(n, _at._DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
+        sig = [(n, _at._DTYPES[t.dtype], tuple(t.shape), _device.wanted(t))
+               for n, t in flat.tensors]
         ptrs, pinned = [], []
         with torch.no_grad():
             for name, t in flat.tensors:
+                if _device.wanted(t):  # selected on its device (amber.device)
+                    ptrs.append(None)
+                    continue
                 if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() \
                         and not t.is_neg():
                     src = t
@@ -390,9 +397,13 @@ class Writer(StorageWriter, AsyncStager):
                 self._w.close()
                 self._w = None
             w = self._store.writer(**self._wopts)
+            self._dev = _device.DevicePath()
             try:
                 for (name, t), p in zip(flat.tensors, ptrs):
-                    w.add(name, _at._DTYPES[t.dtype], t.shape, p)
+                    if p is None:
+                        self._dev.declare(w, name, _at._DTYPES[t.dtype], t)
+                    else:
+                        w.add(name, _at._DTYPES[t.dtype], t.shape, p)
                 for r in self._rules:
                     w.add_policy(r)
             except BaseException:
@@ -401,19 +412,35 @@ class Writer(StorageWriter, AsyncStager):
             self._w, self._sig, self._ptrs = w, sig, list(ptrs)
         else:
             for i, p in enumerate(ptrs):
-                if p != self._ptrs[i]:
+                if p is not None and p != self._ptrs[i]:
                     self._w.set_data(i, p)
                     self._ptrs[i] = p
         self._w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
         self._pinned = pinned
-        self._w.begin(self._target[1], confirm=True)
+        step, flags = self._target[1], 0
+        if self._dev.tensors:  # plan, select on the devices, hand the selections over
+            live = {n: t for n, t in flat.tensors if n in self._dev.tensors}
+            flags, kind = self._dev.plan(self._w, self._store, step, 0, _amber.SAVE_FULL)
+            self._dev.select(self._w, kind, live)
+        try:
+            self._w.begin(step, full=bool(flags & _amber.SAVE_FULL), confirm=True)
+        except BaseException:
+            self._dev.rollback()
+            raise
         self._begun = (names, meta_objects)
 
     def _fence(self):
         try:
+            if self._gw is None and self._dev is not None:
+                self._dev.fence()  # the device-side selection (an event on CUDA)
             (self._gw or self._w).fence()
         finally:
             self._pinned = None
+
+    def _settled(self, ok):
+        """The device references after the save's outcome (one process)."""
+        if self._gw is None and self._dev is not None:
+            self._dev.commit() if ok else self._dev.rollback()
 
     def _abort(self):
         """Drops the save in progress uncommitted."""
@@ -434,6 +461,7 @@ class Writer(StorageWriter, AsyncStager):
             (self._gw or self._w).wait()  # with many ranks: the collective commit, failing
         except AmberError:
             pass
+        self._settled(False)
         self._pinned = None
 
     # -- many ranks: each rank writes its shards through the global writer --

@@ -8,8 +8,12 @@ tensor's own device; each delta selects on that device, with torch tensor
 operations, exactly the elements that the C library's scan (src/scan.c) would
 select under the same policy; only their indices and values are compacted and
 copied into reused host buffers (pinned for CUDA), which the library takes as
-pre-selected chunks (amber_writer_set_selection) and encodes, writes and commits
-like any delta. amber.torch uses this path for every tensor that is not on the
+pre-selected chunks (amber_writer_set_selection, or per chunk through a source:
+amber_writer_set_source) and encodes, writes and commits like any delta. A full save
+copies each tensor into its reference on the device and streams the reference out
+chunk by chunk through a ring of one reused host buffer per worker of the save. On
+CUDA a delta's copies run on a side stream after the selection, so the fence waits
+only for the selection's event. amber.torch uses this path for every tensor that is not on the
 CPU, and for every tensor when the environment variable AMBER_DEVICE_PATH=1 is
 set, so that the same tests cover it on any machine.
 
@@ -40,7 +44,7 @@ with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
 import os
 import threading
-from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
+from ctypes import CFUNCTYPE, POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
     c_uint64, c_void_p
 
 import numpy as np
@@ -63,6 +67,9 @@ _plan = _fn("amber_writer_plan", c_int, _H, c_uint64, c_uint32, POINTER(c_uint32
 _info = _fn("amber_writer_info", c_int, _H, c_size_t, POINTER(_TensorInfo))
 _set_selection = _fn("amber_writer_set_selection", c_int, _H, c_size_t, POINTER(_ChunkSel),
                      c_uint64)
+# amber_chunk_source: (user, worker, index, chunk, sel) -> 0 or an AMBER_E* code
+_SOURCE = CFUNCTYPE(c_int, c_void_p, c_int, c_size_t, c_uint64, POINTER(_ChunkSel))
+_set_source = _fn("amber_writer_set_source", c_int, _H, c_size_t, _SOURCE, c_void_p)
 
 
 # ---- the C entry points, on an amber.Writer or an amber.GlobalWriter ----------------
@@ -130,6 +137,18 @@ def set_selection(writer, index, sels, count):
         return
     with writer._lock:
         _check(_set_selection(writer._handle(), index, sels, count), writer._h)
+
+
+def set_source(writer, index, fn):
+    """Gives tensor `index` a source of chunk selections (a _SOURCE callback, or None
+    to remove it): the save asks it per chunk when no selection was set
+    (amber_writer_set_source). The caller keeps `fn` alive."""
+    if _global(writer):
+        writer.set_source(index, fn if fn is not None else _SOURCE())
+        return
+    with writer._lock:
+        _check(_set_source(writer._handle(), index, fn if fn is not None else _SOURCE(), None),
+               writer._h)
 
 
 def asynchronous():
@@ -336,67 +355,29 @@ def _budget_chunk(x, r, frac, cap):
     return idx
 
 
-# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu) ----------------------------
-
-_cuda = None  # the loaded library, False when there is none
-
+# ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu, called by amber._cuda) ---
 
 def _cuda_lib():
-    """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
-    loaded libamber (the package or the build directory)."""
-    global _cuda
-    if _cuda is None:
-        _cuda = False
-        paths = [os.environ.get("AMBER_CUDA_LIBRARY"),
-                 os.path.join(os.path.dirname(_amber.library_path()), "libamber_cuda.so")]
-        for path in paths:
-            if path and os.path.exists(path):
-                import ctypes
-                lib = ctypes.CDLL(path)
-                lib.amber_cuda_tiles.restype = c_uint64
-                lib.amber_cuda_tiles.argtypes = [c_uint64]
-                lib.amber_cuda_supports.argtypes = [c_int, c_int]
-                args = [c_int, c_int, c_int, c_void_p, c_void_p, c_uint64, ctypes.c_double,
-                        ctypes.c_double]
-                lib.amber_cuda_count.argtypes = args + [c_void_p, c_void_p]
-                lib.amber_cuda_write.argtypes = args + [c_void_p, c_void_p, c_void_p]
-                _cuda = lib
-                break
-    return _cuda or None
+    """libamber_cuda through ctypes (amber._cuda.lib()), or None."""
+    from amber import _cuda
+    return _cuda.lib()
 
 
 def _kernel_wanted(x):
-    """The kernels run for CUDA tensors with AMBER_CUDA_KERNEL=1: they have not yet
+    """The fused kernel runs for CUDA tensors with AMBER_CUDA_KERNEL=1: it has not yet
     been checked on a GPU (tests/gpu/run.sh does), so the portable path is the
     default."""
     return x.device.type == "cuda" and os.environ.get("AMBER_CUDA_KERNEL") == "1" and \
         _cuda_lib() is not None
 
 
-def _kernel_indices(x, r, kind, code, abs_b, rel_b):
-    """The selected indices (int64, increasing) by libamber_cuda's two passes, on the
-    current stream; None when the kernels do not cover (kind, dtype)."""
-    lib = _cuda_lib()
-    k = 1 if kind == "threshold" else 0
-    if not lib.amber_cuda_supports(k, code):
-        return None
-    n = x.numel()
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    tiles = int(lib.amber_cuda_tiles(n))
-    counts = torch.zeros(max(tiles, 1), dtype=torch.int32, device=x.device)
-    a = (k, code, x.element_size(), x.data_ptr(), r.data_ptr(), n, abs_b, rel_b)
-    rc = lib.amber_cuda_count(*a, counts.data_ptr(), stream)
-    if rc:
-        raise RuntimeError(f"amber_cuda_count failed: CUDA error {-rc}")
-    ends = counts.to(torch.int64).cumsum(0)
-    total = int(ends[-1]) if tiles else 0
-    out = torch.empty(total, dtype=torch.int64, device=x.device)
-    if total:
-        starts = ends - counts  # each tile's offset: an exclusive scan
-        rc = lib.amber_cuda_write(*a, starts.data_ptr(), out.data_ptr(), stream)
-        if rc:
-            raise RuntimeError(f"amber_cuda_write failed: CUDA error {-rc}")
-    return out
+def _kernel_indices(x, r, kind, code, a, b, chunk=0, nchunks=0):
+    """The selected indices (int64, increasing) by libamber_cuda's fused pass, on the
+    current stream, the reference untouched; None when it does not cover (kind,
+    dtype). threshold: (a, b) already shrunk; budget: (a, b) = (FRAC, CAP), per chunk
+    (amber._cuda.indices)."""
+    from amber import _cuda
+    return _cuda.indices(x, r, kind, code, a, b, chunk, nchunks)
 
 
 class _Host:
@@ -451,26 +432,26 @@ class _Tensor:
             x = x.resolve_neg()
         return x.reshape(-1)  # a copy only when not contiguous
 
-    def select(self, live, full, chunk, nchunks, spec):
-        """Selects this save's chunks (every chunk whole for a full save), moves
-        the reference, fills the host buffers and returns the selections."""
+    def select(self, live, full, chunk, nchunks, spec, direct):
+        """Selects this save's chunks and moves the reference. A full save: the
+        reference takes every value (on the device: a device-to-device copy), and
+        the save streams it out chunk by chunk (DevicePath's source, chunk_ptr);
+        returns (None, []). A delta: returns (the selections, the copies that fill
+        them: (host view, device tensor) pairs); `direct` makes them now, else the
+        caller does, after the selection, on a side stream."""
         x = self._flat(live)
-        sels = (_ChunkSel * max(1, nchunks))()
+        self.chunk = chunk
         if full:
-            host = self.hwhole.get(self.n * self.w)[:self.n * self.w]
-            if self.n:
-                host.view(self.dtype).copy_(x)
-            base = host.data_ptr()
-            for j in range(nchunks):
-                sels[j] = _ChunkSel(SELECT_WHOLE, None, base + j * chunk * self.w)
             if self.ref is None or self.ref.numel() != self.n:
                 self.ref = self._new_ref(x)
-            self.ref.copy_(host.view(self.dtype) if self.host_ref and self.n else x)
+            if self.n:
+                self.ref.copy_(x)  # to pinned host memory (host_ref): waits for the copy
             self.undo = "full"
             self.valid = True
             self.copied = self.n * self.w
-            self.sels = sels
-            return sels, host
+            self.sels = None
+            return None, []
+        sels = (_ChunkSel * max(1, nchunks))()
         if self.host_ref:  # chunk by chunk, each chunk's reference copied in
             parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
                                           chunk, 1, spec) + o for o in range(0, self.n, chunk)]
@@ -486,6 +467,7 @@ class _Tensor:
             keep = torch.tensor(dense, device=idx.device)[idx // chunk]
             idx = idx[~keep]
         vals = xb[idx]
+        wsrc = xb  # where whole chunks are copied from
         if not self.host_ref:
             rb = _bits(self.ref)
             olds = rb[idx]
@@ -495,20 +477,25 @@ class _Tensor:
             for j in whole:
                 rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
             self.undo = (idx, olds, wold)
+            wsrc = rb  # equal to live there now, and unchanged by training until the save ends
         # compact and copy out: indices within their chunk (u32), values, whole chunks
         k = idx.numel()
         hidx = self.hidx.get(4 * k)[:4 * k].view(torch.int32)
         hvals = self.hvals.get(k * self.w)[:k * self.w].view(xb.dtype)
+        copies = []
         if k:
-            hidx.copy_((idx % chunk).to(torch.int32), non_blocking=True)
-            hvals.copy_(vals, non_blocking=True)
+            copies += [(hidx, (idx % chunk).to(torch.int32)), (hvals, vals)]
         nwhole = sum(sizes[j] for j in whole)
         hwhole = self.hwhole.get(nwhole * self.w)[:nwhole * self.w].view(xb.dtype)
         woff, at = {}, 0
         for j in whole:
-            hwhole[at:at + sizes[j]].copy_(xb[j * chunk:j * chunk + sizes[j]], non_blocking=True)
+            copies.append((hwhole[at:at + sizes[j]], wsrc[j * chunk:j * chunk + sizes[j]]))
             woff[j] = at
             at += sizes[j]
+        if direct:
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            copies = []
         self.copied = k * (4 + self.w) + nwhole * self.w
         if self.host_ref:  # moved by finish(), from the host copies, once they are done
             self.pending = (idx.to("cpu", non_blocking=True), hvals,
@@ -523,7 +510,17 @@ class _Tensor:
             sels[j] = _ChunkSel(c, ip + 4 * off if c else None, vp + self.w * off if c else None)
             off += c
         self.sels = sels
-        return sels, (hidx, hvals, hwhole)
+        return sels, copies
+
+    def chunk_ptr(self, j, slot):
+        """The address of chunk j of the reference, for a full save: in place when
+        the reference is in host memory, else copied into `slot` (a _Slot)."""
+        lo = j * self.chunk
+        n = min(self.chunk, self.n - lo)
+        if self.ref.device.type == "cpu" and not _RING_ON_CPU:
+            return self.ref.data_ptr() + lo * self.w
+        src = _bits(self.ref)[lo:lo + n]
+        return slot.fill(src, n * self.w)
 
     def finish(self):
         """host_ref, after the copies: the reference takes what is stored."""
@@ -542,10 +539,10 @@ class _Tensor:
         n = x.numel()
         if kind == "exact" or self.dtype not in _FLOAT:
             kind = "exact"
-        if kind != "budget" and _kernel_wanted(x):
+        if _kernel_wanted(x):
             if kind == "threshold" and self.dtype != torch.float64:
                 a, b = _f32_down(a), _f32_down(b)
-            idx = _kernel_indices(x, r, kind, self.code, a, b)
+            idx = _kernel_indices(x, r, kind, self.code, a, b, chunk, nchunks)
             if idx is not None:
                 return idx
             kind, a, b = _parse(spec)  # not covered: the portable path
@@ -581,21 +578,104 @@ class _Tensor:
         self.undo = self.sels = self.pending = None
 
 
+# Tests set this to run full saves of CPU tensors through the ring too (as CUDA
+# tensors' go), and deltas through the source after copies made later.
+_RING_ON_CPU = False
+
+
+class _Slot:
+    """One worker's buffer of the ring: a reused host buffer (pinned for CUDA) that
+    holds the chunk the worker is writing, and the stream its copies go on."""
+
+    def __init__(self, pinned):
+        self.host = _Host(pinned)
+        self.stream = None
+        self.ready = None  # the event the copies wait for (the reference's copy)
+
+    def fill(self, src, nbytes):
+        """Copies `src` (a flat tensor of nbytes) into the slot; returns its address."""
+        buf = self.host.get(nbytes)
+        dst = buf[:nbytes].view(src.dtype)
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return buf.data_ptr()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(src.device)
+        with torch.cuda.device(src.device):
+            if self.ready is not None:
+                self.stream.wait_event(self.ready)
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            self.stream.synchronize()  # the worker writes it next
+        return buf.data_ptr()
+
+
 class DevicePath:
-    """The pre-selected tensors of one amber.Writer, by name."""
+    """The pre-selected tensors of one amber.Writer, by name.
+
+    A full save copies each tensor into its reference on its device and hands the
+    library a source (amber_writer_set_source) that streams the reference out
+    chunk by chunk through a ring of reused host buffers, one per worker of the
+    save: no host copy of the whole state is ever held. A delta selects on the
+    device; on CUDA its copies to host memory run on a side stream after the
+    selection, and the library's workers wait for them through the same source,
+    so that fence() waits only for the selection (an event)."""
 
     def __init__(self, host_ref=None):
         # AMBER_DEVICE_REFERENCE=host: references in pinned host memory
         self.host_ref = os.environ.get("AMBER_DEVICE_REFERENCE") == "host" \
             if host_ref is None else host_ref
         self.tensors = {}  # name -> _Tensor
+        self.by_index = {}  # the writer's index -> _Tensor
         self.hold = None   # host buffers of the save in flight
         self.copied = 0    # bytes the last save copied from the devices to the host
+        self.ring = {}     # worker -> _Slot
+        self.ring_bytes = 0  # the most host memory the ring has held
+        self.full = False  # the save in flight is a full one
+        self.selected = None  # CUDA events: the selection of the save in flight is done
+        self.ready = {}       # the same, kept for the ring until the save ends
+        self.copies = None    # CUDA events: its copies to host memory are done
+        self.source_error = None  # what the source raised, for the save's failure
+        self._lock = threading.Lock()
+        self._source = _SOURCE(self._ask)  # kept alive with the writer's tensors
 
-    def declare(self, writer, name, dtype_code, t):
-        index = add_preselected(writer, name, dtype_code, t.shape)
+    def declare(self, writer, name, dtype_code, t, **box):
+        """Declares tensor `t` pre-selected on `writer` (on a GlobalWriter, `box`:
+        global_shape, offsets, replicated, as add_preselected takes them)."""
+        index = add_preselected(writer, name, dtype_code, t.shape, **box)
         self.tensors[name] = _Tensor(name, index, t, dtype_code, self.host_ref)
+        self.by_index[index] = self.tensors[name]
+        set_source(writer, index, self._source)
         return index
+
+    def _ask(self, _user, worker, index, j, sel):
+        """amber_chunk_source: chunk j of tensor `index` for the save in flight."""
+        try:
+            dt = self.by_index[index]
+            if self.full:
+                slot = self.ring.get(worker)
+                if slot is None:
+                    with self._lock:
+                        slot = self.ring[worker] = _Slot(dt.device.type == "cuda")
+                slot.ready = self.ready.get(dt.device)
+                sel[0] = _ChunkSel(SELECT_WHOLE, None, dt.chunk_ptr(j, slot))
+                self.ring_bytes = max(self.ring_bytes,
+                                      sum(s.host.buf.numel() for s in list(self.ring.values())))
+                return 0
+            if dt.sels is None:
+                raise RuntimeError(f"tensor '{dt.name}': no selection for this save")
+            self._await_copies()
+            sel[0] = dt.sels[j]
+            return 0
+        except BaseException as e:  # noqa: BLE001 - never raised into C
+            self.source_error = e
+            return _amber.EIO
+
+    def _await_copies(self):
+        with self._lock:
+            events, self.copies = self.copies, None
+        for e in (events or {}).values():
+            e.synchronize()
 
     def seed(self, live):
         """The live tensors (name -> tensor) hold exactly the latest committed step."""
@@ -648,35 +728,91 @@ class DevicePath:
 
     def select(self, writer, kind, live):
         """Selects every pre-selected tensor of `live` (name -> tensor) for the
-        planned save and hands the selections to the writer."""
+        planned save and hands the selections to the writer: a full save's and
+        those copied later (CUDA) through the source, the others at once."""
         if not self.tensors:
             return
-        hold = []
+        self.full = kind == KIND_FULL
+        self.source_error = None
+        hold, later = [], []
+        cuda = {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}
         try:
             for name, dt in self.tensors.items():
                 chunk, nchunks, spec = chunking(writer, dt.index)
-                sels, bufs = dt.select(live[name], kind == KIND_FULL, chunk, nchunks, spec)
-                hold.append(bufs)
-                set_selection(writer, dt.index, sels, nchunks)
+                # host_ref moves its reference from the host copies: made at once
+                direct = not _RING_ON_CPU and (dt.device.type != "cuda" or dt.host_ref)
+                sels, copies = dt.select(live[name], self.full, chunk, nchunks, spec, direct)
+                hold.append((sels, copies))
+                if sels is not None and not copies and direct:
+                    set_selection(writer, dt.index, sels, nchunks)
+                later += copies
         except BaseException:
             self.rollback()
             raise
-        for d in {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}:
-            torch.cuda.current_stream(d).synchronize()  # the library reads the host buffers
+        self.selected = {}
+        for d in cuda:  # the selection is queued on each device's current stream
+            e = torch.cuda.Event()
+            e.record(torch.cuda.current_stream(d))
+            self.selected[d] = e
+        self.ready = dict(self.selected)
+        if later:
+            self.copies = self._copy_out(later)
+        for d in cuda:  # host_ref and direct copies: the library reads them next
+            if any(dt.host_ref or dt.pending for dt in self.tensors.values() if dt.device == d):
+                torch.cuda.current_stream(d).synchronize()
         for dt in self.tensors.values():
             dt.finish()
         self.hold = hold
         self.copied = sum(dt.copied for dt in self.tensors.values())
 
+    def _copy_out(self, copies):
+        """The copies of a delta's selection to host memory: on CUDA on a side
+        stream of each device after its selection (events returned), else now."""
+        events = {}
+        for dst, src in copies:
+            if src.device.type != "cuda":
+                dst.copy_(src)
+                continue
+            d = src.device
+            if d not in events:
+                side = self._side(d)
+                side.wait_event(self.selected[d])
+                events[d] = side
+            with torch.cuda.stream(events[d]):
+                dst.copy_(src, non_blocking=True)
+            src.record_stream(events[d])  # not reused before the copy, whatever happens
+        out = {}
+        for d, side in events.items():
+            e = torch.cuda.Event()
+            e.record(side)
+            out[d] = e
+        return out
+
+    def _side(self, d):
+        if not hasattr(self, "_sides"):
+            self._sides = {}
+        if d not in self._sides:
+            self._sides[d] = torch.cuda.Stream(d)
+        return self._sides[d]
+
+    def fence(self):
+        """Waits until the device-side selection of the save in flight is done:
+        then training may change the tensors (the copies read other buffers)."""
+        events, self.selected = self.selected, None
+        for e in (events or {}).values():
+            e.synchronize()
+
     def commit(self):
         for dt in self.tensors.values():
             dt.commit()
-        self.hold = None
+        self.hold = self.copies = None
+        self.ready = {}
 
     def rollback(self):
         for dt in self.tensors.values():
             dt.rollback()
-        self.hold = None
+        self.hold = self.copies = None
+        self.ready = {}
 
 
 class Background:

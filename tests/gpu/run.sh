@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU (tests/gpu/test_cuda_kernel.py is skipped elsewhere):
-# builds libamber and libamber_cuda (nvcc), checks the kernels against the portable
-# path and the device path on CUDA tensors against the CPU path (selecting in line and
-# on a thread), then runs bench/gpu_bench.py on GPT-2 small (torch operations, then
-# kernels + thread) and on 0.5B parameters (kernels + thread). Output goes to
+# builds libamber and libamber_cuda (nvcc), checks the fused kernel (indices, values,
+# olds and the moved reference, every dtype and policy) against the portable path and
+# the device path on CUDA tensors against the CPU path (selecting in line and on a
+# thread), then runs bench/gpu_bench.py on GPT-2 small (torch operations, then
+# kernel + thread) and on 0.5B parameters (kernel + thread). Output goes to
 # ${OUT:-gpu-out}/ (a log per part).
 #
-# Needs: nvcc, CMake, a Python with torch (CUDA), numpy and pytest; zstd and xxHash
-# headers and libraries where pkg-config finds them (on a machine without them,
-# unpack Debian's libzstd-dev and libxxhash-dev with `dpkg -x` into a prefix and pass
-# it as DEPS=/that/prefix).
+# Needs: nvcc, CMake, a Python with torch (CUDA), numpy and pytest; zstd, xxHash and
+# jansson headers and libraries (pkg-config is not needed). On a machine without them
+# run scripts/gpu-prep here first: it unpacks Debian's packages into .gpu-deps/root,
+# which the device tool carries (carry=[".gpu-deps"]) and DEPS names there:
+#   DEPS=$PWD/.gpu-deps/root OUT=$OUT tests/gpu/run.sh
 #   tests/gpu/run.sh                 # everything
 #   BENCH=0 tests/gpu/run.sh         # the tests only
 set -euo pipefail
@@ -25,6 +27,7 @@ if [ -n "${DEPS:-}" ]; then
 fi
 arch=$($PY -c 'import torch; c = torch.cuda.get_device_capability(); print(f"{c[0]}{c[1]}")')
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DAMBER_TESTS=OFF -DAMBER_CUDA_ARCHS="$arch" \
+  ${DEPS:+-DCMAKE_PREFIX_PATH="$DEPS/usr"} \
   > "$OUT/cmake.log" 2>&1
 cmake --build build-gpu -j "$(nproc)" >> "$OUT/cmake.log" 2>&1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" AMBER_LIBRARY="$PWD/build-gpu/libamber.so"

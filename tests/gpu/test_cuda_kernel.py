@@ -1,85 +1,256 @@
-"""The accelerator path on a CUDA GPU (run by tests/gpu/run.sh; skipped without one).
+"""libamber_cuda's fused kernel and amber._cuda against the portable path (run by
+tests/gpu/run.sh on a GPU machine; the CUDA tests are skipped without one).
 
-- libamber_cuda's kernels select exactly what the portable path selects (which
-  tests/python/test_device_path.py holds to the C scan), for exact and threshold over
-  f32, f16, bf16, f64 and integers, with NaN, Inf, subnormals, changes on the bound
-  and sizes that are not a multiple of a tile.
-- A trajectory of CUDA tensors saved through the device path (kernels on and off)
+- The kernel selects exactly what the portable path selects (which
+  tests/python/test_device_path.py holds to the C scan) for every dtype (f32, f16,
+  bf16, f64, f8 e4m3fn and e5m2, integers, bool) under exact, threshold and budget
+  with and without CAP, with NaN (several encodings), Inf, subnormals, signed zeros,
+  overflowing changes and changes on the bound, for sizes 0, 1, a tile - 1, a tile, a
+  tile + 1, many tiles, and budget chunks larger and smaller than a tile, with and
+  without clusters of equal changes; and it returns the selected elements' live
+  values and the reference's old ones, and moves the reference by exactly them (also
+  after an output overflow that makes it run again).
+- A trajectory of CUDA tensors saved through the device path (kernel on and off)
   restores at every step exactly what the same trajectory of CPU tensors saved through
-  the CPU path restores."""
+  the CPU path restores.
+- Everywhere, also without a GPU: amber._cuda's glue (budget's per-chunk plan, the
+  cut, the band fill, the reference's move, the overflow's second run) over a model of
+  the kernel on CPU memory (Model, written from the contract in src/cuda/select.cu)
+  selects what the portable path selects."""
+import ctypes
+
 import pytest
 import torch
 
 import amber
-from amber import device
+from amber import _cuda, device
 from amber.torch import Checkpointer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-lib = pytest.mark.skipif(device._cuda_lib() is None, reason="libamber_cuda was not built")
+lib = pytest.mark.skipif(_cuda.lib() is None, reason="libamber_cuda was not built")
+TILE = 4096  # src/cuda/select.cu (checked against the library below)
 CODES = {torch.float32: amber.F32, torch.float16: amber.F16, torch.bfloat16: amber.BF16,
-         torch.float64: amber.F64, torch.int32: amber.I32, torch.uint8: amber.U8}
+         torch.float64: amber.F64, torch.float8_e4m3fn: amber.F8_E4M3,
+         torch.float8_e5m2: amber.F8_E5M2, torch.int64: amber.I64, torch.int32: amber.I32,
+         torch.int16: amber.I16, torch.int8: amber.I8, torch.uint8: amber.U8,
+         torch.bool: amber.BOOL}
+FLOATS = [t for t in CODES if t.is_floating_point]
+SIZES = [0, 1, TILE - 1, TILE, TILE + 1, 100_003, 3 << 20]
+# bit patterns of every float dtype: NaNs (quiet, payload, negative, signalling),
+# Infs, subnormals, zeros of both signs, the largest finite (changes that overflow)
+SPECIAL = {
+    torch.float32: [0x7FC00000, 0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0xFF800000,
+                    0x00000001, 0x80000001, 0x00000000, 0x80000000, 0x007FFFFF, 0x7F7FFFFF,
+                    0xFF7FFFFF, 0x3F800000],
+    torch.float16: [0x7E00, 0x7E01, 0xFE00, 0x7C01, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x0000,
+                    0x8000, 0x03FF, 0x7BFF, 0xFBFF, 0x3C00],
+    torch.bfloat16: [0x7FC0, 0x7FC1, 0xFFC0, 0x7F81, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x0000,
+                     0x8000, 0x007F, 0x7F7F, 0xFF7F, 0x3F80],
+    torch.float64: [0x7FF8000000000000, 0x7FF8000000000001, 0xFFF8000000000000,
+                    0x7FF0000000000001, 0x7FF0000000000000, 0xFFF0000000000000, 1,
+                    0x8000000000000001, 0, 0x8000000000000000, 0x000FFFFFFFFFFFFF,
+                    0x7FEFFFFFFFFFFFFF, 0xFFEFFFFFFFFFFFFF, 0x3FF0000000000000],
+    torch.float8_e4m3fn: [0x7F, 0xFF, 0x7E, 0xFE, 0x01, 0x81, 0x00, 0x80, 0x07, 0x08, 0x38],
+    torch.float8_e5m2: [0x7E, 0x7D, 0xFE, 0x7F, 0x7C, 0xFC, 0x01, 0x81, 0x00, 0x80, 0x03,
+                        0x7B, 0xFB, 0x3C],
+}
+POLICIES = ["exact", "threshold:1e-3", "threshold:1e-4:1e-2"]
+BUDGETS = ["budget:0.05", "budget:0.05:1e-2", "budget:0.001:0.1", "budget:0.5"]
 
 
-def pair(n, dtype, seed):
+def bits(t):
+    return device._bits(t)
+
+
+def signed(v, bt):
+    """An unsigned bit pattern as the value a tensor of bits dtype `bt` stores."""
+    w = torch.empty(0, dtype=bt).element_size()
+    return v - (1 << 8 * w) if bt.is_signed and v >= 1 << (8 * w - 1) else v
+
+
+def pair(n, dtype, seed, cluster=False):
+    """(live, reference) on the CPU: random changes, a share of large ones, every pair
+    of special bit patterns at the start and at the end, a change on the bound of
+    threshold:1e-3; `cluster`: changes of one size (a sign-based optimizer's)."""
     g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        r = torch.rand(n, generator=g) < 0.5
+        return r ^ (torch.rand(n, generator=g) < 0.1), r
     if not dtype.is_floating_point:
         r = torch.randint(0, 100, (n,), generator=g).to(dtype)
         x = r.clone()
         x[torch.rand(n, generator=g) < 0.1] += 1
         return x, r
     r = torch.randn(n, generator=g, dtype=torch.float64)
-    d = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
-    d[torch.rand(n, generator=g) < 0.05] *= 100
-    x, r = (r + d).to(dtype), r.to(dtype)
-    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 5e-45]
-    for k, v in enumerate(special):
-        if n > 2 * k + 1:
-            x[2 * k] = v
-            r[2 * k + 1] = v
+    if cluster:
+        d = torch.sign(torch.randn(n, generator=g, dtype=torch.float64)) * 1e-3
+        d[torch.rand(n, generator=g) < 0.01] *= 3
+    else:
+        d = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
+        d[torch.rand(n, generator=g) < 0.05] *= 100
+    x, r = (r + d).float().to(dtype), r.float().to(dtype)
     if n > 20:
         r[20], x[20] = 1.0, 1.0 + 1e-3  # on the bound of threshold:1e-3
+    xb, rb = bits(x), bits(r)
+    sp = [signed(v, xb.dtype) for v in SPECIAL[dtype]]
+    pairs = [(a, b) for a in sp for b in sp]
+    for k, (a, b) in enumerate(pairs[:n]):
+        xb[k], rb[k] = a, b
+    if n >= 2 * len(pairs) + 30:
+        for k, (a, b) in enumerate(pairs):
+            xb[n - 1 - k], rb[n - 1 - k] = a, b
     return x, r
 
 
-def portable(x, r, kind, a, b):
-    if kind == "exact" or not x.dtype.is_floating_point:
-        return (device._bits(x) != device._bits(r)).nonzero().squeeze(1)
-    if x.dtype != torch.float64:
+def chunks_of(n, chunk):
+    return (n + chunk - 1) // chunk if n else 0
+
+
+def want_indices(x, r, spec, chunk):
+    """What the portable path selects (on the CPU)."""
+    kind, a, b = device._parse(spec)
+    if kind == "exact" or x.dtype not in device._FLOAT:
+        return (bits(x) != bits(r)).nonzero().squeeze(1)
+    if kind == "threshold":
+        if x.dtype != torch.float64:
+            a, b = device._f32_down(a), device._f32_down(b)
+        return device._candidates(x, r, a, b, float("inf"), False)[0]
+    parts = [device._budget_chunk(x[o:o + chunk], r[o:o + chunk], a, b) + o
+             for o in range(0, x.numel(), chunk)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def kernel_indices(x, r, spec, chunk):
+    """device._kernel_indices as device._Tensor._select_indices calls it."""
+    kind, a, b = device._parse(spec)
+    if kind == "exact" or x.dtype not in device._FLOAT:
+        kind = "exact"
+    if kind == "threshold" and x.dtype != torch.float64:
         a, b = device._f32_down(a), device._f32_down(b)
-    return device._candidates(x, r, a, b, float("inf"), False)[0]
+    return device._kernel_indices(x, r, kind, CODES[x.dtype], a, b, chunk,
+                                  chunks_of(x.numel(), chunk))
+
+
+def check(x, r, spec, chunk, dev):
+    """The kernel's indices, values, olds and moved reference equal the portable
+    path's, on device `dev` (CUDA, or the CPU under Model)."""
+    want = want_indices(x, r, spec, chunk)
+    label = f"{x.dtype} n={x.numel()} {spec} chunk={chunk}"
+    xg, rg = x.to(dev, copy=True), r.to(dev, copy=True)
+    got = kernel_indices(xg, rg, spec, chunk)
+    assert got is not None, label
+    assert torch.equal(got.cpu(), want), label
+    assert torch.equal(bits(rg).cpu(), bits(r)), f"{label}: indices moved the reference"
+    out = _cuda.select(xg, rg, spec, CODES[x.dtype], chunk, chunks_of(x.numel(), chunk))
+    assert out is not None, label
+    idx, vals, olds = (t.cpu() for t in out)
+    assert torch.equal(idx, want), label
+    assert torch.equal(vals, bits(x)[want]), f"{label}: values"
+    assert torch.equal(olds, bits(r)[want]), f"{label}: olds"
+    moved = bits(r).clone()
+    moved[want] = bits(x)[want]
+    assert torch.equal(bits(rg).cpu(), moved), f"{label}: the reference"
+
+
+def check_overflow(x, r, spec, dev):
+    """A capacity far too small: the second run returns the same, the reference moved
+    once, by exactly the selection."""
+    kind, a, b = device._parse(spec)
+    if kind == "exact" or x.dtype not in device._FLOAT:
+        kind = "exact"
+    if kind == "threshold" and x.dtype != torch.float64:
+        a, b = device._f32_down(a), device._f32_down(b)
+    want = want_indices(x, r, spec, x.numel() or 1)
+    xg, rg = x.to(dev, copy=True), r.to(dev, copy=True)
+    k = _cuda.KIND_EXACT if kind == "exact" else _cuda.KIND_COMPARE
+    idx, vals, olds, _ = _cuda.run(xg, rg, k, CODES[x.dtype], a, b, update=True, vals=True,
+                                   olds=True, capacity=3)
+    assert torch.equal(idx.cpu(), want)
+    assert torch.equal(vals.cpu(), bits(x)[want]) and torch.equal(olds.cpu(), bits(r)[want])
+    moved = bits(r).clone()
+    moved[want] = bits(x)[want]
+    assert torch.equal(bits(rg).cpu(), moved)
+
+
+# ---- on a GPU ------------------------------------------------------------------------
+
+@cuda
+@lib
+def test_the_library_is_the_one_described():
+    assert _cuda.tile() == TILE
+    assert all(_cuda.supports(_cuda.KIND_EXACT, c) for c in CODES.values())
+    assert [_cuda.supports(_cuda.KIND_COMPARE, CODES[t]) for t in CODES] == \
+        [t.is_floating_point for t in CODES]
 
 
 @cuda
 @lib
 @pytest.mark.parametrize("dtype", list(CODES))
-@pytest.mark.parametrize("n", [0, 1, 2047, 2048, 2049, 100_003, 3 << 20])
-@pytest.mark.parametrize("policy", [("exact", 0, 0), ("threshold", 1e-3, 0),
-                                    ("threshold", 1e-4, 1e-2)])
-def test_kernels_select_what_the_portable_path_selects(dtype, n, policy):
-    kind, a, b = policy
-    x, r = pair(n, dtype, n)
-    want = portable(x, r, kind, a, b)
-    if kind == "threshold" and dtype != torch.float64:
-        a, b = device._f32_down(a), device._f32_down(b)
-    k = "exact" if not dtype.is_floating_point else kind
-    got = device._kernel_indices(x.cuda(), r.cuda(), k, CODES[dtype], a, b)
-    torch.cuda.synchronize()
-    assert got is not None
-    assert torch.equal(got.cpu(), want), f"{dtype} n={n} {policy}"
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("spec", POLICIES)
+def test_exact_and_threshold_select_what_the_portable_path_selects(dtype, n, spec):
+    x, r = pair(n, dtype, n + len(spec))
+    check(x, r, spec, 65536, "cuda")
+
+
+@cuda
+@lib
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n", [1, TILE - 1, TILE + 1, 100_003, 3 << 20])
+@pytest.mark.parametrize("spec", BUDGETS)
+@pytest.mark.parametrize("chunk", [65536, 1000])
+@pytest.mark.parametrize("cluster", [False, True])
+def test_budget_selects_what_the_portable_path_selects(dtype, n, spec, chunk, cluster):
+    if chunk < 65536 and n > 100_003:
+        pytest.skip("small chunks on smaller tensors only (the portable path is slow)")
+    x, r = pair(n, dtype, n + 7, cluster)
+    check(x, r, spec, chunk, "cuda")
+
+
+@cuda
+@lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int32])
+@pytest.mark.parametrize("spec", ["exact", "threshold:1e-3"])
+def test_an_output_overflow_runs_again(dtype, spec):
+    x, r = pair(100_003, dtype, 5)
+    check_overflow(x, r, spec, "cuda")
+
+
+@cuda
+@lib
+def test_many_tiles_in_order():
+    """32M elements (8192 tiles): the look-back and the tickets under load."""
+    x, r = pair(1 << 25, torch.float32, 11)
+    want = want_indices(x, r, "threshold:1e-3", 65536)
+    got = kernel_indices(x.cuda(), r.cuda(), "threshold:1e-3", 65536)
+    assert torch.equal(got.cpu(), want)
+
+
+@cuda
+@lib
+def test_the_current_stream_is_used():
+    x, r = pair(1 << 20, torch.float32, 3)
+    want = want_indices(x, r, "threshold:1e-3", 65536)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        xg, rg = x.cuda(), r.cuda()  # queued on s: the kernel must follow them
+        got = kernel_indices(xg, rg, "threshold:1e-3", 65536)
+    assert torch.equal(got.cpu(), want)
 
 
 def run(path, dev, policy, monkeypatch, kernel):
     monkeypatch.setenv("AMBER_CUDA_KERNEL", "1" if kernel else "0")
     g = torch.Generator().manual_seed(1)
     ts = {"a": torch.randn(300_000, generator=g), "b": torch.randn(5000, generator=g).half(),
-          "c": torch.randn(7000, generator=g).double(), "d": torch.zeros(999, dtype=torch.int32)}
+          "c": torch.randn(7000, generator=g).double(), "d": torch.zeros(999, dtype=torch.int32),
+          "e": torch.randn(3000, generator=g).to(torch.float8_e4m3fn)}
     live = {k: v.to(dev) for k, v in ts.items()}
     out = []
     with Checkpointer(path, policy=policy, chunk_elems=65536, rng=False, full_every=100) as ck:
         for step in range(1, 10):
             for k, v in ts.items():
                 if v.dtype.is_floating_point:
-                    v += (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype)
+                    v.copy_((v.float() + torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype))
                 else:
                     v[step * 7] += step
                 live[k].copy_(v)
@@ -102,3 +273,107 @@ def test_cuda_tensors_restore_what_the_cpu_path_restores(tmp_path, monkeypatch, 
     for step, (a, b) in enumerate(zip(want, got), 1):
         for name in a:
             assert a[name] == b[name], f"step {step}: {name} differs"
+
+
+# ---- everywhere: amber._cuda's glue over a model of the kernel -----------------------
+
+FLOAT_OF = {amber.F32: torch.float32, amber.F16: torch.float16, amber.BF16: torch.bfloat16,
+            amber.F64: torch.float64, amber.F8_E4M3: torch.float8_e4m3fn,
+            amber.F8_E5M2: torch.float8_e5m2}
+
+
+def _mem(addr, n, dtype):
+    """n elements of `dtype` at host address addr, shared."""
+    if not n:
+        return torch.zeros(0, dtype=dtype)
+    w = torch.empty(0, dtype=dtype).element_size()
+    buf = (ctypes.c_uint8 * (n * w)).from_address(addr)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+
+
+class Model:
+    """libamber_cuda's contract (src/cuda/select.cu) on CPU memory: the per-element rule
+    is device._flags (what the kernel mirrors), the compaction in index order, outputs
+    written up to the capacity, the count past it, the reference moved by what is
+    written. Only amber._cuda's glue is checked with it, not the kernel."""
+
+    def amber_cuda_tile(self):
+        return TILE
+
+    def amber_cuda_scratch_bytes(self, n):
+        return 8 * ((n + TILE - 1) // TILE + 1)
+
+    def amber_cuda_supports(self, kind, code):
+        return int(kind == 0 or (kind == 1 and code in FLOAT_OF))
+
+    def amber_cuda_select(self, ref, stream):
+        a = ref._obj
+        assert stream is None and a.scratch and a.scratch_bytes >= \
+            self.amber_cuda_scratch_bytes(a.n)
+        n, w = a.n, a.width
+        bt = _cuda._BITS[w]
+        xb, rb = _mem(a.live or 0, n, bt), _mem(a.ref or 0, n, bt)
+        if a.kind == 0:
+            sel = xb != rb
+            key = torch.zeros(n, dtype=torch.int64)
+        else:
+            ft = FLOAT_OF[a.dtype]
+            x, r = xb.view(ft), rb.view(ft)
+            ab = torch.full((n,), a.abs_b, dtype=torch.float64)
+            if a.chunk_abs:
+                ch = _mem(a.chunk_abs, (n + a.chunk_elems - 1) // a.chunk_elems, torch.float64)
+                ab = ch[torch.arange(n) // a.chunk_elems]
+            if ft != torch.float64:
+                ab = ab.float()
+            sel, key, _ = device._flags(x, r, ab, a.rel_b, a.cap_b)
+        idx = sel.nonzero().squeeze(1)
+        k = idx.numel()
+        _mem(a.count, 1, torch.int64)[0] = k
+        m = min(k, a.capacity)
+        idx = idx[:m]
+        if m:
+            _mem(a.idx, m, torch.int64).copy_(idx)
+            if a.vals:
+                _mem(a.vals, m, bt).copy_(xb[idx])
+            if a.olds:
+                _mem(a.olds, m, bt).copy_(rb[idx])
+            if a.keys:
+                kk = key[idx]
+                _mem(a.keys, m, torch.int32).copy_(torch.where(kk >= 1 << 31, kk - (1 << 32), kk))
+            if a.update:
+                rb[idx] = xb[idx]
+        return 0
+
+
+@pytest.fixture
+def model(monkeypatch):
+    monkeypatch.setattr(_cuda, "_lib", Model())
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [torch.int32, torch.bool])
+@pytest.mark.parametrize("n", [0, 1, TILE + 1, 100_003])
+@pytest.mark.parametrize("spec", POLICIES + BUDGETS)
+@pytest.mark.parametrize("chunk", [65536, 1000])
+@pytest.mark.parametrize("cluster", [False, True])
+def test_glue_selects_what_the_portable_path_selects(model, dtype, n, spec, chunk, cluster):
+    if not spec.startswith("budget") and (cluster or chunk < 65536):
+        pytest.skip("chunks and clusters matter to budget only")
+    if chunk < 65536 and n > TILE + 1:
+        pytest.skip("covered by the other cases")
+    x, r = pair(n, dtype, n + 7, cluster)
+    check(x, r, spec, chunk, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
+@pytest.mark.parametrize("spec", ["exact", "threshold:1e-3"])
+def test_glue_runs_again_after_an_overflow(model, dtype, spec):
+    x, r = pair(100_003, dtype, 5)
+    check_overflow(x, r, spec, "cpu")
+
+
+def test_glue_budget_fills_from_a_cluster(model):
+    """A strict chunk that the pass leaves short takes the rest from its band."""
+    x, r = pair(100_003, torch.float32, 9, cluster=True)
+    out = _cuda._budget_plan(x, r, 0.05, float("inf"), 65536, 2)
+    assert any(out[3]), "no strict chunk: the case is not tested"
+    check(x, r, "budget:0.05", 65536, "cpu")
