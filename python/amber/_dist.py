@@ -350,6 +350,9 @@ class DistCheckpointer(_at.Checkpointer):
         self.store = None
         self._gw = None
         self._dev = None     # amber.device.DevicePath: this rank's shards on a device
+        self._dev_error = None  # its selection's failure in the step in progress
+        self._zeros = None      # what _stand_in hands over for a full step
+        self._seeds = None   # DevicePath seeded by a load before the first save (_seed)
         self._sig = None
         self._ptrs = []
         self._stage = {}
@@ -448,15 +451,39 @@ class DistCheckpointer(_at.Checkpointer):
             flags = _amber.SAVE_CONFIRM | (_amber.SAVE_FULL if full else 0)
             if any(v["dev"] for v in votes):  # some rank selects on its device
                 flags, kind = self._plan(int(step), flags)
-                self._dev.select(w, kind, devs)
+                try:
+                    self._dev.select(w, kind, devs)
+                except Exception as e:  # begun all the same (begin is collective): the
+                    self._dev_error = e  # fence refuses this rank's part, wait raises
+                    self._stand_in(kind)
             w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=True)
         except BaseException:
-            self._pinned = self._versions = None
+            self._pinned = self._versions = self._dev_error = None
             self._gated = self._busy = False
             if self._dev is not None:
                 self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
+
+    def _stand_in(self, kind):
+        """After a failed selection: selections that store nothing true (unchanged
+        chunks, or zeros for a full step), so that this rank's part begins as every
+        rank's must, and the fence refuses it with the selection's error. If even
+        these cannot be handed over, the part fails at begin (no selection)."""
+        try:
+            for dt in self._dev.tensors.values():
+                chunk, n, _ = _device.chunking(self._gw, dt.index)
+                sels = (_device._ChunkSel * max(1, n))()
+                if kind == _device.KIND_FULL:
+                    size = chunk * torch.empty(0, dtype=dt.dtype).element_size()
+                    if self._zeros is None or self._zeros.numel() < size:
+                        self._zeros = torch.zeros(max(size, 1), dtype=torch.uint8)
+                    for j in range(n):  # every chunk reads the same zeros
+                        sels[j] = _device._ChunkSel(_device.SELECT_WHOLE, None,
+                                                    self._zeros.data_ptr())
+                _device.set_selection(self._gw, dt.index, sels, n)
+        except Exception:
+            pass
 
     def _plan(self, step, flags):
         """The kind of the step for the device path, the same on every rank, and the
@@ -527,6 +554,11 @@ class DistCheckpointer(_at.Checkpointer):
                 if addr is None:  # this rank's box, selected on its device
                     self._dev.declare(self._gw, name, dt, local, global_shape=gshape,
                                       offsets=off, replicated=repl)
+                    seeded = (self._seeds.tensors if self._seeds else {}).get(name)
+                    dd = self._dev.tensors[name]
+                    if seeded is not None and seeded.shape == dd.shape and \
+                            seeded.dtype == dd.dtype and seeded.device == dd.device:
+                        dd.ref, dd.valid = seeded.ref, True  # seeded by a load before
                 else:
                     self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
@@ -535,6 +567,7 @@ class DistCheckpointer(_at.Checkpointer):
             raise
         self._sig = sig
         self._ptrs = [d[6] for d in decl]
+        self._seeds = None
 
     def _point(self, decl):
         for i, d in enumerate(decl):
@@ -549,6 +582,8 @@ class DistCheckpointer(_at.Checkpointer):
             return
         t0 = time.perf_counter()
         try:
+            if self._dev is not None:
+                self._dev.fence()  # the device-side selection (an event on CUDA)
             self._gw.fence()
         finally:
             changed = self._changed()
@@ -556,12 +591,15 @@ class DistCheckpointer(_at.Checkpointer):
             self._pinned = self._versions = None
             self.timings["fence"] = time.perf_counter() - t0
             if gated:
+                err = self._dev_error
                 why = "" if changed is None else (
                     f"tensor '{changed}' changed in place after save() and before the fence: "
                     "the checkpoint could hold a torn state, so it was not committed; call "
                     "fence() (or wait()) before changing saved tensors outside optimizer.step()")
+                if err is not None:
+                    why = f"its device selection failed: {type(err).__name__}: {err}"
                 try:
-                    self._gw.confirm(changed is None, why)
+                    self._gw.confirm(changed is None and err is None, why)
                 except AmberError:
                     pass  # the step fails anyway; wait() reports it
 
@@ -577,9 +615,12 @@ class DistCheckpointer(_at.Checkpointer):
             self._busy = False
             try:
                 self._gw.wait()
-            except BaseException:
+            except BaseException as e:
                 if self._dev is not None:  # the device references go back as well
                     self._dev.rollback()
+                err, self._dev_error = self._dev_error, None
+                if err is not None:
+                    raise e from err
                 raise
             if self._dev is not None:
                 self._dev.commit()
@@ -690,21 +731,34 @@ class DistCheckpointer(_at.Checkpointer):
 
     def _seed(self, state):
         """After a load of the latest global step: the live tensors hold exactly its
-        restore of this rank's boxes, so the device references (of the tensors this
-        Checkpointer declared) are seeded from them, as amber.torch seeds after
-        load(). A Checkpointer that has not saved yet has none: its first delta
-        reads them from the step (DevicePath.load_refs)."""
-        if self._dev is None or not self._dev.tensors:
-            return
+        restore of this rank's boxes, so the device references are seeded from them,
+        as amber.torch seeds after load(). A Checkpointer that has not declared its
+        tensors yet (a restart: its writer is opened, collectively, by the first
+        save) keeps the seeds until that first save, whose declarations take those
+        that match; a tensor without one reads its boxes back from the store."""
         try:
             flat, _ = _at._flatten(state, False, dist=True)
+            live = {}
+            for name, t in flat.tensors:  # the tensors _declare sends to the device path
+                local, _, _, _, writes, repl = _box(t) if _at._is_dtensor(t) else \
+                    (t, None, None, None, True, True)
+                if writes and (self.rank == 0 or not repl) and local.dtype in _at._DTYPES \
+                        and _device.wanted(local):
+                    live[name] = local
         except (TypeError, ValueError):
             return
-        live = {n: t.to_local() if _at._is_dtensor(t) else t for n, t in flat.tensors
-                if n in self._dev.tensors}
-        if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
-               for n, dt in self._dev.tensors.items()):
-            self._dev.seed(live)
+        if self._dev is not None and self._dev.tensors:
+            self._seeds = None
+            if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
+                   for n, dt in self._dev.tensors.items()):
+                self._dev.seed({n: live[n] for n in self._dev.tensors})
+            return
+        self._seeds = _device.DevicePath()
+        for name, local in live.items():
+            dt = _device._Tensor(name, None, local, _at._DTYPES[local.dtype],
+                                 self._seeds.host_ref)
+            dt.seed(local)
+            self._seeds.tensors[name] = dt
 
     def _agree_on_step(self, step):
         """load(fallback=True): the newest global step (from `step`, default the

@@ -9,14 +9,13 @@ AMBER_DEVICE_PATH=1 in the environment: every local shard goes through amber.dev
 pre-selected chunks). A scenario sets AMBER_DEVICE_PATH=0 itself for the runs it
 compares with the CPU path.
 """
-import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 import amber
+from amber import device as _device
 from amber.torch import Checkpointer
 from dist_worker import build, full_state, run, train_step
 
@@ -69,8 +68,16 @@ def scenario_device(rank, world, d):
     if rank == 0:
         torch.save(live, f"{d}/a.pt")
 
-    # a restart: the first delta reads each rank's references back from the store;
-    # a load of the latest step in an open Checkpointer seeds them from the live state
+    # a restart: the load seeds each rank's references, so its first step is a delta
+    # that reads nothing back; a load of the latest step in a Checkpointer that has
+    # saved seeds them too; a reopen without a load reads them back from the store
+    reads = []
+    load_refs = _device.DevicePath.load_refs
+
+    def counted(self, *args):
+        reads.append(args[1])
+        return load_refs(self, *args)
+    _device.DevicePath.load_refs = counted
     trajectory(f"{d}/b", rank, 3, dev=True)
     torch.manual_seed(999)
     model, opt = build(7)
@@ -79,6 +86,7 @@ def scenario_device(rank, world, d):
         assert ck.load(state) == 3
         run(model, opt, ck, 4, 5)
         assert [s.kind for s in ck.steps()][3:] == ["delta"] * 2
+        assert not reads, reads
         for dt in ck._dev.tensors.values():
             dt.valid = False  # as after a failed full step: only a seed makes them valid
         assert ck.load(state) == 5
@@ -98,9 +106,35 @@ def scenario_device(rank, world, d):
             raise AssertionError("a step whose write failed on rank 1 committed")
         except amber.AmberError as e:
             assert "step 7 not committed: rank 1 failed" in e.message, e.message
-        run(model, opt, ck, 8, 8)
-        assert [s.kind for s in ck.steps()][5:] == ["delta", "full"]
-    same(restore(f"{d}/b", rank), full_state(model, opt), "step 8 after the restart")
+        run(model, opt, ck, 8, 9)
+        # a selection that fails on rank 1 (a device error), in a delta step and in
+        # the full one after it: every rank begins the step all the same, and it
+        # fails everywhere, naming rank 1 and the error
+        select = ck._dev.select
+        for step in (10, 11):
+            if rank == 1:
+                def broken(*_):
+                    raise RuntimeError("device lost")
+                ck._dev.select = broken
+            train_step(model, opt)
+            ck.save(step, {"model": model, "optim": opt, "extra": {}})
+            ck._dev.select = select
+            try:
+                ck.wait()
+                raise AssertionError("a step whose selection failed on rank 1 committed")
+            except amber.AmberError as e:
+                assert f"step {step} not committed: rank 1 failed" in e.message, e.message
+                assert "device lost" in e.message, e.message
+                assert rank != 1 or isinstance(e.__cause__, RuntimeError), e.__cause__
+        run(model, opt, ck, 12, 12)
+        assert [s.kind for s in ck.steps()][5:] == ["delta", "full", "delta", "full"]
+    same(restore(f"{d}/b", rank), full_state(model, opt), "step 12 after the restart")
+    with Checkpointer(f"{d}/b", full_share=-1) as ck:
+        run(model, opt, ck, 13, 13)
+        assert ck.steps()[-1].kind == "delta"
+    assert reads == [12], reads
+    _device.DevicePath.load_refs = load_refs
+    same(restore(f"{d}/b", rank), full_state(model, opt), "step 13 after a reopen")
 
     # threshold: within its bound of the live state, and the CPU path's restore
     pol = "threshold:1e-3"
@@ -133,22 +167,8 @@ def scenario_device1(rank, world, d):
     same(restore(f"{d}/a", rank, process_group=group), full_state(model, opt), "1 rank, step 7")
 
 
-def main():
-    scenario, rank, world, init, d = sys.argv[1:6]
-    rank, world = int(rank), int(world)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        globals()[f"scenario_{scenario}"](rank, world, d)
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    sys.stdout.flush()  # leave without the gloo teardown, as dist_worker.py does
-    sys.stderr.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # dist_worker.py's main, with these scenarios
+    import dist_worker
+    dist_worker.scenario_device = scenario_device
+    dist_worker.scenario_device1 = scenario_device1
+    dist_worker.main()
