@@ -265,12 +265,19 @@ static size_t local_index(const amber_global_writer *gw, size_t index) {
   return li;
 }
 
+/* Where a call on the caller's thread records its failure: the handle, except while
+ * the committer thread runs (it records the save's outcome there), when only the
+ * thread's own message (amber_last_error(NULL)) takes it. */
+static amber__err *caller_err(amber_global_writer *gw) {
+  return gw->committing ? NULL : &gw->err;
+}
+
 int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const void *data) {
   if (index >= gw->nt)
     return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
                        index, gw->nt);
   if ((gw->busy && gw->present && !gw->begin_rc) || gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "tensor '%s': a save is in progress",
                        gw->t[index].name);
   if (gw->t[index].presel)
     return amber__fail(&gw->err, AMBER_EINVAL,
@@ -352,7 +359,7 @@ int amber_global_writer_add_preselected(amber_global_writer *gw, const char *nam
 
 int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
   if (gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress (wait for it first)");
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "a save is in progress (wait for it first)");
   char **np = realloc(gw->pol, (gw->npol + 1) * sizeof *np);
   if (!np) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   gw->pol = np;
@@ -432,7 +439,7 @@ static int start_commit(amber_global_writer *gw) {
 /* The checks of a save or plan request, the same on every rank (no collective). */
 static int check_request(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy || gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress (wait for it first)");
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "a save is in progress (wait for it first)");
   if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
     return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
@@ -603,7 +610,7 @@ int amber_global_writer_set_selection(amber_global_writer *gw, size_t index,
   if (!gw)
     return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_set_selection: NULL argument");
   if (gw->busy || gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY,
+    return amber__fail(caller_err(gw), AMBER_EBUSY,
                        "amber_global_writer_set_selection: a save is in progress");
   size_t li = 0;
   int rc = rank_tensor(gw, &gw->err, index, "amber_global_writer_set_selection", &li);
@@ -619,7 +626,7 @@ int amber_global_writer_set_source(amber_global_writer *gw, size_t index,
                                    amber_chunk_source fn, void *user) {
   if (!gw) return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_set_source: NULL writer");
   if (gw->busy || gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY,
+    return amber__fail(caller_err(gw), AMBER_EBUSY,
                        "amber_global_writer_set_source: a save is in progress");
   if (index >= gw->nt)
     return amber__fail(&gw->err, AMBER_ERANGE,
