@@ -732,7 +732,9 @@ AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, u
  * begin starts (unless the save is begun with AMBER_SAVE_CONFIRM): the step commits
  * in the background as soon as every rank's part is durable, and wait only collects
  * the outcome. Until wait returns, set_data, add_policy and begin return
- * AMBER_EBUSY. Ownership of the tensors' memory as for amber_writer_begin/fence. */
+ * AMBER_EBUSY (their message in amber_last_error(NULL) while the background commit
+ * runs: the handle's message is then the commit's). Ownership of the tensors'
+ * memory as for amber_writer_begin/fence. */
 AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);
