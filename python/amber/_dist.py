@@ -613,26 +613,18 @@ class DistCheckpointer(_at.Checkpointer):
         try:
             self.fence()
             self._busy = False
-            try:
+            err, self._dev_error = self._dev_error, None
+            if self._dev is not None:  # the device references move with the outcome
+                self._dev.settle(self._gw.wait, err)
+            else:  # (a selection's failure needs device tensors)
                 self._gw.wait()
-            except BaseException as e:
-                if self._dev is not None:  # the device references go back as well
-                    self._dev.rollback()
-                err, self._dev_error = self._dev_error, None
-                if err is not None:
-                    raise e from err
-                raise
-            if self._dev is not None:
-                self._dev.commit()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
         if "keep_last" in self._wopts:
-            rc, _, msg = self._gw.prune_status()
-            if rc and msg != self._prune_msg:  # once per distinct failure
-                warnings.warn(f"amber: global step saved, but old ones could not be removed "
-                              f"on rank {self.rank} (keep_last={self._wopts['keep_last']}): "
-                              f"{msg}", _amber.PruneWarning, stacklevel=2)
-            self._prune_msg = msg if rc else None
+            self._prune_msg = _at._prune_warning(
+                self._gw.prune_status(), self._prune_msg,
+                f"global step saved, but old ones could not be removed on rank {self.rank} "
+                f"(keep_last={self._wopts['keep_last']})")
 
     def close(self):
         """Completes the step in progress (collective) and releases the writer."""

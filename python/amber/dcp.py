@@ -652,12 +652,10 @@ class Writer(StorageWriter, AsyncStager):
                                            storage_data=names.get(item.index.fqn)))
             self._gw.confirm(True)
             self._begun = self._staged = None
-            try:
-                self._gw.wait()  # the global commit: collective, on every rank
-            except BaseException:
-                self._settled(False)
-                raise
-            self._settled(True)
+            if self._gdev is not None:  # the device references move with the outcome
+                self._gdev.settle(self._gw.wait)  # the global commit: collective
+            else:
+                self._gw.wait()
             fut.set_result(results)
         except BaseException as e:
             self._abort()

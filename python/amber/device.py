@@ -846,6 +846,21 @@ class DevicePath:
         self.hold = self.copies = None
         self.ready = {}
 
+    def settle(self, wait, cause=None):
+        """Runs `wait` (the writer's wait) and moves the references with its outcome:
+        kept when the save committed; else put back, and the failure raised chained
+        to `cause` (or to what the source raised, if it did)."""
+        try:
+            wait()
+        except BaseException as e:
+            cause = cause if cause is not None else self.source_error
+            self.source_error = None
+            self.rollback()
+            if cause is not None:
+                raise e from cause
+            raise
+        self.commit()
+
     def rollback(self):
         for dt in self.tensors.values():
             dt.rollback()

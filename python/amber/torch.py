@@ -952,6 +952,16 @@ def _set_optimizer(opt, params, new_state, groups):
 
 # ---- the Checkpointer -------------------------------------------------------------
 
+def _prune_warning(status, last, what):
+    """Warns (PruneWarning) that `what`, with the retention's failure message, once
+    per distinct failure; `status` is a writer's prune_status(), `last` the message
+    warned of last time. Returns the message to remember."""
+    rc, _, msg = status
+    if rc and msg != last:
+        warnings.warn(f"amber: {what}: {msg}", _amber.PruneWarning, stacklevel=3)
+    return msg if rc else None
+
+
 class Checkpointer:
     """Saves and restores training state in the amber store at `path`.
 
@@ -1230,27 +1240,17 @@ class Checkpointer:
                 if self._dev is not None:
                     self._dev.rollback()
                 raise err
-            try:
+            if self._dev is not None:  # the device references move with the outcome
+                self._dev.settle(self._writer.wait)
+            else:
                 self._writer.wait()
-            except BaseException as e:
-                cause = None
-                if self._dev is not None:  # the device references go back as well
-                    cause, self._dev.source_error = self._dev.source_error, None
-                    self._dev.rollback()
-                if cause is not None:
-                    raise e from cause
-                raise
-            if self._dev is not None:
-                self._dev.commit()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
         if "keep_last" in self._wopts:
-            rc, _, msg = self._writer.prune_status()
-            if rc and msg != self._prune_msg:  # once per distinct failure
-                warnings.warn(f"amber: a checkpoint was saved, but old ones could not be "
-                              f"removed (keep_last={self._wopts['keep_last']}): {msg}",
-                              _amber.PruneWarning, stacklevel=2)
-            self._prune_msg = msg if rc else None
+            self._prune_msg = _prune_warning(
+                self._writer.prune_status(), self._prune_msg,
+                f"a checkpoint was saved, but old ones could not be removed "
+                f"(keep_last={self._wopts['keep_last']})")
 
     def close(self):
         """Waits for the save in progress, removes the optimizer hooks and
