@@ -377,3 +377,36 @@ def test_glue_budget_fills_from_a_cluster(model):
     out = _cuda._budget_plan(x, r, 0.05, float("inf"), 65536, 2)
     assert any(out[3]), "no strict chunk: the case is not tested"
     check(x, r, "budget:0.05", 65536, "cpu")
+
+
+@pytest.mark.parametrize("spec", ["exact", "threshold:1e-3", "budget:0.05:1e-2"])
+def test_glue_select_then_whole_chunks_is_what_select_does(model, spec):
+    """select() + whole_chunks(), as _Tensor.select would use them: the same indices,
+    values and moved reference as the portable selection followed by _Tensor.select's
+    own moves, and an undo that restores the reference."""
+    chunk = 1000
+    x, r = pair(10_000, torch.float32, 3)
+    x[2000:3000] += 1.0  # chunk 2 changes whole: it goes whole
+    nchunks = chunks_of(x.numel(), chunk)
+    want = want_indices(x, r, spec, chunk)
+    counts = torch.bincount(want // chunk, minlength=nchunks).tolist()
+    sizes = [min(chunk, x.numel() - j * chunk) for j in range(nchunks)]
+    whole = [j for j in range(nchunks) if counts[j] and 1 + (sizes[j] + 7) // 8 + counts[j] * 4
+             >= sizes[j] * 4]
+    assert 2 in whole
+    ref = r.clone()
+    idx, vals, olds = _cuda.select(x, ref, spec, CODES[x.dtype], chunk, nchunks)
+    idx, vals, olds, wold = _cuda.whole_chunks(ref, x, idx, vals, olds, chunk, whole)
+    keep = ~torch.isin(want // chunk, torch.tensor(whole))
+    assert torch.equal(idx, want[keep])
+    assert torch.equal(vals, bits(x)[idx]) and torch.equal(olds, bits(r)[idx])
+    moved = bits(r).clone()
+    moved[idx] = bits(x)[idx]
+    for j in whole:
+        moved[j * chunk:(j + 1) * chunk] = bits(x)[j * chunk:(j + 1) * chunk]
+    assert torch.equal(bits(ref), moved)
+    rb = bits(ref)  # _Tensor.rollback
+    rb[idx] = olds
+    for lo, hi, old in wold:
+        rb[lo:hi] = old
+    assert torch.equal(bits(ref), bits(r))
