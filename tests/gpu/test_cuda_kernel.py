@@ -14,9 +14,10 @@ tests/gpu/run.sh on a GPU machine; the CUDA tests are skipped without one).
   restores at every step exactly what the same trajectory of CPU tensors saved through
   the CPU path restores.
 - Everywhere, also without a GPU: amber._cuda's glue (budget's per-chunk plan, the
-  cut, the band fill, the reference's move, the overflow's second run) over a model of
-  the kernel on CPU memory (Model, written from the contract in src/cuda/select.cu)
-  selects what the portable path selects."""
+  cut, the band fill, the reference's move, the overflow's second run, whole chunks,
+  the kernel branch of device._Tensor._select_indices in whole trajectories) over a
+  model of the kernel on CPU memory (Model, written from the contract in
+  src/cuda/select.cu) selects what the portable path selects."""
 import ctypes
 
 import pytest
@@ -410,3 +411,18 @@ def test_glue_select_then_whole_chunks_is_what_select_does(model, spec):
     for lo, hi, old in wold:
         rb[lo:hi] = old
     assert torch.equal(bits(ref), bits(r))
+
+
+@pytest.mark.parametrize("policy", ["exact", "budget:0.05:1e-2", "lossy"])
+def test_glue_in_the_device_path_restores_what_the_cpu_path_restores(tmp_path, monkeypatch,
+                                                                      model, policy):
+    """_Tensor._select_indices' kernel branch (the model standing in for the kernel, on
+    CPU tensors) restores at every step what the CPU path restores."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
+    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
+    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}: {name} differs"
