@@ -235,8 +235,8 @@ def test_the_current_stream_is_used():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         xg, rg = x.cuda(), r.cuda()  # queued on s: the kernel must follow them
-        got = kernel_indices(xg, rg, "threshold:1e-3", 65536)
-    assert torch.equal(got.cpu(), want)
+        got = kernel_indices(xg, rg, "threshold:1e-3", 65536).cpu()
+    assert torch.equal(got, want)
 
 
 def run(path, dev, policy, monkeypatch, kernel):
