@@ -297,7 +297,6 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
     idx, vals, olds, keys = run(x, r, KIND_COMPARE, code, 0.0, 0.0, cap_b, chunk_abs, chunk,
                                 vals=True, olds=True, keys=True)
     cid = idx // chunk
-    counts = torch.bincount(cid, minlength=nchunks)
     bud = torch.tensor(budgets, dtype=torch.int64).to(dev)
     # the cut: keep the forced ones and, per chunk, the first `budget` others by
     # (bucket descending, index): the 12-bit histogram cut's choice, ties in index order
@@ -314,8 +313,10 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
     idx, vals, olds = idx[keep], vals[keep], olds[keep]
     # the fill: a strict chunk with fewer candidates than its budget takes more from
     # its band, in index order (the candidates excluded), as fill_band does
-    cl = counts.tolist()
-    fill = [j for j in range(nchunks) if strict[j] and cl[j] < budgets[j]]
+    fill = []
+    if any(strict):  # candidates per chunk: a sync, only where a fill may be needed
+        cl = torch.bincount(cid, minlength=nchunks).tolist()
+        fill = [j for j in range(nchunks) if strict[j] and cl[j] < budgets[j]]
     if fill:
         xb, rb = _bits(x), _bits(r)
         more = []
