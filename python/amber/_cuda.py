@@ -70,7 +70,8 @@ _lib = None  # the loaded library, False when there is none
 def lib():
     """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
     loaded libamber (the package or the build directory). A library without the
-    fused entry point (an older build) counts as none."""
+    fused entry point (an older build), or whose amber_cuda_args is not laid out as
+    Args, counts as none."""
     global _lib
     if _lib is None:
         _lib = False
@@ -89,8 +90,12 @@ def lib():
                 lb.amber_cuda_supports.argtypes = [c_int, c_int]
                 lb.amber_cuda_select.restype = c_int
                 lb.amber_cuda_select.argtypes = [POINTER(Args), c_void_p]
+                lb.amber_cuda_args_bytes.restype = c_uint64
+                lb.amber_cuda_args_bytes.argtypes = []
             except (OSError, AttributeError):
                 continue
+            if lb.amber_cuda_args_bytes() != ctypes.sizeof(Args):
+                continue  # another layout of amber_cuda_args: not this library's
             _lib = lb
             break
     return _lib or None

@@ -173,6 +173,40 @@ def check_overflow(x, r, spec, dev):
     assert torch.equal(bits(rg).cpu(), moved)
 
 
+# ---- with the library, a GPU or not -------------------------------------------------
+
+@lib
+def test_the_library_refuses_bad_arguments_before_any_cuda_call():
+    lb = _cuda.lib()
+    assert lb.amber_cuda_args_bytes() == ctypes.sizeof(_cuda.Args)
+    n = 10_000
+    buf = ctypes.create_string_buffer(8 * n)  # never read: refused first
+    p = ctypes.addressof(buf)
+
+    def args(**kw):
+        a = _cuda.Args(kind=1, dtype=amber.F32, width=4, live=p, ref=p, n=n, cap_b=float("inf"),
+                       capacity=n, idx=p, count=p, scratch=p,
+                       scratch_bytes=lb.amber_cuda_scratch_bytes(n))
+        for k, v in kw.items():
+            setattr(a, k, v)
+        return a
+
+    for bad in [dict(dtype=amber.I32), dict(width=3), dict(width=2), dict(count=None),
+                dict(scratch=None), dict(scratch_bytes=8), dict(live=None), dict(idx=None),
+                dict(kind=2), dict(chunk_abs=p, chunk_elems=0), dict(kind=0, width=5)]:
+        assert lb.amber_cuda_select(ctypes.byref(args(**bad)), None) == _cuda.EINVAL, bad
+
+
+@lib
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
+def test_without_a_gpu_a_call_fails_with_a_cuda_error():
+    lb = _cuda.lib()
+    host = ctypes.create_string_buffer(8)  # not device memory either
+    a = _cuda.Args(kind=0, dtype=amber.U8, width=1, count=ctypes.addressof(host))
+    rc = lb.amber_cuda_select(ctypes.byref(a), None)  # n = 0: only the count's memset
+    assert rc < 0
+
+
 # ---- on a GPU ------------------------------------------------------------------------
 
 @cuda
