@@ -39,17 +39,16 @@ import math
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
+                     dcp_async_save, dcp_save, delta_figures, direct_read, direct_write, drop_cache,
+                     du, emit, fmt, logger, quick_model, read_floor, row, run_group, spreads,
+                     target_lines, target_records, timed)
 
-
-def log(msg):
-    print(f"[dist_bench] {msg}", file=sys.stderr, flush=True)
+log = logger("dist_bench")
 
 
 # ---------------------------------------------------------------- one rank
@@ -64,8 +63,6 @@ def worker(a):
     import amber
     from amber.dcp import Reader, Writer
     from amber.torch import Checkpointer
-    sys.path.insert(0, HERE)
-    from torch_bench import GPT2Small, direct_read, direct_write, drop_cache, du, read_floor
 
     rank, world = a.rank, a.world
     torch.set_num_threads(1)
@@ -73,7 +70,7 @@ def worker(a):
                             timeout=datetime.timedelta(seconds=a.timeout))
 
     torch.manual_seed(0)  # the same initial weights on every rank, as FSDP2 expects
-    model = GPT2Small(2, 256, 8192, 256) if a.quick else GPT2Small()
+    model = quick_model() if a.quick else GPT2Small()
     nparams = sum(p.numel() for p in model.parameters())
     for b in model.h:
         fully_shard(b)
@@ -83,7 +80,7 @@ def worker(a):
     std = 1.0 / nparams ** 0.5
 
     def grads():
-        """torch_bench's fake_grads on this rank's shard (DTensor gradients)."""
+        """_common.fake_grads on this rank's shard (DTensor gradients)."""
         for p in model.parameters():
             if p.grad is None:
                 p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh,
@@ -100,7 +97,7 @@ def worker(a):
     grads()
     opt.step()
     b1, b2 = opt.defaults["betas"]
-    with torch.no_grad():  # torch_bench's warm_state: AdamW after many such steps
+    with torch.no_grad():  # _common.warm_state: AdamW after many such steps
         for p in model.parameters():
             s = opt.state[p]
             s["step"].fill_(1000.0)
@@ -123,11 +120,9 @@ def worker(a):
                         if os.path.isfile(f)])
         dist.barrier()
 
-    def timed(fn):
+    def timed_all(fn):
         dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        return timed(fn)[0]
 
     def dcp_load(path, reader):
         sd = dstate()
@@ -136,15 +131,15 @@ def worker(a):
 
     def loads(f, sfx, dcp_dir, store, ck_store):
         cold(dcp_dir)
-        f["dcp_load" + sfx] = timed(lambda: dcp_load(dcp_dir, dcp.FileSystemReader(dcp_dir)))
+        f["dcp_load" + sfx] = timed_all(lambda: dcp_load(dcp_dir, dcp.FileSystemReader(dcp_dir)))
         cold(ck_store)
 
         def ckload():
             with Checkpointer(ck_store, policy=a.policy, full_every=1000, full_share=-1) as ck:
                 assert ck.load(state) is not None
-        f["amber_load" + sfx] = timed(ckload)
+        f["amber_load" + sfx] = timed_all(ckload)
         cold(store)
-        f["amber_dcp_load" + sfx] = timed(lambda: dcp_load(store, Reader()))
+        f["amber_dcp_load" + sfx] = timed_all(lambda: dcp_load(store, Reader()))
 
     rounds = []
     base = os.path.join(a.out, f"w{a.saved_at}")
@@ -164,19 +159,11 @@ def worker(a):
             os.makedirs(base)
             log(f"{world} ranks, round {r}: dcp.save, dcp.async_save")
         dist.barrier()
-        f["dcp_save"] = timed(lambda: dcp.save(dstate(), storage_writer=dcp.FileSystemWriter(
-            d, sync_files=True)))
+        f["dcp_save"] = dcp_save(dstate, d)
         f["dcp_bytes"] = du(d)
         da = os.path.join(base, "dcpa")
         dist.barrier()
-        t0 = time.perf_counter()
-        fut = dcp.async_save(dstate(), storage_writer=dcp.FileSystemWriter(da, sync_files=True))
-        if isinstance(fut, dcp.state_dict_saver.AsyncSaveResponse):
-            fut.staging_completion.result()
-            fut = fut.upload_completion
-        f["dcp_async_stall"] = time.perf_counter() - t0
-        fut.result()
-        f["dcp_async_durable"] = time.perf_counter() - t0
+        f["dcp_async_stall"], f["dcp_async_durable"] = dcp_async_save(dstate, da)
         dist.barrier()
         if rank == 0:
             shutil.rmtree(da)
@@ -187,39 +174,17 @@ def worker(a):
         if rank == 0:
             log(f"{world} ranks, round {r}: amber Checkpointer full + {2 * a.deltas} deltas")
         ck_store = os.path.join(base, "ck")
-        dur, stall, step = [], [], 1
+        step = 1
         with Checkpointer(ck_store, policy=a.policy, full_every=1000, full_share=-1) as ck:
             dist.barrier()
-            t0 = time.perf_counter()
-            ck.save(step, state, full=True)
-            ck.wait()
-            f["amber_full"] = time.perf_counter() - t0
-            for i in range(2 * a.deltas):
-                grads()
-                opt.step()
-                step += 1
-                dist.barrier()
-                t0 = time.perf_counter()
-                ck.save(step, state)
-                t_call = time.perf_counter() - t0
-                if i % 2 == 0:
-                    ck.wait()
-                    dur.append(time.perf_counter() - t0)
-                else:
-                    grads()
-                    ck.timings["fence"] = 0.0
-                    ck.fence()
-                    stall.append(t_call + ck.timings["fence"])
-                    ck.wait()
+            f["amber_full"] = amber_full(ck, state, step)
+            step, dur, stall = amber_deltas(ck, state, step, 2 * a.deltas, grads, opt.step,
+                                            dist.barrier)
             infos = ck.steps()
         if any(c.kind != "delta" for c in infos[1:]):
             raise RuntimeError(f"expected deltas after the full save: {infos}")
         f["amber_full_bytes"] = infos[0].bytes
-        f["amber_delta"] = statistics.median(dur)
-        f["amber_delta_stall"] = statistics.median(stall)
-        dbytes = [c.bytes for c in infos[1:]]
-        f["amber_delta_bytes"] = statistics.median(dbytes)
-        f["amber_delta_bytes_max"] = max(dbytes)
+        f.update(delta_figures(dur, stall, [c.bytes for c in infos[1:]]))
 
         # amber.dcp.Writer through dcp.save: a full save, then synchronous deltas
         if rank == 0:
@@ -231,7 +196,7 @@ def worker(a):
                 if i:
                     grads()
                     opt.step()
-                t = timed(lambda: dcp.save(dstate(), storage_writer=w,
+                t = timed_all(lambda: dcp.save(dstate(), storage_writer=w,
                                            checkpoint_id=f"{store}/step-{i + 1}"))
                 if i == 0:
                     f["amber_dcp_full"] = t
@@ -291,25 +256,13 @@ def spawn(a, phase, world, saved_at, result):
         os.unlink(init)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["--quick"] if a.quick else []
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", phase,
-                               "--rank", str(r), "--world", str(world), "--init", init,
-                               "--saved-at", str(saved_at), "--result", result, "--out", a.out,
-                               "--repeat", str(a.repeat), "--deltas", str(a.deltas),
-                               "--policy", a.policy, "--lr", str(a.lr),
-                               "--timeout", str(a.timeout)] + args,
-                              env=env, start_new_session=True) for r in range(world)]
-    deadline = time.monotonic() + a.timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    codes = [p.returncode for p in procs]
+    codes = run_group([[sys.executable, os.path.abspath(__file__), "--worker", phase,
+                        "--rank", str(r), "--world", str(world), "--init", init,
+                        "--saved-at", str(saved_at), "--result", result, "--out", a.out,
+                        "--repeat", str(a.repeat), "--deltas", str(a.deltas),
+                        "--policy", a.policy, "--lr", str(a.lr),
+                        "--timeout", str(a.timeout)] + args for r in range(world)],
+                      a.timeout, env=env)
     if any(codes):
         raise SystemExit(f"dist_bench: {phase} at {world} ranks failed (exit codes {codes})")
     with open(result) as fh:
@@ -349,21 +302,6 @@ def ratios(f):
     return r
 
 
-def spread(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def fmt(s, unit="s"):
-    if unit == "B":
-        return f"{s['median'] / 1e6:.1f} MB"
-    v = {"s": lambda x: f"{x:.3f}" if x < 10 else f"{x:.2f}", "x": lambda x: f"{x:.2f}",
-         "%": lambda x: f"{x:.2f}"}[unit]
-    tail = {"s": " s", "x": "x", "%": "%"}[unit]
-    if s["n"] > 1:
-        return f"{v(s['median'])}{tail} ({v(s['min'])}-{v(s['max'])})"
-    return f"{v(s['median'])}{tail}"
-
-
 ROWS = [("dcp.save (FileSystemWriter, sync_files)", "dcp_save", "dcp_bytes"),
         ("dcp.async_save: stall (until staged)", "dcp_async_stall", None),
         ("dcp.async_save: durable", "dcp_async_durable", None),
@@ -395,21 +333,11 @@ def report(res, markdown):
         for label, k, b in ROWS:
             if k not in S:
                 continue
-            label = label.format(o=o)
-            if markdown:
-                lines.append(f"| {label} | {fmt(S[k])} | {fmt(S[b], 'B') if b else ''} |")
-            else:
-                lines.append(f"{label:68} {fmt(S[k]):26} {fmt(S[b], 'B') if b else ''}")
+            lines.append(row([label.format(o=o), fmt(S[k]), fmt(S[b], 'B') if b else ''],
+                             markdown, (68, 26)))
         if markdown:
-            lines += ["", "| target | measured (median, min-max) | met |", "|---|---|---|"]
-        for k, tgt, hi, text in TARGETS:
-            if k not in R:
-                continue
-            s = R[k]
-            ok = s["median"] >= tgt if hi else s["median"] <= tgt
-            m = fmt(s, "%" if k.endswith("pct_of_dcp") else "x")
-            lines.append(f"| {text} | {m} | {'met' if ok else 'not met'} |" if markdown
-                         else f"{text:68} {m:26} {'met' if ok else 'NOT met'}")
+            lines += TARGETS_HEAD
+        lines += target_lines(TARGETS, R, markdown, (68, 26))
         lines.append(f"{'' if not markdown else chr(10)}Bound: the run's delta floor is "
                      f"{fmt(R['floor_vs_dcp_save'], 'x')} faster than dcp.save; reading a full "
                      f"checkpoint's bytes cold at the disk's O_DIRECT pace is "
@@ -425,10 +353,7 @@ def main():
     ap.add_argument("--policy", default="lossy-compact")
     ap.add_argument("--deltas", type=int, default=2, help="synchronous and overlapped deltas per round")
     ap.add_argument("--repeat", type=int, default=1, help="rounds (the spread is over them)")
-    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
-    ap.add_argument("--json", help="write every figure of every round here")
-    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    add_run_args(ap)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per spawned phase")
     # a spawned rank's own arguments
     ap.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
@@ -469,25 +394,16 @@ def main():
             res["worlds"][str(w)] = {
                 "other": other, "rounds": rounds,
                 "loadavg": max(f["loadavg"] for f in rounds),
-                "figures": {k: spread([f[k] for f in rounds]) for k in rounds[0] if k != "loadavg"},
-                "ratios": {k: spread([r[k] for r in rs]) for k in rs[0]}}
+                "figures": spreads(rounds, skip=("loadavg",)),
+                "ratios": spreads(rs)}
     finally:
         shutil.rmtree(a.out, ignore_errors=True)
-    res["targets"] = []
-    for w, r in res["worlds"].items():
-        for k, tgt, hi, text in TARGETS:
-            if k in r["ratios"]:
-                m = r["ratios"][k]["median"]
-                res["targets"].append({"ranks": int(w), "target": text, "ratio": k, "threshold": tgt,
-                                       "met": bool(m >= tgt if hi else m <= tgt)})
-    print(f"amber dist_bench: {config['params'] / 1e6:.1f}M parameters + AdamW under FSDP2, "
-          f"policy {a.policy!r}, {a.repeat} round(s), {config['cpus']} CPUs, torch "
-          f"{config['torch']}, load average {config['loadavg_start']:.2f} -> "
-          f"{os.getloadavg()[0]:.2f}")
-    print(report(res, a.markdown))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=lambda x: None if x == math.inf else x)
+    res["targets"] = [t for w, r in res["worlds"].items()
+                      for t in target_records(TARGETS, r["ratios"], ranks=int(w))]
+    emit(f"amber dist_bench: {config['params'] / 1e6:.1f}M parameters + AdamW under FSDP2, "
+         f"policy {a.policy!r}, {a.repeat} round(s), {config['cpus']} CPUs, torch "
+         f"{config['torch']}, load average {config['loadavg_start']:.2f} -> "
+         f"{os.getloadavg()[0]:.2f}", report(res, a.markdown), res, a.json)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ Rows:
     fence at the next optimizer step, save-to-durable = save() + wait(), file size;
   - amber full: every byte crosses (through reused host buffers);
   - torch.save of model and optimizer state_dicts (its copy to host included) + fsync;
-  - dcp.save (FileSystemWriter, sync_files) and dcp.async_save (stall: until it
-    returns; durable: its future);
+  - dcp.save (FileSystemWriter, sync_files) and dcp.async_save (stall: until its
+    staging has completed, which is when it returns with a synchronous stager;
+    durable: its future);
   - the full device-to-host copy of the state, the yardstick of the stall target.
 Targets on a GPU (issue 15): bytes copied per delta <= 3% of the state; a delta's stall
 <= 5% of the full copy; delta save-to-durable >= 25x faster than torch.save.
@@ -39,28 +40,16 @@ import time
 os.environ.setdefault("AMBER_DEVICE_PATH", "1")  # before amber.torch decides per tensor
 
 import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_bench import GPT2Small, dcp_state, du, fake_grads, warm_state  # noqa: E402
+from _common import (GPT2Small, clock, dcp_async_save, dcp_save, dcp_state, du,  # noqa: E402
+                     fake_grads, logger, quick_model, torch_save, warm_up)
 
 from amber.torch import Checkpointer  # noqa: E402
 
 SIZES = {"124m": (12, 768), "0.5b": (24, 1280)}
 
-
-def log(msg):
-    print(f"[gpu_bench] {msg}", file=sys.stderr, flush=True)
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def now(dev):
-    sync(dev)
-    return time.perf_counter()
+log = logger("gpu_bench")
 
 
 def state_bytes(model, opt):
@@ -75,35 +64,22 @@ def full_copy(model, opt, dev):
     ts = [p.data for p in model.parameters()]
     for st in opt.state.values():
         ts += [v for v in st.values() if torch.is_tensor(v)]
-    t0 = now(dev)
+    t0 = clock(dev)
     host = [t.to("cpu", copy=True) for t in ts]
-    t = now(dev) - t0
+    t = clock(dev) - t0
     del host
     return t
 
 
-def torch_save(path, model, opt, dev):
-    t0 = now(dev)
-    with open(path, "wb") as f:
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return time.perf_counter() - t0
-
-
 def dcp_runs(out, model, opt, dev):
+    """{name: (stall, durable, size)} of dcp.save and dcp.async_save."""
     r = {}
     path = os.path.join(out, "dcp")
-    t0 = now(dev)
-    dcp.save(dcp_state(model, opt), storage_writer=dcp.FileSystemWriter(path, sync_files=True))
-    r["dcp.save"] = (time.perf_counter() - t0, time.perf_counter() - t0, du(path))
+    t = dcp_save(lambda: dcp_state(model, opt), path, dev)
+    r["dcp.save"] = (t, t, du(path))
     shutil.rmtree(path)
-    t0 = now(dev)
-    fut = dcp.async_save(dcp_state(model, opt),
-                         storage_writer=dcp.FileSystemWriter(path, sync_files=True))
-    stall = time.perf_counter() - t0
-    fut.result()
-    r["dcp.async_save"] = (stall, time.perf_counter() - t0, du(path))
+    stall, durable = dcp_async_save(lambda: dcp_state(model, opt), path, dev)
+    r["dcp.async_save"] = (stall, durable, du(path))
     shutil.rmtree(path)
     return r
 
@@ -113,7 +89,7 @@ def amber_runs(out, model, opt, gen, dev, policy, deltas):
     path = os.path.join(out, "amber")
     state = {"model": model, "optim": opt}
     with Checkpointer(path, policy=policy, rng=False, full_every=1000, full_share=-1) as ck:
-        t0 = now(dev)
+        t0 = clock(dev)
         ck.save(1, state, full=True)
         ck.fence()
         t1 = time.perf_counter()
@@ -123,11 +99,11 @@ def amber_runs(out, model, opt, gen, dev, policy, deltas):
         for step in range(2, deltas + 2):
             fake_grads(model, gen)
             opt.step()  # fences the previous save first
-            t0 = now(dev)
+            t0 = clock(dev)
             ck.save(step, state)
             t1 = time.perf_counter()
             fake_grads(model, gen)  # stands for the next forward and backward pass
-            t2 = now(dev)
+            t2 = clock(dev)
             ck.fence()
             t3 = time.perf_counter()
             ck.wait()
@@ -157,15 +133,10 @@ def main():
     torch.manual_seed(0)
     layers, width = SIZES[a.size]
     with torch.device(dev):
-        model = GPT2Small(2, 256, 8192, 256) if a.quick else GPT2Small(layers, width)
+        model = quick_model() if a.quick else GPT2Small(layers, width)
     gen = torch.Generator(device=dev).manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    fake_grads(model, gen)
-    opt.step()
-    warm_state(model, opt)
-    for _ in range(3):
-        fake_grads(model, gen)
-        opt.step()
+    warm_up(model, opt, gen)
     nparams = sum(p.numel() for p in model.parameters())
     total = state_bytes(model, opt)
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \

@@ -41,98 +41,29 @@ O_DIRECT pace (a full checkpoint's size written with O_DIRECT + fsync).
 import argparse
 import gc
 import glob
-import json
 import math
-import mmap
 import os
 import platform
 import shutil
 import statistics
 import sys
-import threading
 import time
 
 import torch
-import torch.nn as nn
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import set_state_dict
 from safetensors.torch import load_file, save_file
 
 import amber
 from amber.torch import Checkpointer, PRESETS
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
+                     dcp_async_save, dcp_save, dcp_state, delta_figures, direct_read, direct_write,
+                     drop_cache, du, emit, fake_grads, fmt, logger, quick_model, read_floor, row,
+                     spreads, target_lines, target_records, timed, torch_save, warm_up)
 
-def log(msg):
-    print(f"[torch_bench] {msg}", file=sys.stderr, flush=True)
-
-
-def median(xs):
-    return statistics.median(xs)
-
-
-class Block(nn.Module):
-    def __init__(self, D):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.attn = nn.ModuleDict({"c_attn": nn.Linear(D, 3 * D), "c_proj": nn.Linear(D, D)})
-        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(D, 4 * D), "c_proj": nn.Linear(4 * D, D)})
-
-
-class GPT2Small(nn.Module):
-    """GPT-2 small's parameters under GPT-2's names (the LM head is tied to wte)."""
-
-    def __init__(self, layers=12, D=768, vocab=50257, ctx=1024):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, D), nn.Embedding(ctx, D)
-        self.h = nn.ModuleList(Block(D) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(D)
-        with torch.no_grad():
-            for n, p in self.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0, 0.02)
-
-
-def fake_grads(model, gen):
-    """Stands for forward + backward: fresh gradients for every parameter, of the
-    size GPT-2 training clips them to (global norm 1.0: 1/sqrt(124M) per element)."""
-    std = 1.0 / sum(p.numel() for p in model.parameters()) ** 0.5
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.empty_like(p)
-        p.grad.normal_(0, std, generator=gen)
-
-
-def warm_state(model, opt):
-    """Sets AdamW's state to what many steps on fake_grads' gradients leave: step
-    1000, first moments at the stationary spread of an EMA (beta 0.9) of the
-    gradients, second moments near the gradients' variance."""
-    std = 1.0 / sum(p.numel() for p in model.parameters()) ** 0.5
-    b1, b2 = opt.defaults["betas"]
-    for p in model.parameters():
-        s = opt.state[p]
-        s["step"].fill_(1000.0)
-        s["exp_avg"].normal_(0, std * ((1 - b1) / (1 + b1)) ** 0.5)
-        s["exp_avg_sq"].normal_(1, ((1 - b2) / (1 + b2)) ** 0.5).mul_(std * std)
-
-
-def drop_cache(paths):
-    """Drops the files' pages from the page cache, so the next read is cold."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def torch_save(path, model, opt):
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return time.perf_counter() - t0
+log = logger("torch_bench")
 
 
 def state_tensors(model, opt):
@@ -141,105 +72,6 @@ def state_tensors(model, opt):
     for st in opt.state.values():
         ts += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
     return ts
-
-
-def read_floor(tensors, reps=3):
-    """Seconds to read the state twice (stands for the live state and the
-    reference, which every delta's scan reads once): a sum over every tensor and
-    over a copy of it, on all threads. No delta save can be faster than this."""
-    copies = [t.clone() for t in tensors]
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for t in tensors:
-            t.sum()
-        for t in copies:
-            t.sum()
-        times.append(time.perf_counter() - t0)
-    del copies
-    gc.collect()
-    return median(times)
-
-
-def direct_write(path, nbytes, piece=8 << 20, inflight=2, reps=3):
-    """Seconds to write `nbytes` to a new file with O_DIRECT, `inflight` writes at
-    once (as amber does), then fsync: the disk's own pace, which a full save of
-    raw bytes cannot beat. None where the file system refuses O_DIRECT."""
-    buf = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
-    buf.write(bytes(range(256)) * (piece // 256))
-    n = (nbytes + piece - 1) // piece
-    times = []
-    for _ in range(reps):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        except (OSError, AttributeError):
-            return None
-        try:
-            t0 = time.perf_counter()
-            workers = [threading.Thread(target=lambda k: [os.pwrite(fd, buf, i * piece)
-                                                          for i in range(k, n, inflight)],
-                                        args=(k,)) for k in range(inflight)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            os.fsync(fd)
-            times.append(time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-            os.remove(path)
-    return median(times)
-
-
-def direct_read(nbytes, dirpath, piece=8 << 20, inflight=2, reps=3):
-    """Seconds to read `nbytes` of a file with O_DIRECT, `inflight` reads at once:
-    the disk's read pace, which no load of a raw checkpoint of that size can beat
-    (a cold load reads every byte from the disk). None without O_DIRECT."""
-    path = os.path.join(dirpath, "direct-read.bin")
-    buf = mmap.mmap(-1, piece)
-    buf.write(bytes(range(256)) * (piece // 256))
-    n = (nbytes + piece - 1) // piece
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except (OSError, AttributeError):
-        return None
-    try:
-        for i in range(n):
-            os.pwrite(fd, buf, i * piece)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    times = []
-    try:
-        for _ in range(reps):
-            drop_cache([path])
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            bufs = [mmap.mmap(-1, piece) for _ in range(inflight)]
-            try:
-                t0 = time.perf_counter()
-                workers = [threading.Thread(target=lambda k: [os.preadv(fd, [bufs[k]], i * piece)
-                                                              for i in range(k, n, inflight)],
-                                            args=(k,)) for k in range(inflight)]
-                for w in workers:
-                    w.start()
-                for w in workers:
-                    w.join()
-                times.append(time.perf_counter() - t0)
-            finally:
-                os.close(fd)
-    finally:
-        os.remove(path)
-    return median(times)
-
-
-def fsync_dir_files(path):
-    for f in glob.glob(os.path.join(path, "*")):
-        if os.path.isfile(f):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
 
 def flat_state(model, opt):
@@ -252,24 +84,6 @@ def flat_state(model, opt):
             if torch.is_tensor(v):
                 flat[f"optim.{names[p]}.{k}"] = v
     return flat
-
-
-def dcp_state(model, opt):
-    msd, osd = get_state_dict(model, opt)
-    return {"model": msd, "optim": osd}
-
-
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
-
-
-def du(path):
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "**"), recursive=True)
-               if os.path.isfile(f))
 
 
 class Trainer:
@@ -329,8 +143,7 @@ def peers(tr, out, r):
     for k in (1, 2):
         log(f"round {r}: dcp.save thread_count={k}")
         d = os.path.join(out, f"dcp{k}")
-        f[f"dcp_save_t{k}"], _ = timed(lambda: dcp.save(
-            dcp_state(model, opt), storage_writer=dcp.FileSystemWriter(d, sync_files=True, thread_count=k)))
+        f[f"dcp_save_t{k}"] = dcp_save(lambda: dcp_state(model, opt), d, thread_count=k)
         f["dcp_bytes"] = du(d)
         if k == 2:
             drop_cache([p for p in glob.glob(os.path.join(d, "*")) if os.path.isfile(p)])
@@ -347,15 +160,8 @@ def peers(tr, out, r):
     # dcp.async_save: the stall is until its staging completed, then the next step runs
     log(f"round {r}: dcp.async_save")
     d = os.path.join(out, "dcpa")
-    t0 = time.perf_counter()
-    fut = dcp.async_save(dcp_state(model, opt),
-                         storage_writer=dcp.FileSystemWriter(d, sync_files=True, thread_count=1))
-    if isinstance(fut, dcp.state_dict_saver.AsyncSaveResponse):
-        fut.staging_completion.result()
-        fut = fut.upload_completion
-    f["dcp_async_stall"] = time.perf_counter() - t0
-    fut.result()
-    f["dcp_async_durable"] = time.perf_counter() - t0
+    f["dcp_async_stall"], f["dcp_async_durable"] = dcp_async_save(lambda: dcp_state(model, opt), d,
+                                                                  thread_count=1)
     shutil.rmtree(d)
     gc.collect()
     return f
@@ -368,14 +174,10 @@ def amber_round(tr, out, r, policy, deltas):
     shutil.rmtree(store, ignore_errors=True)
     state = tr.state
     step = 0
-    dur, stall, dbytes = [], [], []
     log(f"round {r}: amber full and {deltas} deltas ({policy})")
     with Checkpointer(store, policy=policy, full_every=1000, full_share=-1) as ck:
         step += 1
-        t0 = time.perf_counter()
-        ck.save(step, state, full=True)
-        ck.wait()
-        f["amber_full"] = time.perf_counter() - t0
+        f["amber_full"] = amber_full(ck, state, step)
         # the full save's stall: save() call + the fence in the next step
         tr.grads()
         tr.step()
@@ -390,32 +192,14 @@ def amber_round(tr, out, r, policy, deltas):
         ck.wait()
         full_step = step
         # deltas, alternately synchronous (save-to-durable) and overlapped (stall)
-        for i in range(2 * deltas):
-            tr.grads()
-            tr.step()
-            step += 1
-            t0 = time.perf_counter()
-            ck.save(step, state)
-            t_call = time.perf_counter() - t0
-            if i % 2 == 0:
-                ck.wait()
-                dur.append(time.perf_counter() - t0)
-            else:
-                tr.grads()
-                ck.timings["fence"] = 0.0
-                ck.fence()
-                stall.append(t_call + ck.timings["fence"])
-                ck.wait()
+        step, dur, stall = amber_deltas(ck, state, step, 2 * deltas, tr.grads, tr.step)
         infos = {c.step: c for c in ck.steps()}
     kinds = [infos[s].kind for s in infos if s > full_step]
     if any(k != "delta" for k in kinds):
         raise RuntimeError(f"expected only deltas after step {full_step}, got {kinds}")
     dbytes = [infos[s].bytes for s in infos if s > full_step]
     f["amber_full_bytes"] = infos[full_step].bytes
-    f["amber_delta"] = median(dur)
-    f["amber_delta_stall"] = median(stall)
-    f["amber_delta_bytes"] = median(dbytes)
-    f["amber_delta_bytes_max"] = max(dbytes)
+    f.update(delta_figures(dur, stall, dbytes))
 
     files = lambda: glob.glob(os.path.join(store, "*.amber"))  # noqa: E731
     # read-only load of the latest step
@@ -452,7 +236,7 @@ def amber_round(tr, out, r, policy, deltas):
             kind = {c.step: c for c in ck.steps()}[step].kind
             if kind != "delta":
                 raise RuntimeError(f"the first save after a load was a {kind} checkpoint")
-    f["amber_load"] = median(f.pop("_resume_loads"))
+    f["amber_load"] = statistics.median(f.pop("_resume_loads"))
     shutil.rmtree(store)
     gc.collect()
     return f
@@ -488,21 +272,6 @@ TARGETS = [
 ]
 
 
-def spread(xs):
-    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def fmt(s, unit="s"):
-    if unit == "s":
-        v = lambda x: f"{x:.3f}" if x < 10 else f"{x:.2f}"  # noqa: E731
-        return f"{v(s['median'])} s ({v(s['min'])}-{v(s['max'])})" if s["n"] > 1 else f"{v(s['median'])} s"
-    if unit == "x":
-        return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if s["n"] > 1 else f"{s['median']:.2f}x"
-    if unit == "%":
-        return f"{s['median']:.2f}% ({s['min']:.2f}-{s['max']:.2f})" if s["n"] > 1 else f"{s['median']:.2f}%"
-    return f"{s['median'] / 1e6:.1f} MB"
-
-
 def report(res, markdown):
     S, R = res["figures"], res["ratios"]
     lines = []
@@ -522,7 +291,7 @@ def report(res, markdown):
                 ("amber first delta after a load: stall", "first_after_load_stall", None),
                 ("delta floor (read live + reference, write delta at O_DIRECT pace)", "delta_floor", None)]
         for label, k, b in rows:
-            lines.append(f"| {label} | {fmt(S[k])} | {fmt(S[b], 'B') if b else ''} |")
+            lines.append(row([label, fmt(S[k]), fmt(S[b], 'B') if b else ''], True))
         lines += ["", "| load (cold, into the live model and optimizer) | seconds |", "|---|---|"]
         for label, k in [("torch.load + load_state_dict", "torch_load"),
                          ("safetensors load_file + copy", "st_load"),
@@ -530,13 +299,8 @@ def report(res, markdown):
                          ("amber load, resuming (seeds the next delta)", "amber_load"),
                          ("amber load, read-only", "amber_load_ro"),
                          ("floor: a full checkpoint's bytes read cold at O_DIRECT pace", "load_floor")]:
-            lines.append(f"| {label} | {fmt(S[k])} |")
-        lines += ["", "| target | measured (median, min-max) | met |", "|---|---|---|"]
-        for k, tgt, hi, text in TARGETS:
-            s = R[k]
-            ok = s["median"] >= tgt if hi else s["median"] <= tgt
-            lines.append(f"| {text} | {fmt(s, '%' if k.endswith('pct_of_full') else 'x')} | "
-                         f"{'met' if ok else 'not met'} |")
+            lines.append(row([label, fmt(S[k])], True))
+        lines += TARGETS_HEAD + target_lines(TARGETS, R, True, (70, 28))
         b = R["floor_vs_dcp_save"]
         lines.append(f"\nBound: the run's delta floor is {fmt(b, 'x')} faster than dcp.save; "
                      f"no delta save on this machine can show a larger ratio.")
@@ -550,11 +314,7 @@ def report(res, markdown):
             unit = "B" if k.endswith("bytes") or k.endswith("bytes_max") else "s"
             lines.append(f"{k:28} {fmt(s, unit)}")
         lines.append("")
-        for k, tgt, hi, text in TARGETS:
-            s = R[k]
-            ok = s["median"] >= tgt if hi else s["median"] <= tgt
-            lines.append(f"{text:70} {fmt(s, '%' if k.endswith('pct_of_full') else 'x'):28} "
-                         f"{'met' if ok else 'NOT met'}")
+        lines += target_lines(TARGETS, R, False, (70, 28))
         lines.append(f"{'bound: the delta floor against dcp.save':70} {fmt(R['floor_vs_dcp_save'], 'x')}")
         lines.append(f"{'bound: the disk read of a full checkpoint against dcp.load':70} "
                      f"{fmt(R['load_floor_vs_dcp_load'], 'x')}")
@@ -569,10 +329,7 @@ def main():
                     help=f"amber's policy (presets: {', '.join(PRESETS)})")
     ap.add_argument("--deltas", type=int, default=4, help="synchronous and overlapped deltas per round")
     ap.add_argument("--repeat", type=int, default=3, help="rounds (the spread is over them)")
-    ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
-    ap.add_argument("--json", help="write every figure of every round here")
-    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    add_run_args(ap)
     a = ap.parse_args()
     if a.repeat < 1 or a.deltas < 1:
         ap.error("--repeat and --deltas must be >= 1")
@@ -581,15 +338,10 @@ def main():
     os.makedirs(a.out)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = GPT2Small(2, 256, 8192, 256) if a.quick else GPT2Small()
+    model = quick_model() if a.quick else GPT2Small()
     nparams = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
-    fake_grads(model, gen)
-    opt.step()
-    warm_state(model, opt)
-    for _ in range(3):
-        fake_grads(model, gen)
-        opt.step()
+    warm_up(model, opt, gen)
     tr = Trainer(model, opt, gen)
     config = {"params": nparams, "policy": a.policy, "lr": a.lr, "repeat": a.repeat,
               "deltas": a.deltas, "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -614,23 +366,18 @@ def main():
             rounds.append(f)
     finally:
         shutil.rmtree(a.out, ignore_errors=True)
-    figures = {k: spread([f[k] for f in rounds]) for k in rounds[0] if k != "disk_rate"}
+    figures = spreads(rounds, skip=("disk_rate",))
     rs = [ratios(f) for f in rounds]
     for f, rr in zip(rounds, rs):
         rr["floor_vs_dcp_save"] = min(f["dcp_save_t1"], f["dcp_save_t2"]) / f["delta_floor"]
         rr["load_floor_vs_dcp_load"] = f["dcp_load"] / f["load_floor"]
     res = {"config": config, "rounds": rounds, "figures": figures,
-           "ratios": {k: spread([rr[k] for rr in rs]) for k in rs[0]}}
-    res["targets"] = [{"target": text, "ratio": k, "threshold": tgt,
-                       "met": (res["ratios"][k]["median"] >= tgt) if hi else (res["ratios"][k]["median"] <= tgt)}
-                      for k, tgt, hi, text in TARGETS]
-    print(f"amber torch_bench: {nparams / 1e6:.1f}M parameters + AdamW, policy {a.policy!r}, "
-          f"{a.repeat} round(s), {config['cpus']} CPUs, torch {torch.__version__}, "
-          f"load average {config['loadavg_start']:.2f} -> {rounds[-1]['loadavg']:.2f}")
-    print(report(res, a.markdown))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(res, fh, indent=1, default=lambda x: None if x == math.inf else x)
+           "ratios": spreads(rs)}
+    res["targets"] = target_records(TARGETS, res["ratios"])
+    emit(f"amber torch_bench: {nparams / 1e6:.1f}M parameters + AdamW, policy {a.policy!r}, "
+         f"{a.repeat} round(s), {config['cpus']} CPUs, torch {torch.__version__}, "
+         f"load average {config['loadavg_start']:.2f} -> {rounds[-1]['loadavg']:.2f}",
+         report(res, a.markdown), res, a.json)
 
 
 if __name__ == "__main__":

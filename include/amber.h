@@ -528,6 +528,30 @@ AMBER_API int amber_writer_info(const amber_writer *w, size_t index,
 AMBER_API int amber_writer_set_selection(amber_writer *w, size_t index,
                                          const amber_chunk_sel *chunks, uint64_t nchunks);
 
+/* A source of chunk selections, for a caller that would rather hand chunks over one
+ * at a time than all at once: the save asks it for chunk `chunk` of pre-selected
+ * tensor `index` when it is about to encode that chunk, and the source fills *sel
+ * with the same rules as amber_writer_set_selection (AMBER_SELECT_WHOLE for every
+ * chunk of a full save). The caller can then copy each chunk out of its device into
+ * one reused buffer per worker while earlier chunks are written, instead of holding
+ * a host copy of the whole tensor. It is called from the save's worker threads
+ * (`worker` in 0..threads-1), concurrently for different workers, never twice at
+ * once with the same worker, and never after amber_writer_wait returns. What *sel
+ * points to must stay valid and unchanged until that worker's next call of any
+ * source of this writer, or the save's end. A nonzero return (an AMBER_E* code, or
+ * any other value for AMBER_EIO) fails the save, naming the tensor and chunk:
+ * nothing of it is committed. */
+typedef int (*amber_chunk_source)(void *user, int worker, size_t index, uint64_t chunk,
+                                  amber_chunk_sel *sel);
+
+/* Gives pre-selected tensor `index` a source of selections (fn NULL removes it). A
+ * save takes each pre-selected tensor's chunks from the selection given by
+ * amber_writer_set_selection since the last save if there is one, else from its
+ * source. The source may be set once and serve every save (the pointer `user` is
+ * kept). AMBER_EBUSY while a save is in progress. */
+AMBER_API int amber_writer_set_source(amber_writer *w, size_t index, amber_chunk_source fn,
+                                      void *user);
+
 /* Releases the writer after waiting for a save in progress (call
  * amber_writer_cancel first to stop it instead). Accepts NULL. */
 AMBER_API void amber_writer_close(amber_writer *w);
@@ -670,13 +694,15 @@ AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *pa
  * shape on every rank that declares it): the box at `offsets` of shape
  * `local_shape` (each ndim long; any dimension may be split), whose row-major bytes
  * are at `data` (not copied; read during saves as with amber_writer_add). A rank
- * need not declare every tensor. With AMBER_SHARD_REPLICATED the whole tensor. */
+ * need not declare every tensor. With AMBER_SHARD_REPLICATED the whole tensor.
+ * Declarations are fixed by the first save or amber_global_writer_plan. */
 AMBER_API int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
                                       uint32_t ndim, const int64_t *global_shape,
                                       const int64_t *offsets, const int64_t *local_shape,
                                       const void *data, uint32_t flags);
 /* Points tensor `index` (declaration order, from 0) at new memory of the same size,
- * as amber_writer_set_data; not while a save of this rank reads it (AMBER_EBUSY). */
+ * as amber_writer_set_data; not while a save of this rank reads it (AMBER_EBUSY),
+ * nor for a pre-selected tensor (AMBER_EINVAL). */
 AMBER_API int amber_global_writer_set_data(amber_global_writer *gw, size_t index,
                                            const void *data);
 /* Sets this rank's metadata (as amber_writer_set_meta: JSON, copied; len 0 removes
@@ -706,7 +732,9 @@ AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, u
  * begin starts (unless the save is begun with AMBER_SAVE_CONFIRM): the step commits
  * in the background as soon as every rank's part is durable, and wait only collects
  * the outcome. Until wait returns, set_data, add_policy and begin return
- * AMBER_EBUSY. Ownership of the tensors' memory as for amber_writer_begin/fence. */
+ * AMBER_EBUSY (their message in amber_last_error(NULL) while the background commit
+ * runs: the handle's message is then the commit's). Ownership of the tensors'
+ * memory as for amber_writer_begin/fence. */
 AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);
@@ -716,6 +744,72 @@ AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
  * ending with `why`), and so the step on every rank, naming this rank. A rank that
  * writes nothing of the step ignores it. Not collective. */
 AMBER_API int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why);
+/* ---- Pre-selected tensors of a global step ----
+ *
+ * As amber_writer_add_preselected and its companions, for this rank's part of a
+ * global step (a GPU rank that selects on its own device): the caller keeps the
+ * reference of its shard, selects under the tensor's policy and hands over only
+ * the selected elements; amber writes them in this rank's file and commits the
+ * step as any other. A save of a global writer with pre-selected tensors goes, on
+ * every rank:
+ *
+ *   amber_global_writer_plan(gw, N, flags, &kind);   // collective: the step's kind
+ *   amber_global_writer_info(gw, i, &info);          // each tensor this rank writes
+ *   ... select on the device, copy indices and values to host buffers ...
+ *   amber_global_writer_set_selection(gw, i, sels, info.nchunks);
+ *   amber_global_writer_begin(gw, N, flags);         // the same step and flags
+ *
+ * Ownership as for amber_writer_set_selection: the selections are read until
+ * amber_global_writer_fence (or wait, or close) returns. A step that fails on any
+ * rank fails on every rank, and each rank puts its own reference back. */
+
+/* Declares this rank's part of global tensor `name` as pre-selected: as
+ * amber_global_writer_add without memory to read (index: declaration order, shared
+ * with amber_global_writer_add). Each save takes its chunks from
+ * amber_global_writer_set_selection. A replicated one is written by rank 0 alone;
+ * the other ranks declare it and select nothing. */
+AMBER_API int amber_global_writer_add_preselected(amber_global_writer *gw, const char *name,
+                                                  int dtype, uint32_t ndim,
+                                                  const int64_t *global_shape,
+                                                  const int64_t *offsets,
+                                                  const int64_t *local_shape, uint32_t flags);
+/* Decides what the next save of global step `step` with `flags` will be and fixes
+ * it: *kind gets AMBER_KIND_FULL or AMBER_KIND_DELTA, the same on every rank, and an
+ * amber_global_writer_begin or _save of the same step and flags that follows makes
+ * that kind of step. Collective (two allgathers): the step is full when any rank
+ * wants it full (begin's vote: the flags, full_every, full_share, a failed step
+ * before), or when any rank's own writer cannot make a delta (no reference in its
+ * store). It also makes this rank's writer from the declarations (which are then
+ * fixed) and resolves each tensor's policy. The checks of begin (AMBER_EBUSY,
+ * AMBER_EEXIST, ...) come first, on each rank alone; a failure of a rank's own
+ * writer is returned on every rank, the code of the lowest failing rank with a
+ * message that names it. */
+AMBER_API int amber_global_writer_plan(amber_global_writer *gw, uint64_t step, uint32_t flags,
+                                       uint32_t *kind);
+/* Tensor `index` (declaration order) as this rank's writer will save it, as
+ * amber_writer_info (chunk_elems and nchunks of the local shard, the policy
+ * resolved by the last plan). AMBER_EINVAL for a tensor this rank does not write (a
+ * replicated one on a rank other than 0) and before the first plan; AMBER_ERANGE
+ * for an index past the declarations. Not collective. */
+AMBER_API int amber_global_writer_info(const amber_global_writer *gw, size_t index,
+                                       struct amber_tensor_info *out);
+/* Gives pre-selected tensor `index` (declaration order) its selection for the next
+ * save, as amber_writer_set_selection: after amber_global_writer_plan, for every
+ * pre-selected tensor this rank writes, before each save; every chunk
+ * AMBER_SELECT_WHOLE in a full one. AMBER_EINVAL for a tensor declared with
+ * amber_global_writer_add or not written by this rank, and before the first plan;
+ * AMBER_EBUSY during a save. Not collective. */
+AMBER_API int amber_global_writer_set_selection(amber_global_writer *gw, size_t index,
+                                                const amber_chunk_sel *chunks,
+                                                uint64_t nchunks);
+/* Gives pre-selected tensor `index` (declaration order) a source of selections, as
+ * amber_writer_set_source: asked per chunk by the save's workers when no selection
+ * was set for the save, with `index` the global writer's. It may be set before the
+ * first plan and stays for every save (also across the rank writer's reopening
+ * after a failed step). fn NULL removes it. AMBER_EINVAL for a tensor declared with
+ * amber_global_writer_add; AMBER_EBUSY during a save. Not collective. */
+AMBER_API int amber_global_writer_set_source(amber_global_writer *gw, size_t index,
+                                             amber_chunk_source fn, void *user);
 /* Where the time of the global writer's last save went on this rank: for
  * profiling, and what `amber bench --ranks` prints. Wall-clock seconds. */
 typedef struct amber_global_save_stats {

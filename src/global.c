@@ -28,7 +28,10 @@ typedef struct gtensor {
   uint32_t ndim, flags;
   int64_t gshape[AMBER_MAX_DIMS], off[AMBER_MAX_DIMS], lshape[AMBER_MAX_DIMS];
   const void *data;
-  int local; /* written by this rank */
+  int local;  /* written by this rank */
+  int presel; /* pre-selected: the caller selects, and keeps its reference */
+  amber_chunk_source src; /* pre-selected: its source of selections, or NULL */
+  void *src_user;
 } gtensor;
 
 struct amber_global_writer {
@@ -48,10 +51,15 @@ struct amber_global_writer {
   char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
   size_t meta_len;
   int has_meta;
-  int saved;                 /* a save was begun: declarations are fixed */
+  int saved;                 /* a save or plan was begun: declarations are fixed */
   uint64_t latest;           /* the last global commit, AMBER_NO_STEP for none */
   uint32_t deltas;           /* delta steps since the last full step */
   int force_full;            /* after a failed step */
+  struct { /* amber_global_writer_plan's decision for the next save */
+    int set, full;
+    uint64_t step;
+    uint32_t flags;
+  } plan;
   /* the save in progress */
   int busy, begin_rc, present, full, gated;
   uint64_t step;
@@ -250,18 +258,34 @@ void amber_global_writer_close(amber_global_writer *gw) {
   free(gw);
 }
 
+/* Tensor `index`'s index in the rank writer: its local tensors in declaration order. */
+static size_t local_index(const amber_global_writer *gw, size_t index) {
+  size_t li = 0;
+  for (size_t i = 0; i < index; i++) li += gw->t[i].local != 0;
+  return li;
+}
+
+/* Where a call on the caller's thread records its failure: the handle, except while
+ * the committer thread runs (it records the save's outcome there), when only the
+ * thread's own message (amber_last_error(NULL)) takes it. */
+static amber__err *caller_err(amber_global_writer *gw) {
+  return gw->committing ? NULL : &gw->err;
+}
+
 int amber_global_writer_set_data(amber_global_writer *gw, size_t index, const void *data) {
   if (index >= gw->nt)
     return amber__fail(&gw->err, AMBER_ERANGE, "tensor index %zu out of range (%zu declared)",
                        index, gw->nt);
   if ((gw->busy && gw->present && !gw->begin_rc) || gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY, "tensor '%s': a save is in progress",
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "tensor '%s': a save is in progress",
+                       gw->t[index].name);
+  if (gw->t[index].presel)
+    return amber__fail(&gw->err, AMBER_EINVAL,
+                       "tensor '%s' is pre-selected: it has no memory for amber to read",
                        gw->t[index].name);
   gw->t[index].data = data;
   if (!gw->w || !gw->t[index].local) return 0;
-  size_t li = 0; /* its index in the rank writer: local tensors in declaration order */
-  for (size_t i = 0; i < index; i++) li += gw->t[i].local != 0;
-  int rc = amber_writer_set_data(gw->w, li, data);
+  int rc = amber_writer_set_data(gw->w, local_index(gw, index), data);
   return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
@@ -277,12 +301,13 @@ int amber_global_writer_set_meta(amber_global_writer *gw, const char *json, size
   return 0;
 }
 
-int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
-                            uint32_t ndim, const int64_t *global_shape,
-                            const int64_t *offsets, const int64_t *local_shape,
-                            const void *data, uint32_t flags) {
+/* The declaration of amber_global_writer_add and _add_preselected. */
+static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_t ndim,
+                   const int64_t *global_shape, const int64_t *offsets,
+                   const int64_t *local_shape, const void *data, uint32_t flags, int presel) {
   if (gw->saved)
-    return amber__fail(&gw->err, AMBER_EINVAL, "declarations are fixed after the first save");
+    return amber__fail(&gw->err, AMBER_EINVAL,
+                       "declarations are fixed after the first save or plan");
   if (!name || !*name || strlen(name) > 65535 || ndim > AMBER_MAX_DIMS ||
       !amber_dtype_size(dtype) || (flags & ~(uint32_t)AMBER_SHARD_REPLICATED) ||
       (ndim && !global_shape))
@@ -297,7 +322,7 @@ int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype
       return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s' declared twice", name);
   gtensor g;
   memset(&g, 0, sizeof g);
-  g.dtype = dtype, g.ndim = ndim, g.flags = flags, g.data = data;
+  g.dtype = dtype, g.ndim = ndim, g.flags = flags, g.data = data, g.presel = presel;
   for (uint32_t d = 0; d < ndim; d++) {
     g.gshape[d] = global_shape[d];
     g.off[d] = repl ? 0 : offsets[d];
@@ -318,9 +343,23 @@ int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype
   return 0;
 }
 
+int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
+                            uint32_t ndim, const int64_t *global_shape,
+                            const int64_t *offsets, const int64_t *local_shape,
+                            const void *data, uint32_t flags) {
+  return declare(gw, name, dtype, ndim, global_shape, offsets, local_shape, data, flags, 0);
+}
+
+int amber_global_writer_add_preselected(amber_global_writer *gw, const char *name, int dtype,
+                                        uint32_t ndim, const int64_t *global_shape,
+                                        const int64_t *offsets, const int64_t *local_shape,
+                                        uint32_t flags) {
+  return declare(gw, name, dtype, ndim, global_shape, offsets, local_shape, NULL, flags, 1);
+}
+
 int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
   if (gw->committing)
-    return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress (wait for it first)");
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "a save is in progress (wait for it first)");
   char **np = realloc(gw->pol, (gw->npol + 1) * sizeof *np);
   if (!np) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   gw->pol = np;
@@ -338,13 +377,27 @@ int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
 }
 
 /* (Re)creates the rank's writer from the declarations. */
+/* The rank writer's sources: tensor li of the rank writer is the li-th local one of
+ * the global writer, whose source is asked with the global index. */
+static int global_source(void *user, int worker, size_t li, uint64_t chunk, amber_chunk_sel *sel) {
+  amber_global_writer *gw = user;
+  for (size_t i = 0; i < gw->nt; i++)
+    if (gw->t[i].local && li-- == 0)
+      return gw->t[i].src ? gw->t[i].src(gw->t[i].src_user, worker, i, chunk, sel) : AMBER_EINVAL;
+  return AMBER_ERANGE;
+}
+
 static int ensure_writer(amber_global_writer *gw) {
   if (gw->w) return 0;
   int rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
   if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
   for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
-  for (size_t i = 0; rc == 0 && i < gw->nt; i++)
-    if (gw->t[i].local)
+  for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++)
+    if (gw->t[i].local && gw->t[i].presel) {
+      rc = amber_writer_add_preselected(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
+                                        gw->t[i].lshape, &li);
+      if (rc == 0 && gw->t[i].src) rc = amber_writer_set_source(gw->w, li, global_source, gw);
+    } else if (gw->t[i].local)
       rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
                             gw->t[i].lshape, gw->t[i].data, NULL);
   if (rc < 0) {
@@ -383,24 +436,53 @@ static int start_commit(amber_global_writer *gw) {
   return 0;
 }
 
-int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
-  if (gw->busy) return amber__fail(&gw->err, AMBER_EBUSY, "a save is in progress");
+/* The checks of a save or plan request, the same on every rank (no collective). */
+static int check_request(amber_global_writer *gw, uint64_t step, uint32_t flags) {
+  if (gw->busy || gw->committing)
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "a save is in progress (wait for it first)");
   if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
     return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
     return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
                        (unsigned long long)step, (unsigned long long)gw->latest);
-  double t0 = amber__now();
-  /* Full or delta for the whole step: one byte per rank. */
-  uint8_t want = (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
-                 gw->deltas >= gw->full_every || amber__cadence_decide(&gw->share);
-  uint8_t *all = malloc((size_t)gw->comm.size);
+  return 0;
+}
+
+/* Whether this rank wants the step full: asked for, after a failed step, the first
+ * step, or the cadence (full_every over the step, full_share over this rank's files). */
+static int want_full(const amber_global_writer *gw, uint32_t flags) {
+  return (flags & AMBER_SAVE_FULL) || gw->force_full || gw->latest == AMBER_NO_STEP ||
+         gw->deltas >= gw->full_every || amber__cadence_decide(&gw->share);
+}
+
+/* Full or delta for the whole step: one byte per rank, full if any rank wants it.
+ * Collective. */
+static int vote_full(amber_global_writer *gw, int want, int *full) {
+  uint8_t mine = (uint8_t)(want != 0), *all = malloc((size_t)gw->comm.size);
   if (!all) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
-  int rc = gw->comm.allgather(gw->comm.ctx, &want, 1, all);
-  gw->full = 0;
-  for (int r = 0; rc == 0 && r < gw->comm.size; r++) gw->full |= all[r];
+  int rc = gw->comm.allgather(gw->comm.ctx, &mine, 1, all);
+  *full = 0;
+  for (int r = 0; rc == 0 && r < gw->comm.size; r++) *full |= all[r];
   free(all);
   if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
+  return 0;
+}
+
+/* The rank writer's flags for a step of kind `full` begun with `flags`. */
+static uint32_t rank_flags(int full, uint32_t flags) {
+  return (full ? AMBER_SAVE_FULL : 0u) | (flags & AMBER_SAVE_CONFIRM);
+}
+
+int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t flags) {
+  int planned = gw->plan.set && gw->plan.step == step && gw->plan.flags == flags;
+  gw->plan.set = 0;
+  int rc = check_request(gw, step, flags);
+  if (rc < 0) return rc;
+  double t0 = amber__now();
+  /* A planned step keeps the plan's kind, which every rank voted for already; the
+   * vote runs again so that every begin makes the same collectives, planned or not. */
+  rc = vote_full(gw, planned ? gw->plan.full : want_full(gw, flags), &gw->full);
+  if (rc < 0) return rc;
   gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
   gw->t_begin = t0;
   memset(&gw->stats, 0, sizeof gw->stats);
@@ -415,8 +497,7 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
     if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
   }
   if (rc == 0) {
-    uint32_t wf = (gw->full ? AMBER_SAVE_FULL : 0u) | (flags & AMBER_SAVE_CONFIRM);
-    rc = amber_writer_begin(gw->w, step, wf);
+    rc = amber_writer_begin(gw->w, step, rank_flags(gw->full, flags));
     gw->gated = rc == 0 && (flags & AMBER_SAVE_CONFIRM);
     if (rc < 0) amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
   }
@@ -442,6 +523,127 @@ int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why
   gw->gated = 0;
   int rc = amber_writer_confirm(gw->w, ok, why);
   return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
+}
+
+/* ---- pre-selected tensors: the caller selects on its device ---- */
+
+/* The kind must be the same on every rank, as begin's vote makes it: the same vote
+ * first, then each rank's writer plans its part, and a rank whose writer cannot
+ * make a delta (it found no reference in its store) makes the step full everywhere
+ * (a second exchange, which also carries each rank's failure to all). */
+int amber_global_writer_plan(amber_global_writer *gw, uint64_t step, uint32_t flags,
+                             uint32_t *kind) {
+  if (!gw || !kind)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_plan: NULL argument");
+  gw->plan.set = 0;
+  int rc = check_request(gw, step, flags), full;
+  if (rc < 0) return rc;
+  rc = vote_full(gw, want_full(gw, flags), &full);
+  if (rc < 0) return rc;
+  gw->saved = 1; /* the rank writer is made from the declarations */
+  int lrc = 0, lfull = full;
+  uint32_t k = 0;
+  if (any_local(gw) && (lrc = ensure_writer(gw)) == 0) {
+    lrc = amber_writer_plan(gw->w, step, rank_flags(full, flags), &k);
+    if (lrc < 0) amber__fail(&gw->err, lrc, "%s", amber_last_error(gw->w));
+    lfull = lrc == 0 && k == AMBER_KIND_FULL;
+  }
+  uint8_t mine[8], *all = malloc((size_t)gw->comm.size * sizeof mine);
+  if (!all) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  amber__put32(mine, (uint32_t)lrc), amber__put32(mine + 4, (uint32_t)lfull);
+  if (lrc < 0) { /* the rank's own reason, named as the other ranks name it */
+    char m[sizeof gw->err.msg];
+    snprintf(m, sizeof m, "%s", gw->err.msg);
+    amber__fail(&gw->err, lrc, "step %llu: rank %d cannot plan its part: %s",
+                (unsigned long long)step, gw->comm.rank, m);
+  }
+  rc = gw->comm.allgather(gw->comm.ctx, mine, sizeof mine, all);
+  int bad = -1, brc = 0;
+  for (int r = 0; rc == 0 && r < gw->comm.size; r++) {
+    int rrc = (int)amber__get32(all + 8 * (size_t)r);
+    if (rrc < 0 && bad < 0) bad = r, brc = rrc;
+    full |= amber__get32(all + 8 * (size_t)r + 4) != 0;
+  }
+  free(all);
+  if (rc < 0) return amber__fail(&gw->err, rc, "allgather failed (%s)", amber_strerror(rc));
+  if (bad == gw->comm.rank) return brc;
+  if (bad >= 0)
+    return amber__fail(&gw->err, brc, "step %llu: rank %d cannot plan its part (%s)",
+                       (unsigned long long)step, bad, amber_strerror(brc));
+  /* Another rank made the step full: this rank's writer plans a full part. If that
+   * fails, begin meets the same failure and votes it. */
+  if (full && !lfull && gw->w) amber_writer_plan(gw->w, step, rank_flags(1, flags), &k);
+  gw->plan.set = 1, gw->plan.full = full, gw->plan.step = step, gw->plan.flags = flags;
+  *kind = full ? AMBER_KIND_FULL : AMBER_KIND_DELTA;
+  return 0;
+}
+
+/* The rank writer's index of tensor `index`, or a failure: the tensor is not this
+ * rank's to write, or there is no rank writer yet. */
+static int rank_tensor(const amber_global_writer *gw, amber__err *e, size_t index,
+                       const char *what, size_t *li) {
+  if (index >= gw->nt)
+    return amber__fail(e, AMBER_ERANGE, "%s: tensor index %zu out of range (%zu declared)",
+                       what, index, gw->nt);
+  if (!gw->t[index].local)
+    return amber__fail(e, AMBER_EINVAL, "%s: tensor '%s' is replicated: rank 0 writes it, "
+                       "not rank %d", what, gw->t[index].name, gw->comm.rank);
+  if (!gw->w)
+    return amber__fail(e, AMBER_EINVAL, "%s: tensor '%s': call amber_global_writer_plan "
+                       "first (it makes this rank's writer and fixes the chunking)",
+                       what, gw->t[index].name);
+  *li = local_index(gw, index);
+  return 0;
+}
+
+int amber_global_writer_info(const amber_global_writer *gw, size_t index,
+                             amber_tensor_info *out) {
+  if (!gw || !out)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_info: NULL argument");
+  size_t li = 0;
+  int rc = rank_tensor(gw, NULL, index, "amber_global_writer_info", &li);
+  return rc < 0 ? rc : amber_writer_info(gw->w, li, out);
+}
+
+int amber_global_writer_set_selection(amber_global_writer *gw, size_t index,
+                                      const amber_chunk_sel *chunks, uint64_t nchunks) {
+  if (!gw)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_set_selection: NULL argument");
+  if (gw->busy || gw->committing)
+    return amber__fail(caller_err(gw), AMBER_EBUSY,
+                       "amber_global_writer_set_selection: a save is in progress");
+  size_t li = 0;
+  int rc = rank_tensor(gw, &gw->err, index, "amber_global_writer_set_selection", &li);
+  if (rc == 0 && !gw->t[index].presel)
+    rc = amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s' is not pre-selected (declared "
+                     "with amber_global_writer_add)", gw->t[index].name);
+  if (rc == 0 && (rc = amber_writer_set_selection(gw->w, li, chunks, nchunks)) < 0)
+    amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  return rc;
+}
+
+int amber_global_writer_set_source(amber_global_writer *gw, size_t index,
+                                   amber_chunk_source fn, void *user) {
+  if (!gw) return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_set_source: NULL writer");
+  if (gw->busy || gw->committing)
+    return amber__fail(caller_err(gw), AMBER_EBUSY,
+                       "amber_global_writer_set_source: a save is in progress");
+  if (index >= gw->nt)
+    return amber__fail(&gw->err, AMBER_ERANGE,
+                       "amber_global_writer_set_source: tensor index %zu out of range (%zu "
+                       "declared)", index, gw->nt);
+  gtensor *t = &gw->t[index];
+  if (!t->presel)
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s' is not pre-selected (declared "
+                       "with amber_global_writer_add)", t->name);
+  t->src = fn;
+  t->src_user = fn ? user : NULL;
+  int rc = 0;
+  if (gw->w && t->local &&
+      (rc = amber_writer_set_source(gw->w, local_index(gw, index), fn ? global_source : NULL,
+                                    gw)) < 0)
+    amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
+  return rc;
 }
 
 /* One rank's vote: i32 rc, u32 kind, u64 hash, u64 bytes, u32 present, u16 msg len,

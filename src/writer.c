@@ -56,6 +56,9 @@ typedef struct decl {
   int presel;              /* pre-selected: the caller selects and keeps the reference */
   amber_chunk_sel *sel;    /* pre-selected: the next save's chunks (n_chunks entries) */
   int sel_ready;           /* set_selection since the last save */
+  amber_chunk_source src;  /* pre-selected: asked per chunk when no selection was set */
+  void *src_user;
+  int from_src;            /* the save in progress asks src */
 } decl;
 
 /* The declarations: fixed after the first save, except data, rules and metadata. */
@@ -491,6 +494,44 @@ static void append_job(void *ctx, int worker, size_t j) {
   chunk_done(w, bytes);
 }
 
+/* Checks one chunk's selection as amber_writer_set_selection checks a tensor's:
+ * 0, or a message in `why`. */
+static int bad_sel(const decl *d, uint64_t j, const amber_chunk_sel *sel, int full, char *why,
+                   size_t len) {
+  uint64_t n = amber__chunk_n(&d->t, j), c = sel->count;
+  if (c != AMBER_SELECT_WHOLE && c > n)
+    snprintf(why, len, "tensor '%s', chunk %" PRIu64 ": %" PRIu64 " elements selected of its %" PRIu64,
+             d->t.name, j, c, n);
+  else if (c && n && (!sel->vals || (c != AMBER_SELECT_WHOLE && !sel->idx)))
+    snprintf(why, len, "tensor '%s', chunk %" PRIu64 ": no %s", d->t.name, j,
+             sel->vals ? "indices" : "values");
+  else if (full && c != AMBER_SELECT_WHOLE)
+    snprintf(why, len, "a full checkpoint, but chunk %" PRIu64 " of pre-selected tensor '%s' is not AMBER_SELECT_WHOLE",
+             j, d->t.name);
+  else
+    return 0;
+  return 1;
+}
+
+/* Asks tensor ti's source for chunk jj; a refusal or a bad answer fails the file. */
+static int ask_source(amber_writer *w, int worker, size_t ti, uint64_t jj, amber_chunk_sel *sel) {
+  const decl *d = &w->dc.d[ti];
+  char why[AMBER__ERRLEN];
+  memset(sel, 0, sizeof *sel);
+  int rc = d->src(d->src_user, worker, ti, jj, sel);
+  if (rc) {
+    snprintf(why, sizeof why, "tensor '%s', chunk %" PRIu64 ": its chunk source failed (%d)",
+             d->t.name, jj, rc);
+    amber__ckpt_fail(w->as.out, rc < 0 && rc >= AMBER_ECHANGED ? rc : AMBER_EIO, why);
+    return 1;
+  }
+  if (bad_sel(d, jj, sel, !w->delta, why, sizeof why)) {
+    amber__ckpt_fail(w->as.out, AMBER_EINVAL, why);
+    return 1;
+  }
+  return 0;
+}
+
 static void chunk_job(void *ctx, int worker, size_t j) {
   amber_writer *w = ctx;
   if (stopping(w)) return;
@@ -503,7 +544,14 @@ static void chunk_job(void *ctx, int worker, size_t j) {
                           .zstd_level = w->opts.zstd_level,
                           .compress = (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) != 0};
   if (w->dc.d[ti].presel) { /* the caller's selection; no reference here */
-    amber__chunk_presel(&w->as.ws[worker], &src, &w->dc.d[ti].sel[jj], jj, &w->as.chunks[j]);
+    amber_chunk_sel asked;
+    const amber_chunk_sel *sel = &w->dc.d[ti].sel[jj];
+    if (w->dc.d[ti].from_src) {
+      if (ask_source(w, worker, ti, jj, &asked)) return;
+      sel = &asked;
+    }
+    amber__chunk_presel(&w->as.ws[worker], &src, sel, jj, &w->as.chunks[j]);
+    chunk_done(w, src.n * isz);
     return;
   }
   src.live = w->dc.d[ti].data + off;
@@ -737,10 +785,13 @@ static int check_selections(amber_writer *w, uint64_t step) {
   for (size_t i = 0; i < w->dc.n; i++) {
     const decl *d = &w->dc.d[i];
     if (!d->presel) continue;
+    w->dc.d[i].from_src = !d->sel_ready && d->src;
+    if (d->from_src) continue; /* checked as each chunk is asked for */
     if (!d->sel_ready)
       return amber__fail(&w->err, AMBER_EINVAL,
                          "step %" PRIu64 ": pre-selected tensor '%s' has no selection (call "
-                         "amber_writer_plan, then amber_writer_set_selection before each save)",
+                         "amber_writer_plan, then amber_writer_set_selection before each save, "
+                         "or give it a source: amber_writer_set_source)",
                          step, d->t.name);
     for (uint64_t j = 0; !w->delta && j < d->t.n_chunks; j++)
       if (d->sel[j].count != AMBER_SELECT_WHOLE)
@@ -876,19 +927,27 @@ int amber_writer_info(const amber_writer *w, size_t index, amber_tensor_info *ou
   return 0;
 }
 
+/* Pre-selected tensor `index` for `what` into *out; 0 or the error (in w). */
+static int presel_decl(amber_writer *w, size_t index, const char *what, decl **out) {
+  if (busy(w, what)) return AMBER_EBUSY;
+  if (index >= w->dc.n)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
+                       index, w->dc.n);
+  *out = &w->dc.d[index];
+  if (!(*out)->presel)
+    return amber__fail(&w->err, AMBER_EINVAL,
+                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
+                       (*out)->t.name);
+  return 0;
+}
+
 int amber_writer_set_selection(amber_writer *w, size_t index, const amber_chunk_sel *chunks,
                                uint64_t nchunks) {
   if (!w || (nchunks && !chunks))
     return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_selection: NULL argument");
-  if (busy(w, "amber_writer_set_selection")) return AMBER_EBUSY;
-  if (index >= w->dc.n)
-    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
-                       index, w->dc.n);
-  decl *d = &w->dc.d[index];
-  if (!d->presel)
-    return amber__fail(&w->err, AMBER_EINVAL,
-                       "tensor '%s' is not pre-selected (declared with amber_writer_add)",
-                       d->t.name);
+  decl *d = NULL;
+  int rc = presel_decl(w, index, "amber_writer_set_selection", &d);
+  if (rc) return rc;
   if (!w->dc.frozen)
     return amber__fail(&w->err, AMBER_EINVAL,
                        "tensor '%s': call amber_writer_plan first (it fixes the chunking)",
@@ -898,21 +957,24 @@ int amber_writer_set_selection(amber_writer *w, size_t index, const amber_chunk_
                        "tensor '%s' has %" PRIu64 " chunks of %" PRIu64
                        " elements, but %" PRIu64 " selections were given",
                        d->t.name, d->t.n_chunks, d->t.chunk_elems, nchunks);
-  for (uint64_t j = 0; j < nchunks; j++) {
-    uint64_t n = amber__chunk_n(&d->t, j), c = chunks[j].count;
-    if (c != AMBER_SELECT_WHOLE && c > n)
-      return amber__fail(&w->err, AMBER_EINVAL,
-                         "tensor '%s', chunk %" PRIu64 ": %" PRIu64
-                         " elements selected of its %" PRIu64,
-                         d->t.name, j, c, n);
-    if (c && n && (!chunks[j].vals || (c != AMBER_SELECT_WHOLE && !chunks[j].idx)))
-      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s', chunk %" PRIu64 ": no %s",
-                         d->t.name, j, chunks[j].vals ? "indices" : "values");
-  }
+  char why[AMBER__ERRLEN];
+  for (uint64_t j = 0; j < nchunks; j++)
+    if (bad_sel(d, j, &chunks[j], 0, why, sizeof why))
+      return amber__fail(&w->err, AMBER_EINVAL, "%s", why);
   if (!d->sel && !(d->sel = malloc((size_t)(nchunks ? nchunks : 1) * sizeof *d->sel)))
     return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
   if (nchunks) memcpy(d->sel, chunks, (size_t)nchunks * sizeof *d->sel);
   d->sel_ready = 1;
+  return 0;
+}
+
+int amber_writer_set_source(amber_writer *w, size_t index, amber_chunk_source fn, void *user) {
+  if (!w) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_source: NULL writer");
+  decl *d = NULL;
+  int rc = presel_decl(w, index, "amber_writer_set_source", &d);
+  if (rc) return rc;
+  d->src = fn;
+  d->src_user = fn ? user : NULL;
   return 0;
 }
 

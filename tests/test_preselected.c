@@ -13,6 +13,7 @@
  */
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -448,6 +449,135 @@ static void test_plan_tells_the_kind_of_the_save(void) {
   one_close(&o);
 }
 
+/* A source (amber_writer_set_source) that streams: a full save's chunks are copied
+ * from the "device" (the test's array) into one reused slot per worker, as a GPU's
+ * go through a ring of pinned buffers; a delta's come from dev_select's selection.
+ * It checks that a worker never has two calls in flight and counts the calls. */
+typedef struct streamer {
+  dev *d;
+  int full;
+  int fail;                 /* nonzero: return this from chunk fail_at */
+  uint64_t fail_at;
+  uint8_t *slot[16];        /* one chunk's bytes per worker */
+  int busy[16];
+  int calls, overlap, max_worker;
+  pthread_mutex_t mu;
+} streamer;
+
+static int stream_chunk(void *user, int worker, size_t index, uint64_t j, amber_chunk_sel *sel) {
+  streamer *s = user;
+  (void)index;
+  if (worker < 0 || worker >= 16) return AMBER_ERANGE;
+  pthread_mutex_lock(&s->mu);
+  s->calls++;
+  if (worker > s->max_worker) s->max_worker = worker;
+  if (s->busy[worker]++) s->overlap++;
+  pthread_mutex_unlock(&s->mu);
+  int rc = 0;
+  if (s->fail && j == s->fail_at) {
+    rc = s->fail;
+  } else if (s->full) {
+    size_t base = (size_t)j * s->d->chunk, n = s->d->n - base < s->d->chunk ? s->d->n - base
+                                                                            : s->d->chunk;
+    memcpy(s->slot[worker], s->d->live + base * s->d->w, n * s->d->w);
+    memcpy(s->d->ref + base * s->d->w, s->slot[worker], n * s->d->w);
+    *sel = (amber_chunk_sel){.count = AMBER_SELECT_WHOLE, .vals = s->slot[worker]};
+  } else {
+    *sel = s->d->sel[j];
+  }
+  pthread_mutex_lock(&s->mu);
+  s->busy[worker]--;
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
+/* Saves through a source restore what saves through set_selection restore; the
+ * full ones never hold more than a chunk per worker; a failing source fails the
+ * save, names the tensor and chunk, and commits nothing; a selection given for a
+ * save wins over the source. */
+static void test_a_source_streams_the_chunks(void) {
+  one o;
+  one_open(&o); /* step 1: full, through set_selection */
+  streamer s = {.d = &o.d};
+  pthread_mutex_init(&s.mu, NULL);
+  for (int k = 0; k < 16; k++) s.slot[k] = calloc(CHUNK, 4);
+  CHECK_OK(amber_writer_set_source(o.w, o.i, stream_chunk, &s));
+  uint64_t rng = 7;
+  float *back = calloc(N_P, 4);
+  for (uint64_t step = 2; step <= 7; step++) {
+    step_f32(o.x, N_P, &rng);
+    uint32_t kind, flags = step % 3 == 0 ? AMBER_SAVE_FULL : 0;
+    CHECK_OK(amber_writer_plan(o.w, step, flags, &kind));
+    s.full = kind == AMBER_KIND_FULL;
+    CHECK(s.full == (step % 3 == 0));
+    if (!s.full) dev_select(&o.d, o.w, o.i, 0); /* exact: every change */
+    else CHECK_OK(amber_writer_info(o.w, o.i, &(amber_tensor_info){0}));
+    s.calls = 0;
+    if (step % 2) { /* begin, fence, wait as a training loop does */
+      CHECK_OK(amber_writer_begin(o.w, step, flags));
+      CHECK_OK(amber_writer_wait(o.w));
+    } else {
+      CHECK_OK(amber_writer_save(o.w, step, flags));
+    }
+    CHECK(s.calls == 3); /* once per chunk */
+    CHECK_OK(restore(o.st, "p", back, N_P * 4));
+    CHECK(memcmp(back, o.x, N_P * 4) == 0);
+  }
+  CHECK(s.overlap == 0);
+  /* a source that fails: the code comes back, the store stays at step 7 */
+  s.fail = AMBER_ENOSPC;
+  s.fail_at = 1;
+  step_f32(o.x, N_P, &rng);
+  s.full = 1;
+  CHECK_RC(amber_writer_save(o.w, 8, AMBER_SAVE_FULL), AMBER_ENOSPC);
+  CHECK(strstr(amber_last_error(o.w), "tensor 'p', chunk 1: its chunk source failed") != NULL);
+  CHECK(latest(o.st) == 7);
+  s.fail = 12345; /* not an amber code: AMBER_EIO */
+  CHECK_RC(amber_writer_save(o.w, 8, AMBER_SAVE_FULL), AMBER_EIO);
+  CHECK(latest(o.st) == 7);
+  s.fail = 0;
+  /* a delta answer to a full save is refused */
+  s.full = 0;
+  dev_select(&o.d, o.w, o.i, 0);
+  CHECK_RC(amber_writer_save(o.w, 8, AMBER_SAVE_FULL), AMBER_EINVAL);
+  CHECK(strstr(amber_last_error(o.w), "is not AMBER_SELECT_WHOLE") != NULL);
+  CHECK(latest(o.st) == 7);
+  /* a selection given for the save wins; the source is not asked */
+  uint32_t kind;
+  CHECK_OK(amber_writer_plan(o.w, 8, AMBER_SAVE_FULL, &kind));
+  dev_select(&o.d, o.w, o.i, 1);
+  CHECK_OK(amber_writer_set_selection(o.w, o.i, o.d.sel, o.d.nchunks));
+  s.calls = 0;
+  CHECK_OK(amber_writer_save(o.w, 8, AMBER_SAVE_FULL));
+  CHECK(s.calls == 0);
+  CHECK_OK(restore(o.st, "p", back, N_P * 4));
+  CHECK(memcmp(back, o.x, N_P * 4) == 0);
+  /* removed: the next save has nothing to take */
+  CHECK_OK(amber_writer_set_source(o.w, o.i, NULL, NULL));
+  CHECK_RC(amber_writer_save(o.w, 9, 0), AMBER_EINVAL);
+  CHECK(strstr(amber_last_error(o.w), "has no selection") != NULL);
+  CHECK_RC(amber_writer_set_source(o.w, 5, stream_chunk, &s), AMBER_EINVAL);
+  free(back);
+  for (int k = 0; k < 16; k++) free(s.slot[k]);
+  pthread_mutex_destroy(&s.mu);
+  one_close(&o);
+}
+
+/* A tensor the writer reads itself has no source. */
+static void test_a_source_needs_a_preselected_tensor(void) {
+  amber_store *st = NULL;
+  amber_writer *w = open_writer(&st, tu_tmpdir(), 50);
+  float x[4] = {0};
+  int64_t shape = 4;
+  size_t ic;
+  CHECK_OK(amber_writer_add(w, "c", AMBER_F32, 1, &shape, x, &ic));
+  CHECK_RC(amber_writer_set_source(w, ic, stream_chunk, NULL), AMBER_EINVAL);
+  CHECK(strstr(amber_last_error(w), "not pre-selected") != NULL);
+  CHECK_RC(amber_writer_set_source(NULL, 0, NULL, NULL), AMBER_EINVAL);
+  amber_writer_close(w);
+  amber_store_close(st);
+}
+
 int main(void) {
   TEST_RUN(test_exact_selection_restores_as_the_cpu_path);
   TEST_RUN(test_threshold_selection_restores_as_the_cpu_path);
@@ -456,5 +586,7 @@ int main(void) {
   TEST_RUN(test_bad_counts_are_refused_before_the_save);
   TEST_RUN(test_selection_needs_a_plan_and_a_preselected_tensor);
   TEST_RUN(test_plan_tells_the_kind_of_the_save);
+  TEST_RUN(test_a_source_streams_the_chunks);
+  TEST_RUN(test_a_source_needs_a_preselected_tensor);
   return tu_finish();
 }

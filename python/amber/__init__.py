@@ -725,6 +725,15 @@ _gw_confirm = _fn("amber_global_writer_confirm", c_int, _H, c_int, c_char_p)
 _gw_close = _fn("amber_global_writer_close", None, _H)
 _gw_prune_status = _fn("amber_global_writer_prune_status", c_int, _H, POINTER(c_size_t),
                        POINTER(c_char_p))
+_gw_add_preselected = _fn("amber_global_writer_add_preselected", c_int, _H, c_char_p, c_int,
+                          c_uint32, POINTER(c_int64), POINTER(c_int64), POINTER(c_int64),
+                          c_uint32)
+_gw_plan = _fn("amber_global_writer_plan", c_int, _H, c_uint64, c_uint32, POINTER(c_uint32))
+_gw_info = _fn("amber_global_writer_info", c_int, _H, c_size_t, POINTER(_TensorInfo))
+# the selections: a ctypes array of amber.device's amber_chunk_sel
+_gw_set_selection = _fn("amber_global_writer_set_selection", c_int, _H, c_size_t, c_void_p,
+                        c_uint64)
+_gw_set_source = _fn("amber_global_writer_set_source", c_int, _H, c_size_t, c_void_p, c_void_p)
 _g_is_store = _fn("amber_global_is_store", c_int, c_char_p)
 _g_list = _fn("amber_global_list", c_int, c_char_p, POINTER(POINTER(_GlobalStepInfo)),
               POINTER(c_size_t))
@@ -811,10 +820,11 @@ class GlobalWriter(_Handle):
     GlobalWriter(path, comm=None, **writer options as for Writer). `comm` is an
     object with `rank`, `size`, `allgather(bytes) -> bytes`, `broadcast(bytes,
     root) -> bytes` and `barrier()` (amber.torch's distributed Checkpointer gives
-    one over torch.distributed); None is a job of one rank. Opening, save, begin
-    and wait are collective (every rank calls them, in the same order); add,
-    set_data, set_meta, fence and confirm are this rank's alone. Ownership of the
-    tensors' memory as for Writer."""
+    one over torch.distributed); None is a job of one rank. Opening, save, begin,
+    plan and wait are collective (every rank calls them, in the same order); add,
+    add_preselected, set_data, set_meta, info, set_selection, fence and confirm are
+    this rank's alone. Ownership of the tensors' memory as for Writer; pre-selected
+    tensors (add_preselected, driven by amber.device) as for amber.device."""
 
     def __init__(self, path, comm=None, chunk_elems=0, compress_full=False, zstd_level=0,
                  full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0):
@@ -835,6 +845,7 @@ class GlobalWriter(_Handle):
         self._h = h.value
         self.path = os.fspath(path)
         self.count = 0
+        self._boxes = []  # (offsets, local shape) of each declaration, by index
 
     def _call(self, rc, handle):
         if self._bridge is not None:
@@ -860,8 +871,62 @@ class GlobalWriter(_Handle):
             s, _ = _dims(local_shape if not replicated else global_shape)
             _check(_gw_add(self._handle(), _name_bytes(name), dtype, n, g, o, s, address or None,
                            SHARD_REPLICATED if replicated else 0), self._h)
-            self.count += 1
-            return self.count - 1
+            return self._declared(o, s, n)
+
+    def add_preselected(self, name, dtype, global_shape, offsets, local_shape, replicated=False):
+        """Declares this rank's box of global tensor `name` as pre-selected (the
+        caller selects it on its device: amber.device); as add() without memory.
+        Returns its index."""
+        with self._lock:
+            g, n = _dims(global_shape)
+            o, _ = _dims(offsets if not replicated else [0] * n)
+            s, _ = _dims(local_shape if not replicated else global_shape)
+            _check(_gw_add_preselected(self._handle(), _name_bytes(name), dtype, n, g, o, s,
+                                       SHARD_REPLICATED if replicated else 0), self._h)
+            return self._declared(o, s, n)
+
+    def _declared(self, offsets, shape, ndim):
+        self._boxes.append((tuple(offsets[:ndim]), tuple(shape[:ndim])))
+        self.count += 1
+        return self.count - 1
+
+    def box(self, index):
+        """(offsets, local shape) of declaration `index`: the box of its global
+        tensor that this rank holds (the whole of a replicated one)."""
+        return self._boxes[index]
+
+    def plan(self, step, full=False, confirm=False):
+        """The kind (KIND_FULL or KIND_DELTA) of the next save of `step`, the same
+        on every rank, fixed for a begin() or save() with the same arguments
+        (collective: amber_global_writer_plan)."""
+        flags = (SAVE_FULL if full else 0) | (SAVE_CONFIRM if confirm else 0)
+        kind = c_uint32()
+        with self._lock:
+            self._call(_gw_plan(self._handle(), step, flags, byref(kind)), self._h)
+        return kind.value
+
+    def info(self, index):
+        """TensorInfo of tensor `index` as this rank's writer saves it (its shard's
+        chunking; the policy resolved by the last plan). Not collective."""
+        c = _TensorInfo()
+        with self._lock:
+            _check(_gw_info(self._handle(), index, byref(c)), None)
+        return TensorInfo(index, c)
+
+    def set_selection(self, index, sels, count):
+        """Hands pre-selected tensor `index`'s `count` chunk selections (a ctypes
+        array of amber.device's amber_chunk_sel) to the next save; what they point
+        to must stay until the fence. Not collective."""
+        with self._lock:
+            _check(_gw_set_selection(self._handle(), index, sels, count), self._h)
+
+    def set_source(self, index, fn):
+        """Gives pre-selected tensor `index` a source of selections (a ctypes
+        amber_chunk_source callback, kept alive by the caller; None removes it), asked
+        per chunk by the save when no selection was set. Not collective."""
+        with self._lock:
+            ptr = ctypes.cast(fn, c_void_p) if fn else None
+            _check(_gw_set_source(self._handle(), index, ptr, None), self._h)
 
     def set_data(self, index, address):
         with self._lock:

@@ -24,8 +24,6 @@ Entry points:
   - select(x, r, spec, code, chunk, nchunks): (idx, vals, olds) of a delta's selection
     under policy `spec`, with the reference `r` moved (error feedback) - everything a
     save needs from one pass over live and reference;
-  - whole_chunks(ref, x, idx, vals, olds, chunk, whole): after select(), the chunks
-    that go whole, and what a rollback needs of them;
   - budget(x, r, code, frac, cap, chunk, nchunks, update): the budget policy, per
     chunk. What stays in torch: the threshold's estimation from each chunk's sample
     (device._sample_positions / _sample_d / _budget_threshold, as device._budget_chunk
@@ -216,30 +214,6 @@ def select(x, r, spec, code, chunk, nchunks):
         a, b = _dev._f32_down(a), _dev._f32_down(b)
     idx, vals, olds, _ = run(x, r, k, code, a, b, update=True, vals=True, olds=True)
     return idx, vals, olds
-
-
-def whole_chunks(ref, x, idx, vals, olds, chunk, whole):
-    """After select(), for device._Tensor.select: the chunks `whole` (indices of the
-    chunks whose selection would not be smaller than the chunk, which go whole) are
-    moved whole, the reference taking each of them from `x`. Returns (idx, vals, olds)
-    without those chunks' elements, and wold: [(lo, hi, that chunk of the reference as
-    it was before the save)] - _Tensor.undo's third part, so that a rollback (rb[idx] =
-    olds, then each chunk put back) restores the reference exactly."""
-    if not whole:
-        return idx, vals, olds, []
-    rb, xb = _bits(ref), _bits(x)
-    cid = idx // chunk
-    inw = torch.isin(cid, torch.tensor(whole, dtype=torch.int64, device=idx.device))
-    wold = []
-    for j in whole:
-        lo, hi = j * chunk, min((j + 1) * chunk, x.numel())
-        old = rb[lo:hi].clone()
-        m = cid == j
-        old[idx[m] - lo] = olds[m]  # what select() moved, put back
-        wold.append((lo, hi, old))
-        rb[lo:hi] = xb[lo:hi]
-    keep = ~inw
-    return idx[keep], vals[keep], olds[keep], wold
 
 
 def _budget_plan(x, r, frac, cap, chunk, nchunks):

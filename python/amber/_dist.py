@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 import amber as _amber
 from amber import AmberError, GlobalReader, GlobalWriter
+from amber import device as _device
 from amber import torch as _at
 
 try:
@@ -348,6 +349,10 @@ class DistCheckpointer(_at.Checkpointer):
         self.path = str(path)
         self.store = None
         self._gw = None
+        self._dev = None     # amber.device.DevicePath: this rank's shards on a device
+        self._dev_error = None  # its selection's failure in the step in progress
+        self._zeros = None      # what _stand_in hands over for a full step
+        self._seeds = None   # DevicePath seeded by a load before the first save (_seed)
         self._sig = None
         self._ptrs = []
         self._stage = {}
@@ -412,10 +417,12 @@ class DistCheckpointer(_at.Checkpointer):
             meta_json = json.dumps(meta, allow_nan=False, separators=(",", ":"))
         except Exception as e:  # every rank must learn of it before anyone begins
             err = e
-        sig = None if decl is None else [d[:6] for d in decl]
+        sig = None if decl is None else [d[:6] + (d[6] is None,) for d in decl]
+        devs = {d[0]: d[7] for d in decl or () if d[6] is None}
         votes = self._comm.gather_objects(
             {"err": None if err is None else f"{type(err).__name__}: {err}",
-             "reopen": err is None and (self._sig is None or sig != self._sig)})
+             "reopen": err is None and (self._sig is None or sig != self._sig),
+             "dev": bool(devs)})
         bad = next((r for r, v in enumerate(votes) if v["err"]), None)
         if bad is not None:
             e = AmberError(_amber.ECANCELED, f"step {int(step)} not committed: rank {bad} failed: "
@@ -441,18 +448,54 @@ class DistCheckpointer(_at.Checkpointer):
         self._gated = True
         self._busy = True
         try:
-            w.begin(int(step), full=full, confirm=True)
+            flags = _amber.SAVE_CONFIRM | (_amber.SAVE_FULL if full else 0)
+            if any(v["dev"] for v in votes):  # some rank selects on its device
+                flags, kind = self._plan(int(step), flags)
+                try:
+                    self._dev.select(w, kind, devs)
+                except Exception as e:  # begun all the same (begin is collective): the
+                    self._dev_error = e  # fence refuses this rank's part, wait raises
+                    self._stand_in(kind)
+            w.begin(int(step), full=bool(flags & _amber.SAVE_FULL), confirm=True)
         except BaseException:
-            self._pinned = self._versions = None
+            self._pinned = self._versions = self._dev_error = None
             self._gated = self._busy = False
+            if self._dev is not None:
+                self._dev.rollback()
             raise
         self.timings["save"] = time.perf_counter() - t0
+
+    def _stand_in(self, kind):
+        """After a failed selection: selections that store nothing true (unchanged
+        chunks, or zeros for a full step), so that this rank's part begins as every
+        rank's must, and the fence refuses it with the selection's error. If even
+        these cannot be handed over, the part fails at begin (no selection)."""
+        try:
+            for dt in self._dev.tensors.values():
+                chunk, n, _ = _device.chunking(self._gw, dt.index)
+                sels = (_device._ChunkSel * max(1, n))()
+                if kind == _device.KIND_FULL:
+                    size = chunk * torch.empty(0, dtype=dt.dtype).element_size()
+                    if self._zeros is None or self._zeros.numel() < size:
+                        self._zeros = torch.zeros(max(size, 1), dtype=torch.uint8)
+                    for j in range(n):  # every chunk reads the same zeros
+                        sels[j] = _device._ChunkSel(_device.SELECT_WHOLE, None,
+                                                    self._zeros.data_ptr())
+                _device.set_selection(self._gw, dt.index, sels, n)
+        except Exception:
+            pass
+
+    def _plan(self, step, flags):
+        """The kind of the step for the device path, the same on every rank, and the
+        flags to begin it with (collective; DevicePath.plan_global)."""
+        return self._dev.plan_global(self._gw, self._comm, self.path, step, flags)
 
     def _declare(self, flat, state):
         """Per tensor: (name, dtype, global shape, offsets, local shape, replicated,
         address, local tensor, writes, read in place, the tensor as given). Tensors this rank writes
         and that no optimizer of the state owns are copied into staging buffers,
-        as amber.torch does; the others are read in place until the fence."""
+        as amber.torch does; the others are read in place until the fence. Those
+        that amber.device selects on their device (address None) are neither."""
         owned = _at._owned_storages(state)
         out = []
         with torch.no_grad():
@@ -471,6 +514,10 @@ class DistCheckpointer(_at.Checkpointer):
                     continue
                 if not writes:
                     continue  # a replica of a shard that another rank writes
+                if _device.wanted(local):  # selected on its device: nothing to read here
+                    out.append((name, _at._DTYPES[local.dtype], gshape, off, lshape, repl, None,
+                                local, True, False, t))
+                    continue
                 nbytes = local.numel() * local.element_size()
                 inplace = (local.device.type == "cpu" and local.is_contiguous() and
                            not local.is_conj() and not local.is_neg() and
@@ -498,18 +545,29 @@ class DistCheckpointer(_at.Checkpointer):
             self._gw.close()
             self._gw = None
         self._open_writer()
+        self._dev = _device.DevicePath()
         try:
             for k, v in state.items():  # step counters are never lossy
                 if isinstance(v, torch.optim.Optimizer):
                     self._gw.add_policy(f"{_at._glob_escape(k)}/*/step=exact")
-            for name, dt, gshape, off, lshape, repl, addr, *_ in decl:
-                self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
+            for name, dt, gshape, off, lshape, repl, addr, local, *_ in decl:
+                if addr is None:  # this rank's box, selected on its device
+                    self._dev.declare(self._gw, name, dt, local, global_shape=gshape,
+                                      offsets=off, replicated=repl)
+                    seeded = (self._seeds.tensors if self._seeds else {}).get(name)
+                    dd = self._dev.tensors[name]
+                    if seeded is not None and seeded.shape == dd.shape and \
+                            seeded.dtype == dd.dtype and seeded.device == dd.device:
+                        dd.ref, dd.valid = seeded.ref, True  # seeded by a load before
+                else:
+                    self._gw.add(name, dt, gshape, off, lshape, addr, replicated=repl)
         except BaseException:
             self._gw.close()
             self._gw = None
             raise
         self._sig = sig
         self._ptrs = [d[6] for d in decl]
+        self._seeds = None
 
     def _point(self, decl):
         for i, d in enumerate(decl):
@@ -524,6 +582,8 @@ class DistCheckpointer(_at.Checkpointer):
             return
         t0 = time.perf_counter()
         try:
+            if self._dev is not None:
+                self._dev.fence()  # the device-side selection (an event on CUDA)
             self._gw.fence()
         finally:
             changed = self._changed()
@@ -531,12 +591,15 @@ class DistCheckpointer(_at.Checkpointer):
             self._pinned = self._versions = None
             self.timings["fence"] = time.perf_counter() - t0
             if gated:
+                err = self._dev_error
                 why = "" if changed is None else (
                     f"tensor '{changed}' changed in place after save() and before the fence: "
                     "the checkpoint could hold a torn state, so it was not committed; call "
                     "fence() (or wait()) before changing saved tensors outside optimizer.step()")
+                if err is not None:
+                    why = f"its device selection failed: {type(err).__name__}: {err}"
                 try:
-                    self._gw.confirm(changed is None, why)
+                    self._gw.confirm(changed is None and err is None, why)
                 except AmberError:
                     pass  # the step fails anyway; wait() reports it
 
@@ -550,7 +613,17 @@ class DistCheckpointer(_at.Checkpointer):
         try:
             self.fence()
             self._busy = False
-            self._gw.wait()
+            try:
+                self._gw.wait()
+            except BaseException as e:
+                if self._dev is not None:  # the device references go back as well
+                    self._dev.rollback()
+                err, self._dev_error = self._dev_error, None
+                if err is not None:
+                    raise e from err
+                raise
+            if self._dev is not None:
+                self._dev.commit()
         finally:
             self.timings["wait"] = time.perf_counter() - t0
         if "keep_last" in self._wopts:
@@ -612,6 +685,7 @@ class DistCheckpointer(_at.Checkpointer):
         self._open()
         self.wait()
         self.skipped = 0
+        latest = step is None
         if self._single_store():
             return self._load_single(state, step, strict, fallback)
         if step is None and not _amber.global_steps(self.path):
@@ -651,7 +725,40 @@ class DistCheckpointer(_at.Checkpointer):
                                   f"{g.world_size} ranks: rank {self.rank} keeps its own RNG "
                                   "states", RuntimeWarning, stacklevel=2)
             ld.apply()
+        if strict and latest and not self.skipped:
+            self._seed(state)
         return done
+
+    def _seed(self, state):
+        """After a load of the latest global step: the live tensors hold exactly its
+        restore of this rank's boxes, so the device references are seeded from them,
+        as amber.torch seeds after load(). A Checkpointer that has not declared its
+        tensors yet (a restart: its writer is opened, collectively, by the first
+        save) keeps the seeds until that first save, whose declarations take those
+        that match; a tensor without one reads its boxes back from the store."""
+        try:
+            flat, _ = _at._flatten(state, False, dist=True)
+            live = {}
+            for name, t in flat.tensors:  # the tensors _declare sends to the device path
+                local, _, _, _, writes, repl = _box(t) if _at._is_dtensor(t) else \
+                    (t, None, None, None, True, True)
+                if writes and (self.rank == 0 or not repl) and local.dtype in _at._DTYPES \
+                        and _device.wanted(local):
+                    live[name] = local
+        except (TypeError, ValueError):
+            return
+        if self._dev is not None and self._dev.tensors:
+            self._seeds = None
+            if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
+                   for n, dt in self._dev.tensors.items()):
+                self._dev.seed({n: live[n] for n in self._dev.tensors})
+            return
+        self._seeds = _device.DevicePath()
+        for name, local in live.items():
+            dt = _device._Tensor(name, None, local, _at._DTYPES[local.dtype],
+                                 self._seeds.host_ref)
+            dt.seed(local)
+            self._seeds.tensors[name] = dt
 
     def _agree_on_step(self, step):
         """load(fallback=True): the newest global step (from `step`, default the

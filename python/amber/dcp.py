@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 import amber as _amber
 from amber import AmberError, Store
 from amber import _dist
+from amber import device as _device
 from amber import torch as _at
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
@@ -161,6 +162,8 @@ class Writer(StorageWriter, AsyncStager):
         self._begun = None    # {fqn: name}, objects of a save whose scan has started
         self._staged = None   # Future of the fence of a staged save
         self._pinned = None
+        self._dev = None      # amber.device.DevicePath: tensors selected on their device
+        self._gdev = None     # the same for this rank's shards (many ranks)
         if self._id is not None:
             parse_checkpoint_id(self._id)
 
@@ -289,6 +292,7 @@ class Writer(StorageWriter, AsyncStager):
         except BaseException:
             self._abort()
             raise
+        self._settled(True)
         self._begun = None
         self._staged = None
 
@@ -371,10 +375,14 @@ class Writer(StorageWriter, AsyncStager):
         flat = _at._Flat()
         for name, t in tensors:
             flat.tensor(name, t)
-        sig = [(n, _at._DTYPES[t.dtype], tuple(t.shape)) for n, t in flat.tensors]
+        sig = [(n, _at._DTYPES[t.dtype], tuple(t.shape), _device.wanted(t))
+               for n, t in flat.tensors]
         ptrs, pinned = [], []
         with torch.no_grad():
             for name, t in flat.tensors:
+                if _device.wanted(t):  # selected on its device (amber.device)
+                    ptrs.append(None)
+                    continue
                 if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() \
                         and not t.is_neg():
                     src = t
@@ -390,9 +398,13 @@ class Writer(StorageWriter, AsyncStager):
                 self._w.close()
                 self._w = None
             w = self._store.writer(**self._wopts)
+            self._dev = _device.DevicePath()
             try:
                 for (name, t), p in zip(flat.tensors, ptrs):
-                    w.add(name, _at._DTYPES[t.dtype], t.shape, p)
+                    if p is None:
+                        self._dev.declare(w, name, _at._DTYPES[t.dtype], t)
+                    else:
+                        w.add(name, _at._DTYPES[t.dtype], t.shape, p)
                 for r in self._rules:
                     w.add_policy(r)
             except BaseException:
@@ -401,19 +413,37 @@ class Writer(StorageWriter, AsyncStager):
             self._w, self._sig, self._ptrs = w, sig, list(ptrs)
         else:
             for i, p in enumerate(ptrs):
-                if p != self._ptrs[i]:
+                if p is not None and p != self._ptrs[i]:
                     self._w.set_data(i, p)
                     self._ptrs[i] = p
         self._w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
         self._pinned = pinned
-        self._w.begin(self._target[1], confirm=True)
+        step, flags = self._target[1], 0
+        if self._dev.tensors:  # plan, select on the devices, hand the selections over
+            live = {n: t for n, t in flat.tensors if n in self._dev.tensors}
+            flags, kind = self._dev.plan(self._w, self._store, step, 0, _amber.SAVE_FULL)
+            self._dev.select(self._w, kind, live)
+        try:
+            self._w.begin(step, full=bool(flags & _amber.SAVE_FULL), confirm=True)
+        except BaseException:
+            self._dev.rollback()
+            raise
         self._begun = (names, meta_objects)
 
     def _fence(self):
         try:
+            dev = self._dev if self._gw is None else self._gdev
+            if dev is not None:
+                dev.fence()  # the device-side selection (an event on CUDA)
             (self._gw or self._w).fence()
         finally:
             self._pinned = None
+
+    def _settled(self, ok):
+        """The device references after the save's outcome."""
+        dev = self._dev if self._gw is None else self._gdev
+        if dev is not None:
+            dev.commit() if ok else dev.rollback()
 
     def _abort(self):
         """Drops the save in progress uncommitted."""
@@ -434,6 +464,7 @@ class Writer(StorageWriter, AsyncStager):
             (self._gw or self._w).wait()  # with many ranks: the collective commit, failing
         except AmberError:
             pass
+        self._settled(False)
         self._pinned = None
 
     # -- many ranks: each rank writes its shards through the global writer --
@@ -523,7 +554,7 @@ class Writer(StorageWriter, AsyncStager):
         """Declares this rank's shards (a new global writer, on every rank, when any
         rank's changed), sets its metadata and begins the step (collective). `err`:
         this rank could not even list its part; every rank learns of it here."""
-        rows, pinned, meta_json = [], [], None
+        rows, pinned, meta_json, devs = [], [], None, {}
         try:
             if err is not None:
                 raise err
@@ -540,6 +571,10 @@ class Writer(StorageWriter, AsyncStager):
                         raise TypeError(f"{name}: dtype {t.dtype} is not supported by amber")
                     writes = not repl or self._comm.rank == 0
                     src = t
+                    if writes and _device.wanted(t):  # selected on its device
+                        devs[name] = t
+                        rows.append((name, _at._DTYPES[t.dtype], gshape, off, lshape, repl, None))
+                        continue
                     if writes and not (t.device.type == "cpu" and t.is_contiguous() and
                                        not t.is_conj() and not t.is_neg()):
                         src = self._bufs.get(name)
@@ -554,10 +589,10 @@ class Writer(StorageWriter, AsyncStager):
             meta_json = json.dumps(meta, allow_nan=False, separators=(",", ":"))
         except Exception as e:  # every rank learns of it before any begins
             err = e
-        sig = [r[:6] for r in rows]
+        sig = [r[:6] + (r[6] is None,) for r in rows]
         votes = self._comm.gather_objects(  # every rank's readiness, before any begins
             {"err": None if err is None else f"{type(err).__name__}: {err}",
-             "reopen": self._sig is None or sig != self._sig})
+             "reopen": self._sig is None or sig != self._sig, "dev": bool(devs)})
         bad = next((r for r, v in enumerate(votes) if v["err"]), None)
         if bad is not None:
             raise AmberError(_amber.ECANCELED, f"step {self._target[1]} not saved: rank {bad} "
@@ -565,17 +600,32 @@ class Writer(StorageWriter, AsyncStager):
         if any(v["reopen"] for v in votes):
             self._gw.close()
             self._open_global(self._target[0])
+            self._gdev = _device.DevicePath()
             for name, dt, gshape, off, lshape, repl, p in rows:
-                self._gw.add(name, dt, gshape, off, lshape, p, replicated=repl)
+                if p is None:
+                    self._gdev.declare(self._gw, name, dt, devs[name], global_shape=gshape,
+                                       offsets=off, replicated=repl)
+                else:
+                    self._gw.add(name, dt, gshape, off, lshape, p, replicated=repl)
             self._sig, self._ptrs = sig, [r[6] for r in rows]
         else:
             for i, r in enumerate(rows):
-                if r[6] != self._ptrs[i]:
+                if r[6] is not None and r[6] != self._ptrs[i]:
                     self._gw.set_data(i, r[6])
                     self._ptrs[i] = r[6]
         self._gw.set_meta(meta_json)
         self._pinned = pinned
-        self._gw.begin(self._target[1], confirm=True)
+        step, flags = self._target[1], _amber.SAVE_CONFIRM
+        try:
+            if any(v["dev"] for v in votes):  # some rank selects on its device (collective)
+                flags, kind = self._gdev.plan_global(self._gw, self._comm, self._target[0],
+                                                     step, flags)
+                self._gdev.select(self._gw, kind, devs)
+            self._gw.begin(step, full=bool(flags & _amber.SAVE_FULL), confirm=True)
+        except BaseException:
+            if self._gdev is not None:
+                self._gdev.rollback()
+            raise
         self._begun = (names, meta_objects)
 
     def _write_data_global(self, plan, planner):
@@ -602,7 +652,12 @@ class Writer(StorageWriter, AsyncStager):
                                            storage_data=names.get(item.index.fqn)))
             self._gw.confirm(True)
             self._begun = self._staged = None
-            self._gw.wait()  # the global commit: collective, on every rank
+            try:
+                self._gw.wait()  # the global commit: collective, on every rank
+            except BaseException:
+                self._settled(False)
+                raise
+            self._settled(True)
             fut.set_result(results)
         except BaseException as e:
             self._abort()

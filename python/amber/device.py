@@ -8,8 +8,12 @@ tensor's own device; each delta selects on that device, with torch tensor
 operations, exactly the elements that the C library's scan (src/scan.c) would
 select under the same policy; only their indices and values are compacted and
 copied into reused host buffers (pinned for CUDA), which the library takes as
-pre-selected chunks (amber_writer_set_selection) and encodes, writes and commits
-like any delta. amber.torch uses this path for every tensor that is not on the
+pre-selected chunks (amber_writer_set_selection, or per chunk through a source:
+amber_writer_set_source) and encodes, writes and commits like any delta. A full save
+copies each tensor into its reference on the device and streams the reference out
+chunk by chunk through a ring of one reused host buffer per worker of the save. On
+CUDA a delta's copies run on a side stream after the selection, so the fence waits
+only for the selection's event. amber.torch uses this path for every tensor that is not on the
 CPU, and for every tensor when the environment variable AMBER_DEVICE_PATH=1 is
 set, so that the same tests cover it on any machine.
 
@@ -40,7 +44,7 @@ with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
 import os
 import threading
-from ctypes import POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
+from ctypes import CFUNCTYPE, POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
     c_uint64, c_void_p
 
 import numpy as np
@@ -63,13 +67,32 @@ _plan = _fn("amber_writer_plan", c_int, _H, c_uint64, c_uint32, POINTER(c_uint32
 _info = _fn("amber_writer_info", c_int, _H, c_size_t, POINTER(_TensorInfo))
 _set_selection = _fn("amber_writer_set_selection", c_int, _H, c_size_t, POINTER(_ChunkSel),
                      c_uint64)
+# amber_chunk_source: (user, worker, index, chunk, sel) -> 0 or an AMBER_E* code
+_SOURCE = CFUNCTYPE(c_int, c_void_p, c_int, c_size_t, c_uint64, POINTER(_ChunkSel))
+_set_source = _fn("amber_writer_set_source", c_int, _H, c_size_t, _SOURCE, c_void_p)
 
 
-# ---- the C entry points, on an amber.Writer ------------------------------------------
+# ---- the C entry points, on an amber.Writer or an amber.GlobalWriter ----------------
+#
+# A GlobalWriter's tensors are this rank's shards of global tensors: each function
+# goes to its amber_global_writer_* counterpart (plan is then collective: every rank
+# calls it, in the same order, and gets the same kind).
 
-def add_preselected(writer, name, dtype, shape):
+def _global(writer):
+    return isinstance(writer, _amber.GlobalWriter)
+
+
+def add_preselected(writer, name, dtype, shape, global_shape=None, offsets=None,
+                    replicated=False):
     """Declares a pre-selected tensor on `writer` (amber_writer_add_preselected);
-    returns its index."""
+    returns its index. On a GlobalWriter, `shape` is this rank's box of global
+    tensor `name`, at `offsets` (default: zeros) of `global_shape` (default:
+    `shape`), or the whole of it when `replicated`."""
+    if _global(writer):
+        shape = tuple(int(d) for d in shape)
+        return writer.add_preselected(name, dtype, shape if global_shape is None else global_shape,
+                                      (0,) * len(shape) if offsets is None else offsets, shape,
+                                      replicated)
     with writer._lock:
         shape = tuple(int(d) for d in shape)
         arr = (c_int64 * max(1, len(shape)))(*shape)
@@ -82,7 +105,13 @@ def add_preselected(writer, name, dtype, shape):
 
 def plan(writer, step, flags):
     """The kind (KIND_FULL or KIND_DELTA) of the next save of `step` with `flags`,
-    fixed for it (amber_writer_plan)."""
+    fixed for it (amber_writer_plan; on a GlobalWriter amber_global_writer_plan,
+    collective)."""
+    if _global(writer):
+        if flags & ~(_amber.SAVE_FULL | _amber.SAVE_CONFIRM):
+            raise ValueError(f"a global save takes SAVE_FULL and SAVE_CONFIRM, not {flags:#x}")
+        return writer.plan(step, full=bool(flags & _amber.SAVE_FULL),
+                           confirm=bool(flags & _amber.SAVE_CONFIRM))
     kind = c_uint32()
     with writer._lock:
         _check(_plan(writer._handle(), step, flags, byref(kind)), writer._h)
@@ -91,6 +120,9 @@ def plan(writer, step, flags):
 
 def chunking(writer, index):
     """(chunk_elems, nchunks, policy spec) of tensor `index`, as planned."""
+    if _global(writer):
+        i = writer.info(index)
+        return i.chunk_elems, i.nchunks, i.policy
     i = _TensorInfo()
     with writer._lock:
         _check(_info(writer._handle(), index, byref(i)), writer._h)
@@ -100,8 +132,23 @@ def chunking(writer, index):
 def set_selection(writer, index, sels, count):
     """Hands tensor `index`'s `count` chunk selections (a ctypes array of _ChunkSel)
     to the next save; what they point to must stay until the fence."""
+    if _global(writer):
+        writer.set_selection(index, sels, count)
+        return
     with writer._lock:
         _check(_set_selection(writer._handle(), index, sels, count), writer._h)
+
+
+def set_source(writer, index, fn):
+    """Gives tensor `index` a source of chunk selections (a _SOURCE callback, or None
+    to remove it): the save asks it per chunk when no selection was set
+    (amber_writer_set_source). The caller keeps `fn` alive."""
+    if _global(writer):
+        writer.set_source(index, fn if fn is not None else _SOURCE())
+        return
+    with writer._lock:
+        _check(_set_source(writer._handle(), index, fn if fn is not None else _SOURCE(), None),
+               writer._h)
 
 
 def asynchronous():
@@ -385,27 +432,33 @@ class _Tensor:
             x = x.resolve_neg()
         return x.reshape(-1)  # a copy only when not contiguous
 
-    def select(self, live, full, chunk, nchunks, spec):
-        """Selects this save's chunks (every chunk whole for a full save), moves
-        the reference, fills the host buffers and returns the selections."""
+    def select(self, live, full, chunk, nchunks, spec, direct):
+        """Selects this save's chunks and moves the reference. A full save: the
+        reference takes every value (on the device: a device-to-device copy), and
+        the save streams it out chunk by chunk (DevicePath's source, chunk_ptr);
+        returns (None, []). A delta: returns (the selections, the copies that fill
+        them: (host view, device tensor) pairs); `direct` makes them now, else the
+        caller does, after the selection, on a side stream."""
         x = self._flat(live)
-        sels = (_ChunkSel * max(1, nchunks))()
+        self.chunk = chunk
         if full:
-            host = self.hwhole.get(self.n * self.w)[:self.n * self.w]
-            if self.n:
-                host.view(self.dtype).copy_(x)
-            base = host.data_ptr()
-            for j in range(nchunks):
-                sels[j] = _ChunkSel(SELECT_WHOLE, None, base + j * chunk * self.w)
             if self.ref is None or self.ref.numel() != self.n:
                 self.ref = self._new_ref(x)
-            self.ref.copy_(host.view(self.dtype) if self.host_ref and self.n else x)
+            if self.n:
+                self.ref.copy_(x)  # to pinned host memory (host_ref): waits for the copy
             self.undo = "full"
             self.valid = True
             self.copied = self.n * self.w
-            self.sels = sels
-            return sels, host
-        if self.host_ref:  # chunk by chunk, each chunk's reference copied in
+            self.sels = None
+            return None, []
+        sels = (_ChunkSel * max(1, nchunks))()
+        fused = None  # libamber_cuda's one pass: (idx, vals, olds), the reference moved
+        if not self.host_ref and _kernel_wanted(x):
+            from amber import _cuda
+            fused = _cuda.select(x, self.ref, spec, self.code, chunk, nchunks)
+        if fused is not None:
+            idx = fused[0]
+        elif self.host_ref:  # chunk by chunk, each chunk's reference copied in
             parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
                                           chunk, 1, spec) + o for o in range(0, self.n, chunk)]
             idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
@@ -416,33 +469,52 @@ class _Tensor:
         dense = [1 + (m + 7) // 8 + k * self.w >= m * self.w for k, m in zip(counts, sizes)]
         xb = _bits(x)
         whole = [j for j in range(nchunks) if dense[j] and counts[j]]
+        rb = None if self.host_ref else _bits(self.ref)
+        if fused is not None:  # the old values of whole chunks: the moved ones put back
+            wold = []
+            for j in whole:
+                lo, hi = j * chunk, j * chunk + sizes[j]
+                old, inside = rb[lo:hi].clone(), (idx >= lo) & (idx < hi)
+                old[idx[inside] - lo] = fused[2][inside].view(old.dtype)
+                wold.append((lo, hi, old))
         if whole:
             keep = torch.tensor(dense, device=idx.device)[idx // chunk]
             idx = idx[~keep]
-        vals = xb[idx]
+        if fused is not None:
+            vals, olds = fused[1].view(xb.dtype), fused[2].view(xb.dtype)
+            if whole:
+                vals, olds = vals[~keep], olds[~keep]
+        else:
+            vals = xb[idx]
+        wsrc = xb  # where whole chunks are copied from
         if not self.host_ref:
-            rb = _bits(self.ref)
-            olds = rb[idx]
-            wold = [(j * chunk, j * chunk + sizes[j], rb[j * chunk:j * chunk + sizes[j]].clone())
-                    for j in whole]
-            rb[idx] = vals  # the reference takes what is stored, and only that
+            if fused is None:
+                olds = rb[idx]
+                wold = [(j * chunk, j * chunk + sizes[j],
+                         rb[j * chunk:j * chunk + sizes[j]].clone()) for j in whole]
+                rb[idx] = vals  # the reference takes what is stored, and only that
             for j in whole:
                 rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
             self.undo = (idx, olds, wold)
+            wsrc = rb  # equal to live there now, and unchanged by training until the save ends
         # compact and copy out: indices within their chunk (u32), values, whole chunks
         k = idx.numel()
         hidx = self.hidx.get(4 * k)[:4 * k].view(torch.int32)
         hvals = self.hvals.get(k * self.w)[:k * self.w].view(xb.dtype)
+        copies = []
         if k:
-            hidx.copy_((idx % chunk).to(torch.int32), non_blocking=True)
-            hvals.copy_(vals, non_blocking=True)
+            copies += [(hidx, (idx % chunk).to(torch.int32)), (hvals, vals)]
         nwhole = sum(sizes[j] for j in whole)
         hwhole = self.hwhole.get(nwhole * self.w)[:nwhole * self.w].view(xb.dtype)
         woff, at = {}, 0
         for j in whole:
-            hwhole[at:at + sizes[j]].copy_(xb[j * chunk:j * chunk + sizes[j]], non_blocking=True)
+            copies.append((hwhole[at:at + sizes[j]], wsrc[j * chunk:j * chunk + sizes[j]]))
             woff[j] = at
             at += sizes[j]
+        if direct:
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            copies = []
         self.copied = k * (4 + self.w) + nwhole * self.w
         if self.host_ref:  # moved by finish(), from the host copies, once they are done
             self.pending = (idx.to("cpu", non_blocking=True), hvals,
@@ -457,7 +529,17 @@ class _Tensor:
             sels[j] = _ChunkSel(c, ip + 4 * off if c else None, vp + self.w * off if c else None)
             off += c
         self.sels = sels
-        return sels, (hidx, hvals, hwhole)
+        return sels, copies
+
+    def chunk_ptr(self, j, slot):
+        """The address of chunk j of the reference, for a full save: in place when
+        the reference is in host memory, else copied into `slot` (a _Slot)."""
+        lo = j * self.chunk
+        n = min(self.chunk, self.n - lo)
+        if self.ref.device.type == "cpu" and not _RING_ON_CPU:
+            return self.ref.data_ptr() + lo * self.w
+        src = _bits(self.ref)[lo:lo + n]
+        return slot.fill(src, n * self.w)
 
     def finish(self):
         """host_ref, after the copies: the reference takes what is stored."""
@@ -515,21 +597,104 @@ class _Tensor:
         self.undo = self.sels = self.pending = None
 
 
+# Tests set this to run full saves of CPU tensors through the ring too (as CUDA
+# tensors' go), and deltas through the source after copies made later.
+_RING_ON_CPU = False
+
+
+class _Slot:
+    """One worker's buffer of the ring: a reused host buffer (pinned for CUDA) that
+    holds the chunk the worker is writing, and the stream its copies go on."""
+
+    def __init__(self, pinned):
+        self.host = _Host(pinned)
+        self.stream = None
+        self.ready = None  # the event the copies wait for (the reference's copy)
+
+    def fill(self, src, nbytes):
+        """Copies `src` (a flat tensor of nbytes) into the slot; returns its address."""
+        buf = self.host.get(nbytes)
+        dst = buf[:nbytes].view(src.dtype)
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return buf.data_ptr()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(src.device)
+        with torch.cuda.device(src.device):
+            if self.ready is not None:
+                self.stream.wait_event(self.ready)
+            with torch.cuda.stream(self.stream):
+                dst.copy_(src, non_blocking=True)
+            self.stream.synchronize()  # the worker writes it next
+        return buf.data_ptr()
+
+
 class DevicePath:
-    """The pre-selected tensors of one amber.Writer, by name."""
+    """The pre-selected tensors of one amber.Writer, by name.
+
+    A full save copies each tensor into its reference on its device and hands the
+    library a source (amber_writer_set_source) that streams the reference out
+    chunk by chunk through a ring of reused host buffers, one per worker of the
+    save: no host copy of the whole state is ever held. A delta selects on the
+    device; on CUDA its copies to host memory run on a side stream after the
+    selection, and the library's workers wait for them through the same source,
+    so that fence() waits only for the selection (an event)."""
 
     def __init__(self, host_ref=None):
         # AMBER_DEVICE_REFERENCE=host: references in pinned host memory
         self.host_ref = os.environ.get("AMBER_DEVICE_REFERENCE") == "host" \
             if host_ref is None else host_ref
         self.tensors = {}  # name -> _Tensor
+        self.by_index = {}  # the writer's index -> _Tensor
         self.hold = None   # host buffers of the save in flight
         self.copied = 0    # bytes the last save copied from the devices to the host
+        self.ring = {}     # worker -> _Slot
+        self.ring_bytes = 0  # the most host memory the ring has held
+        self.full = False  # the save in flight is a full one
+        self.selected = None  # CUDA events: the selection of the save in flight is done
+        self.ready = {}       # the same, kept for the ring until the save ends
+        self.copies = None    # CUDA events: its copies to host memory are done
+        self.source_error = None  # what the source raised, for the save's failure
+        self._lock = threading.Lock()
+        self._source = _SOURCE(self._ask)  # kept alive with the writer's tensors
 
-    def declare(self, writer, name, dtype_code, t):
-        index = add_preselected(writer, name, dtype_code, t.shape)
+    def declare(self, writer, name, dtype_code, t, **box):
+        """Declares tensor `t` pre-selected on `writer` (on a GlobalWriter, `box`:
+        global_shape, offsets, replicated, as add_preselected takes them)."""
+        index = add_preselected(writer, name, dtype_code, t.shape, **box)
         self.tensors[name] = _Tensor(name, index, t, dtype_code, self.host_ref)
+        self.by_index[index] = self.tensors[name]
+        set_source(writer, index, self._source)
         return index
+
+    def _ask(self, _user, worker, index, j, sel):
+        """amber_chunk_source: chunk j of tensor `index` for the save in flight."""
+        try:
+            dt = self.by_index[index]
+            if self.full:
+                slot = self.ring.get(worker)
+                if slot is None:
+                    with self._lock:
+                        slot = self.ring[worker] = _Slot(dt.device.type == "cuda")
+                slot.ready = self.ready.get(dt.device)
+                sel[0] = _ChunkSel(SELECT_WHOLE, None, dt.chunk_ptr(j, slot))
+                self.ring_bytes = max(self.ring_bytes,
+                                      sum(s.host.buf.numel() for s in list(self.ring.values())))
+                return 0
+            if dt.sels is None:
+                raise RuntimeError(f"tensor '{dt.name}': no selection for this save")
+            self._await_copies()
+            sel[0] = dt.sels[j]
+            return 0
+        except BaseException as e:  # noqa: BLE001 - never raised into C
+            self.source_error = e
+            return _amber.EIO
+
+    def _await_copies(self):
+        with self._lock:
+            events, self.copies = self.copies, None
+        for e in (events or {}).values():
+            e.synchronize()
 
     def seed(self, live):
         """The live tensors (name -> tensor) hold exactly the latest committed step."""
@@ -538,13 +703,22 @@ class DevicePath:
 
     def load_refs(self, store, step):
         """Reads the references from committed step `step` (the store's latest);
-        False when a tensor is missing or differs."""
+        False when a tensor is missing or differs. `store` is an amber.Store, or the
+        amber.GlobalWriter that declared the tensors: each reference is then this
+        rank's box of its global tensor in global step `step`, read from the shards
+        that hold it (whatever world size wrote them)."""
+        glob = _global(store)
         try:
-            with store.reader(step) as r:
+            with _amber.GlobalReader(store.path, step) if glob else store.reader(step) as r:
                 for name, dt in self.tensors.items():
                     i = r.find(name)
+                    if i is None or r.tensors()[i].dtype != dt.code:
+                        raise KeyError(name)
                     host = torch.empty(dt.n, dtype=dt.dtype)
-                    if dt.n:
+                    if dt.n and glob:
+                        off, shape = store.box(dt.index)
+                        r.read_into(i, off, shape, host.data_ptr(), dt.n * dt.w)
+                    elif dt.n:
                         r.read_into(i, host.data_ptr(), dt.n * dt.w)
                     dt.ref = host if dt.host_ref else host.to(dt.device)
                     dt.valid = True
@@ -571,37 +745,112 @@ class DevicePath:
                 kind = plan(writer, step, flags)
         return flags, kind
 
+    def plan_global(self, gw, comm, path, step, flags):
+        """plan() for a GlobalWriter (collective: every rank calls it, also one with
+        no device tensors): (flags, kind), the same kind on every rank. A delta needs
+        every rank's references: a rank whose references are not valid (a new writer,
+        a failed full step) reads its boxes of the latest global step of the store at
+        `path`; if any rank cannot, the step is full everywhere. `comm` has
+        allgather(bytes) over the ranks (amber._dist's)."""
+        kind = plan(gw, step, flags)
+        if kind != KIND_DELTA:
+            return flags, kind
+        ok = all(dt.valid for dt in self.tensors.values())
+        if not ok:
+            steps = _amber.global_steps(path)
+            ok = bool(steps) and self.load_refs(gw, steps[-1].step)
+        if all(comm.allgather(b"\x01" if ok else b"\x00")):
+            return flags, kind
+        flags |= _amber.SAVE_FULL
+        return flags, plan(gw, step, flags)
+
     def select(self, writer, kind, live):
         """Selects every pre-selected tensor of `live` (name -> tensor) for the
-        planned save and hands the selections to the writer."""
+        planned save and hands the selections to the writer: a full save's and
+        those copied later (CUDA) through the source, the others at once."""
         if not self.tensors:
             return
-        hold = []
+        self.full = kind == KIND_FULL
+        self.source_error = None
+        hold, later = [], []
+        cuda = {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}
         try:
             for name, dt in self.tensors.items():
                 chunk, nchunks, spec = chunking(writer, dt.index)
-                sels, bufs = dt.select(live[name], kind == KIND_FULL, chunk, nchunks, spec)
-                hold.append(bufs)
-                set_selection(writer, dt.index, sels, nchunks)
+                # host_ref moves its reference from the host copies: made at once
+                direct = not _RING_ON_CPU and (dt.device.type != "cuda" or dt.host_ref)
+                sels, copies = dt.select(live[name], self.full, chunk, nchunks, spec, direct)
+                hold.append((sels, copies))
+                if sels is not None and not copies and direct:
+                    set_selection(writer, dt.index, sels, nchunks)
+                later += copies
         except BaseException:
             self.rollback()
             raise
-        for d in {dt.device for dt in self.tensors.values() if dt.device.type == "cuda"}:
-            torch.cuda.current_stream(d).synchronize()  # the library reads the host buffers
+        self.selected = {}
+        for d in cuda:  # the selection is queued on each device's current stream
+            e = torch.cuda.Event()
+            e.record(torch.cuda.current_stream(d))
+            self.selected[d] = e
+        self.ready = dict(self.selected)
+        if later:
+            self.copies = self._copy_out(later)
+        for d in cuda:  # host_ref and direct copies: the library reads them next
+            if any(dt.host_ref or dt.pending for dt in self.tensors.values() if dt.device == d):
+                torch.cuda.current_stream(d).synchronize()
         for dt in self.tensors.values():
             dt.finish()
         self.hold = hold
         self.copied = sum(dt.copied for dt in self.tensors.values())
 
+    def _copy_out(self, copies):
+        """The copies of a delta's selection to host memory: on CUDA on a side
+        stream of each device after its selection (events returned), else now."""
+        events = {}
+        for dst, src in copies:
+            if src.device.type != "cuda":
+                dst.copy_(src)
+                continue
+            d = src.device
+            if d not in events:
+                side = self._side(d)
+                side.wait_event(self.selected[d])
+                events[d] = side
+            with torch.cuda.stream(events[d]):
+                dst.copy_(src, non_blocking=True)
+            src.record_stream(events[d])  # not reused before the copy, whatever happens
+        out = {}
+        for d, side in events.items():
+            e = torch.cuda.Event()
+            e.record(side)
+            out[d] = e
+        return out
+
+    def _side(self, d):
+        if not hasattr(self, "_sides"):
+            self._sides = {}
+        if d not in self._sides:
+            self._sides[d] = torch.cuda.Stream(d)
+        return self._sides[d]
+
+    def fence(self):
+        """Waits until the device-side selection of the save in flight is done:
+        then training may change the tensors (the copies read other buffers)."""
+        events, self.selected = self.selected, None
+        for e in (events or {}).values():
+            e.synchronize()
+
     def commit(self):
         for dt in self.tensors.values():
             dt.commit()
-        self.hold = None
+        self.hold = self.copies = None
+        self.ready = {}
 
     def rollback(self):
         for dt in self.tensors.values():
             dt.rollback()
-        self.hold = None
+        self.hold = self.copies = None
+        self.ready = {}
 
 
 class Background:

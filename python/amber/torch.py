@@ -1010,6 +1010,7 @@ class Checkpointer:
         self._dev = None     # amber.device.DevicePath: the writer's accelerator tensors
         self._dev_job = None    # amber.device.Background: the device selection on a thread
         self._dev_error = None  # its failure, raised by wait()
+        self._inplace = False   # the save in progress reads CPU tensors in place
         self._sig = None
         self._ptrs = []
         self._stage = {}     # name -> reused staging tensor for captured tensors
@@ -1057,6 +1058,7 @@ class Checkpointer:
         flat, meta = _flatten(state, self.rng)
         meta["step"] = int(step)
         scanned = self._prepare(flat, state)
+        self._inplace = bool(scanned)  # the library reads tensors in place until the fence
         w = self._writer
         w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
         self._pinned = [t for _, t in scanned]
@@ -1196,7 +1198,10 @@ class Checkpointer:
                     job.join()
                 except BaseException as e:  # nothing began: wait() raises it
                     self._dev_error = e
-            self._writer.fence()
+            if self._dev is not None:
+                self._dev.fence()  # the device-side selection (an event on CUDA)
+            if self._inplace or self._versions:  # else it reads only its own buffers
+                self._writer.fence()
         finally:
             changed = self._changed()
             gated, self._gated = self._gated, False
@@ -1227,9 +1232,13 @@ class Checkpointer:
                 raise err
             try:
                 self._writer.wait()
-            except BaseException:
+            except BaseException as e:
+                cause = None
                 if self._dev is not None:  # the device references go back as well
+                    cause, self._dev.source_error = self._dev.source_error, None
                     self._dev.rollback()
+                if cause is not None:
+                    raise e from cause
                 raise
             if self._dev is not None:
                 self._dev.commit()

@@ -7,10 +7,11 @@
 # kernel + thread) and on 0.5B parameters (kernel + thread). Output goes to
 # ${OUT:-gpu-out}/ (a log per part).
 #
-# Needs: nvcc, CMake, a Python with torch (CUDA), numpy and pytest; zstd and xxHash
-# headers and libraries where pkg-config finds them (on a machine without them,
-# unpack Debian's libzstd-dev and libxxhash-dev with `dpkg -x` into a prefix and pass
-# it as DEPS=/that/prefix).
+# Needs: nvcc, CMake, a Python with torch (CUDA), numpy and pytest; zstd, xxHash and
+# jansson headers and libraries (pkg-config is not needed). On a machine without them
+# run scripts/gpu-prep here first: it unpacks Debian's packages into .gpu-deps/root,
+# which the device tool carries (carry=[".gpu-deps"]) and DEPS names there:
+#   DEPS=$PWD/.gpu-deps/root OUT=$OUT tests/gpu/run.sh
 #   tests/gpu/run.sh                 # everything
 #   BENCH=0 tests/gpu/run.sh         # the tests only
 set -euo pipefail
@@ -26,16 +27,17 @@ if [ -n "${DEPS:-}" ]; then
 fi
 arch=$($PY -c 'import torch; c = torch.cuda.get_device_capability(); print(f"{c[0]}{c[1]}")')
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DAMBER_TESTS=OFF -DAMBER_CUDA_ARCHS="$arch" \
+  ${DEPS:+-DCMAKE_PREFIX_PATH="$DEPS/usr"} \
   > "$OUT/cmake.log" 2>&1
 cmake --build build-gpu -j "$(nproc)" >> "$OUT/cmake.log" 2>&1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" AMBER_LIBRARY="$PWD/build-gpu/libamber.so"
 $PY -c 'import amber, amber.device as d; print("amber", amber.__file__, "cuda lib", d._cuda_lib())'
 status=0
-# (the glue tests over a model of the kernel need no GPU: they run everywhere)
-$PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py -k "not glue" 2>&1 \
+# (the tests over a model of the kernel need no GPU: make test runs them)
+$PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py -k "not glue and not fused_select" 2>&1 \
   | tee "$OUT/test_cuda_kernel.log" || status=1
-AMBER_DEVICE_ASYNC=1 $PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py -k "restore and not glue" \
-  2>&1 \
+AMBER_DEVICE_ASYNC=1 $PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py \
+  -k "restore and not glue and not fused_select" 2>&1 \
   | tee "$OUT/test_cuda_async.log" || status=1
 AMBER_DEVICE_PATH=1 $PY -m pytest -q -rs tests/python/test_device_path.py 2>&1 \
   | tee "$OUT/test_device_path.log" || status=1

@@ -414,49 +414,59 @@ def test_glue_budget_fills_from_a_cluster(model):
     check(x, r, "budget:0.05", 65536, "cpu")
 
 
-@pytest.mark.parametrize("spec", ["exact", "threshold:1e-3", "budget:0.05:1e-2"])
-def test_glue_select_then_whole_chunks_is_what_select_does(model, spec):
-    """select() + whole_chunks(), as _Tensor.select would use them: the same indices,
-    values and moved reference as the portable selection followed by _Tensor.select's
-    own moves, and an undo that restores the reference."""
-    chunk = 1000
-    x, r = pair(10_000, torch.float32, 3)
-    x[2000:3000] += 1.0  # chunk 2 changes whole: it goes whole
-    nchunks = chunks_of(x.numel(), chunk)
-    want = want_indices(x, r, spec, chunk)
-    counts = torch.bincount(want // chunk, minlength=nchunks).tolist()
-    sizes = [min(chunk, x.numel() - j * chunk) for j in range(nchunks)]
-    whole = [j for j in range(nchunks) if counts[j] and 1 + (sizes[j] + 7) // 8 + counts[j] * 4
-             >= sizes[j] * 4]
-    assert 2 in whole
-    ref = r.clone()
-    idx, vals, olds = _cuda.select(x, ref, spec, CODES[x.dtype], chunk, nchunks)
-    idx, vals, olds, wold = _cuda.whole_chunks(ref, x, idx, vals, olds, chunk, whole)
-    keep = ~torch.isin(want // chunk, torch.tensor(whole))
-    assert torch.equal(idx, want[keep])
-    assert torch.equal(vals, bits(x)[idx]) and torch.equal(olds, bits(r)[idx])
-    moved = bits(r).clone()
-    moved[idx] = bits(x)[idx]
-    for j in whole:
-        moved[j * chunk:(j + 1) * chunk] = bits(x)[j * chunk:(j + 1) * chunk]
-    assert torch.equal(bits(ref), moved)
-    rb = bits(ref)  # _Tensor.rollback
-    rb[idx] = olds
-    for lo, hi, old in wold:
-        rb[lo:hi] = old
-    assert torch.equal(bits(ref), bits(r))
-
-
 @pytest.mark.parametrize("policy", ["exact", "budget:0.05:1e-2", "lossy"])
-def test_glue_in_the_device_path_restores_what_the_cpu_path_restores(tmp_path, monkeypatch,
-                                                                      model, policy):
-    """_Tensor._select_indices' kernel branch (the model standing in for the kernel, on
-    CPU tensors) restores at every step what the CPU path restores."""
+def test_glue_with_the_reference_on_the_host_restores_what_the_cpu_path_restores(
+        tmp_path, monkeypatch, model, policy):
+    """With AMBER_DEVICE_REFERENCE=host, _Tensor._select_indices' kernel branch
+    (indices only, chunk by chunk; the model standing in for the kernel, on CPU
+    tensors) restores at every step what the CPU path restores."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
+    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
+    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
+    calls = []
+    real = _cuda.indices
+    monkeypatch.setattr(_cuda, "indices", lambda *a: calls.append(1) or real(*a))
+    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
+    assert calls, "the kernel branch was not used"
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}: {name} differs"
+
+
+@pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy"])
+def test_the_fused_select_in_the_device_path_restores_what_the_cpu_path_restores(
+        model, tmp_path, monkeypatch, policy):
+    """amber.device's _Tensor.select takes (indices, values, olds) from the fused pass
+    with the reference moved (here over the model, CPU tensors made to take it):
+    the trajectory restores as through the CPU path, dense chunks included, and a
+    failed save puts the reference back as the last committed step restores it."""
     monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
     want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
     monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
     monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
+    calls = []
+    real = _cuda.select
+    monkeypatch.setattr(_cuda, "select", lambda *a: calls.append(1) or real(*a))
     got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
+    assert calls, "the fused select was not used"
     for step, (a, b) in enumerate(zip(want, got), 1):
         for name in a:
             assert a[name] == b[name], f"step {step}: {name} differs"
+    # a failed save: the references go back to what the store restores
+    path = str(tmp_path / "dev")
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(5))
+    with Checkpointer(path + "2", policy=policy, chunk_elems=65536, rng=False) as ck:
+        ck.save(1, {"x": x})
+        ck.wait()
+        x += 0.5 * (torch.rand(x.shape) < 0.01)
+        ck.save(2, {"x": x})
+        ck.wait()
+        ref2 = ck._dev.tensors["x"].ref.clone()
+        x += 1e-2 * torch.randn(x.shape)
+        monkeypatch.setattr(amber.Writer, "begin", lambda *a, **k: (_ for _ in ()).throw(
+            OSError("disk gone")))
+        with pytest.raises(OSError):
+            ck.save(3, {"x": x})
+        assert torch.equal(ck._dev.tensors["x"].ref.view(torch.int32), ref2.view(torch.int32))

@@ -483,6 +483,8 @@ def scenario_dcp(rank, world, d):
             errs = [str(x) for x in getattr(e, "failures", {}).values()] or [str(e)]
             assert errs and all("rank 1 failed" in x for x in errs), errs
         assert [s.step for s in amber.global_steps(f"{d}/x")] == [1, 2, 3, 4]
+        if os.environ.get("AMBER_DEVICE_PATH") == "1":  # the shards went through amber.device
+            assert w._gdev is not None and w._gdev.tensors and w._gdev.copied > 0
     want = full_state(model, opt)
     if rank == 0:
         torch.save(want, f"{d}/x.pt")

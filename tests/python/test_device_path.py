@@ -11,6 +11,11 @@ torch operations, so only the selection crosses to the host.
   an empty tensor.
 - Only the selection crosses: a sparse delta copies a small share of the state.
 - A failed save puts the device reference back as it was (error feedback stays exact).
+- Full saves stream each reference out through a ring of one reused buffer per worker
+  (never a host copy of the whole state) and a delta's copies are taken by the library
+  through the same source once made, as CUDA tensors' are: restores are the same; a
+  source that fails fails the save, commits nothing and names its cause; the fence
+  waits for the selection only, not for the library's encoding.
 - With AMBER_DEVICE_REFERENCE=host the references live in host memory, compared chunk
   by chunk, and restores are the same.
 - With AMBER_DEVICE_ASYNC=1 the selection runs on a thread while training goes on
@@ -47,7 +52,7 @@ def restored(path):
         return {t.name: bytes(r.read(t.index)) for t in r.tensors()}
 
 
-def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7):
+def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7, full_every=100):
     """Saves one seeded AdamW trajectory; returns per step the restored bytes
     of every tensor, the kinds of the checkpoints and the bytes copied out."""
     monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
@@ -55,7 +60,7 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7):
     net = Net()
     opt = torch.optim.AdamW(net.parameters(), lr=3e-2)
     out, copied, live_a = [], [], []
-    ck = Checkpointer(path, policy=policy, chunk_elems=1500, full_every=100, rng=False)
+    ck = Checkpointer(path, policy=policy, chunk_elems=1500, full_every=full_every, rng=False)
     for step in range(1, steps + 1):
         opt.zero_grad()
         net(torch.randn(6, 40)).backward()
@@ -68,7 +73,7 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7):
                 net.a.weight[3, 5] = 0.25
         if step == reopen_at:  # a new Checkpointer: its reference comes from the store
             ck.close()
-            ck = Checkpointer(path, policy=policy, chunk_elems=1500, full_every=100,
+            ck = Checkpointer(path, policy=policy, chunk_elems=1500, full_every=full_every,
                               rng=False)
         ck.save(step, {"net": net, "optim": opt})
         ck.wait()
@@ -273,3 +278,145 @@ def test_selecting_on_a_thread_keeps_the_errors_and_the_gate(tmp_path, monkeypat
         ck.wait()
         q = torch.empty(1 << 18)
         assert ck.load({"p": q}, strict=False) == 3 and torch.equal(q, p.detach())
+
+
+@pytest.mark.parametrize("policy", ["exact", "budget:0.05:2e-2"])
+def test_saves_through_the_ring_restore_the_same(tmp_path, monkeypatch, policy):
+    """As CUDA tensors go (forced here on CPU tensors): full saves stream through the
+    ring, deltas' copies are made after the selection and handed over by the source."""
+    cpu, kinds_cpu, _, _ = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False,
+                                      full_every=3)
+    monkeypatch.setattr(device, "_RING_ON_CPU", True)
+    dev, kinds_dev, copied, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True,
+                                           full_every=3)
+    assert kinds_dev == kinds_cpu and kinds_dev.count("full") >= 3 and "delta" in kinds_dev
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def test_a_full_save_never_holds_the_whole_state_in_host_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setattr(device, "_RING_ON_CPU", True)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(1 << 18)) for _ in range(4)]  # 4 MiB of f32
+    opt = torch.optim.SGD(ps, lr=0.1)
+    chunk = 1 << 14  # 64 KiB
+    with Checkpointer(str(tmp_path / "s"), chunk_elems=chunk, threads=2, rng=False) as ck:
+        for step in range(1, 4):
+            ck.save(step, {"p": ps, "optim": opt}, full=True)
+            ck.wait()
+            saved = [p.detach().clone() for p in ps]
+            with torch.no_grad():
+                for p in ps:
+                    p.add_(0.5)
+        ring = ck._dev.ring_bytes
+        assert 0 < ring <= 2 * max(chunk * 4, 4096), ring  # a chunk per worker at most
+        assert ck._dev.copied >= 4 * (1 << 18) * 4  # every byte went out, through the ring
+        got = [torch.empty(1 << 18) for _ in range(4)]
+        ck.load({"p": got}, strict=False)
+    for g, p in zip(got, saved):
+        assert torch.equal(g, p)
+
+
+def test_a_failing_source_fails_the_save_and_keeps_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setattr(device, "_RING_ON_CPU", True)
+    p = torch.nn.Parameter(torch.arange(1 << 16, dtype=torch.float32))
+    opt = torch.optim.SGD([p], lr=1.0)
+    real = device._Tensor.chunk_ptr
+
+    def lost(self, j, slot):
+        if j == 3:
+            raise OSError("the device was lost")
+        return real(self, j, slot)
+    with Checkpointer(str(tmp_path / "s"), chunk_elems=4096, rng=False) as ck:
+        ck.save(1, {"p": p, "optim": opt})
+        ck.wait()
+        monkeypatch.setattr(device._Tensor, "chunk_ptr", lost)
+        with torch.no_grad():
+            p.add_(1.0)
+        ck.save(2, {"p": p, "optim": opt}, full=True)
+        with pytest.raises(amber.AmberError) as e:
+            ck.wait()
+        assert "chunk 3: its chunk source failed" in str(e.value)
+        assert isinstance(e.value.__cause__, OSError)
+        assert ck.latest() == 1
+        monkeypatch.setattr(device._Tensor, "chunk_ptr", real)
+        with torch.no_grad():
+            p[7] = -1.0
+        ck.save(3, {"p": p, "optim": opt})  # the reference is reloaded from step 1
+        ck.wait()
+        q = torch.empty(1 << 16)
+        assert ck.load({"p": q}, strict=False) == 3 and torch.equal(q, p.detach())
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_fence_waits_for_the_selection_only(tmp_path, monkeypatch, on):
+    """Through the device path the library reads only its own buffers after save(),
+    so the optimizer's fence does not wait for its encoding; the CPU path reads the
+    tensors in place and must."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    calls = []
+    real = amber.Writer.fence
+
+    def counted(self):
+        calls.append(1)
+        return real(self)
+    monkeypatch.setattr(amber.Writer, "fence", counted)
+    p = torch.nn.Parameter(torch.randn(1 << 18))
+    opt = torch.optim.SGD([p], lr=0.1)
+    with Checkpointer(str(tmp_path / "s"), rng=False) as ck:
+        for step in range(1, 4):
+            p.grad = torch.ones_like(p)
+            ck.save(step, {"p": p, "optim": opt})
+            saved = p.detach().clone()
+            opt.step()  # fences the save in flight
+        ck.wait()
+        q = torch.empty(1 << 18)
+        ck.load({"p": q}, strict=False)
+        assert torch.equal(q, saved) and not torch.equal(q, p.detach())
+    assert (len(calls) == 0) == on
+
+
+def dcp_trajectory(path, policy, monkeypatch, on, staged):
+    """dcp.save (or async_save) through amber.dcp.Writer in one process; the restored
+    bytes per step, and whether the device path held the tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from amber.dcp import Writer
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 300), torch.nn.GELU(), torch.nn.Linear(300, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = []
+    with Writer(policy=policy, chunk_elems=2048, full_every=4, full_share=-1) as w:
+        for step in range(1, 8):
+            m(torch.randn(16, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            msd, osd = get_state_dict(m, opt)
+            sd, cid = {"model": msd, "optim": osd}, f"{path}/step-{step}"
+            if staged:
+                resp = dcp.async_save(sd, storage_writer=w, checkpoint_id=cid)
+                resp.staging_completion.result(timeout=30)
+                resp.upload_completion.result(timeout=30)
+            else:
+                dcp.save(sd, storage_writer=w, checkpoint_id=cid)
+            out.append(restored(path))
+        held = bool(w._dev is not None and w._dev.tensors)
+    return out, held
+
+
+@pytest.mark.parametrize("policy,staged", [("exact", False), ("budget:0.05:2e-2", True)])
+def test_the_dcp_writer_takes_the_device_path(tmp_path, monkeypatch, policy, staged):
+    """amber.dcp.Writer selects device tensors on their device too: restores equal
+    those of the CPU path, through dcp.save and dcp.async_save."""
+    cpu, held_cpu = dcp_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False, staged)
+    dev, held_dev = dcp_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True, staged)
+    assert held_dev and not held_cpu
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"

@@ -18,6 +18,23 @@ def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
     the Checkpointer's, the others keep theirs with a warning; many ranks refuse to
     save into a single-process store)."""
     d = str(tmp_path)
+    saved_by_two(d)
+    import dist_worker
+    dist_worker.save_one_process(d)  # stores of one process, loaded at 3 ranks too
+    ranks("dcpload", 3, d)
+
+
+def test_dcp_through_the_device_path_at_two_ranks(tmp_path, monkeypatch):
+    """With AMBER_DEVICE_PATH=1 each rank's shards are selected on their device
+    (amber.device over the global writer's pre-selected tensors): the same steps,
+    kinds and exported state."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    saved_by_two(str(tmp_path))
+
+
+def saved_by_two(d):
+    """2 ranks save through amber.dcp (dist_worker's "dcp"): its steps, their kinds,
+    verify and the exported model against what the ranks saved."""
     ranks("dcp", 2, d)
     ls = cli("ls", f"{d}/x", "--json")
     assert ls.returncode == 0, ls.stderr
@@ -34,9 +51,6 @@ def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
     got, want = load_file(f"{d}/x.safetensors"), torch.load(f"{d}/x.pt")
     model = {k: v for k, v in want.items() if k.startswith("model/")}
     assert model and all(torch.equal(got[k], v) for k, v in model.items())
-    import dist_worker
-    dist_worker.save_one_process(d)  # stores of one process, loaded at 3 ranks too
-    ranks("dcpload", 3, d)
 
 
 def test_dcp_save_and_load_under_torchrun(tmp_path):
