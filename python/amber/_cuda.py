@@ -174,6 +174,8 @@ def run(x, r, kind, code, abs_b=0.0, rel_b=0.0, cap_b=float("inf"), chunk_abs=No
             if update:  # put back what moved, then again with the exact size
                 _bits(r)[oi] = oo
             cap = k
+    if len(_seen) > 4096:  # temporaries (a host reference's chunks) come and go
+        _seen.clear()
     _seen[key] = k
     outs = [oi, ov, oo if olds else None, ok]
     trim = cap > 2 * k + _SMALL  # release a much too large guess
