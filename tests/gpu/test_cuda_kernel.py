@@ -176,7 +176,7 @@ def check_overflow(x, r, spec, dev):
 # ---- with the library, a GPU or not -------------------------------------------------
 
 @lib
-def test_the_library_refuses_bad_arguments_before_any_cuda_call():
+def test_glue_the_library_refuses_bad_arguments_before_any_cuda_call():
     lb = _cuda.lib()
     assert lb.amber_cuda_args_bytes() == ctypes.sizeof(_cuda.Args)
     n = 10_000
@@ -199,7 +199,7 @@ def test_the_library_refuses_bad_arguments_before_any_cuda_call():
 
 @lib
 @pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
-def test_without_a_gpu_a_call_fails_with_a_cuda_error():
+def test_glue_without_a_gpu_a_call_fails_with_a_cuda_error():
     lb = _cuda.lib()
     host = ctypes.create_string_buffer(8)  # not device memory either
     a = _cuda.Args(kind=0, dtype=amber.U8, width=1, count=ctypes.addressof(host))
