@@ -68,7 +68,8 @@ _lib = None  # the loaded library, False when there is none
 def lib():
     """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
     loaded libamber (the package or the build directory). A library without the
-    fused entry point (an older build) counts as none."""
+    fused entry point (an older build), or whose amber_cuda_args is not laid out as
+    Args, counts as none."""
     global _lib
     if _lib is None:
         _lib = False
@@ -87,8 +88,12 @@ def lib():
                 lb.amber_cuda_supports.argtypes = [c_int, c_int]
                 lb.amber_cuda_select.restype = c_int
                 lb.amber_cuda_select.argtypes = [POINTER(Args), c_void_p]
+                lb.amber_cuda_args_bytes.restype = c_uint64
+                lb.amber_cuda_args_bytes.argtypes = []
             except (OSError, AttributeError):
                 continue
+            if lb.amber_cuda_args_bytes() != ctypes.sizeof(Args):
+                continue  # another layout of amber_cuda_args: not this library's
             _lib = lb
             break
     return _lib or None
@@ -169,6 +174,8 @@ def run(x, r, kind, code, abs_b=0.0, rel_b=0.0, cap_b=float("inf"), chunk_abs=No
             if update:  # put back what moved, then again with the exact size
                 _bits(r)[oi] = oo
             cap = k
+    if len(_seen) > 4096:  # temporaries (a host reference's chunks) come and go
+        _seen.clear()
     _seen[key] = k
     outs = [oi, ov, oo if olds else None, ok]
     trim = cap > 2 * k + _SMALL  # release a much too large guess
@@ -271,7 +278,6 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
     idx, vals, olds, keys = run(x, r, KIND_COMPARE, code, 0.0, 0.0, cap_b, chunk_abs, chunk,
                                 vals=True, olds=True, keys=True)
     cid = idx // chunk
-    counts = torch.bincount(cid, minlength=nchunks)
     bud = torch.tensor(budgets, dtype=torch.int64).to(dev)
     # the cut: keep the forced ones and, per chunk, the first `budget` others by
     # (bucket descending, index): the 12-bit histogram cut's choice, ties in index order
@@ -288,8 +294,10 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
     idx, vals, olds = idx[keep], vals[keep], olds[keep]
     # the fill: a strict chunk with fewer candidates than its budget takes more from
     # its band, in index order (the candidates excluded), as fill_band does
-    cl = counts.tolist()
-    fill = [j for j in range(nchunks) if strict[j] and cl[j] < budgets[j]]
+    fill = []
+    if any(strict):  # candidates per chunk: a sync, only where a fill may be needed
+        cl = torch.bincount(cid, minlength=nchunks).tolist()
+        fill = [j for j in range(nchunks) if strict[j] and cl[j] < budgets[j]]
     if fill:
         xb, rb = _bits(x), _bits(r)
         more = []

@@ -379,6 +379,11 @@ uint64_t amber_cuda_tile(void) {
   return TILE;
 }
 
+/* sizeof(amber_cuda_args): a caller's mirror of it (ctypes) checks its layout. */
+uint64_t amber_cuda_args_bytes(void) {
+  return sizeof(amber_cuda_args);
+}
+
 /* Bytes of scratch device memory that a selection of n elements needs. */
 uint64_t amber_cuda_scratch_bytes(uint64_t n) {
   return 8 * (tiles_of(n) + 1);

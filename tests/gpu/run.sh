@@ -33,11 +33,52 @@ cmake --build build-gpu -j "$(nproc)" >> "$OUT/cmake.log" 2>&1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" AMBER_LIBRARY="$PWD/build-gpu/libamber.so"
 $PY -c 'import amber, amber.device as d; print("amber", amber.__file__, "cuda lib", d._cuda_lib())'
 status=0
-$PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py 2>&1 | tee "$OUT/test_cuda_kernel.log" || status=1
-AMBER_DEVICE_ASYNC=1 $PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py -k restore 2>&1 \
+# (the tests over a model of the kernel need no GPU: make test runs them)
+$PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py -k "not glue and not fused_select" 2>&1 \
+  | tee "$OUT/test_cuda_kernel.log" || status=1
+AMBER_DEVICE_ASYNC=1 $PY -m pytest -q -rs tests/gpu/test_cuda_kernel.py \
+  -k "restore and not glue and not fused_select" 2>&1 \
   | tee "$OUT/test_cuda_async.log" || status=1
 AMBER_DEVICE_PATH=1 $PY -m pytest -q -rs tests/python/test_device_path.py 2>&1 \
   | tee "$OUT/test_device_path.log" || status=1
+# one selection of 2^28 elements with 3% changed: the fused kernel against the
+# portable path (time per selection, the count's sync included; GB/s of live and
+# reference read)
+$PY - <<'EOF' 2>&1 | tee "$OUT/kernel_speed.log" || status=1
+import time
+import torch
+import amber
+from amber import _cuda, device
+
+
+def timed(f, reps=5):
+    f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+n = 1 << 28
+for dt, code in [(torch.float32, amber.F32), (torch.bfloat16, amber.BF16)]:
+    r = torch.randn(n, device="cuda").to(dt)
+    d = torch.randn(n, device="cuda") * 1e-2
+    d[torch.rand(n, device="cuda") > 0.03] = 0
+    x = (r.float() + d).to(dt)
+    del d
+    a = device._f32_down(1e-3)
+    tk = timed(lambda: _cuda.indices(x, r, "threshold", code, a, 0.0))
+    tp = timed(lambda: device._candidates(x, r, a, 0.0, float("inf"), False)[0])
+    tb = timed(lambda: _cuda.indices(x, r, "budget", code, 0.01, float("inf"), 1 << 20, n >> 20))
+    ts = timed(lambda: _cuda.select(x, r.clone(), "threshold:1e-3", code, 1 << 20, n >> 20))
+    gb = 2 * n * x.element_size() / 1e9
+    print(f"{dt} n=2^28: kernel threshold {tk * 1e3:.2f} ms ({gb / tk:.0f} GB/s), portable "
+          f"{tp * 1e3:.2f} ms ({gb / tp:.0f} GB/s), kernel budget:0.01 {tb * 1e3:.2f} ms, "
+          f"select with the reference moved (and a clone) {ts * 1e3:.2f} ms")
+    del x, r
+EOF
 if [ "${BENCH:-1}" = 1 ]; then
   $PY bench/gpu_bench.py --size 124m --out "${TMPDIR:-/tmp}/gpu-bench" 2>&1 \
     | tee "$OUT/gpu_bench_124m_portable.log" || status=1

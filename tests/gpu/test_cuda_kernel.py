@@ -14,9 +14,10 @@ tests/gpu/run.sh on a GPU machine; the CUDA tests are skipped without one).
   restores at every step exactly what the same trajectory of CPU tensors saved through
   the CPU path restores.
 - Everywhere, also without a GPU: amber._cuda's glue (budget's per-chunk plan, the
-  cut, the band fill, the reference's move, the overflow's second run) over a model of
-  the kernel on CPU memory (Model, written from the contract in src/cuda/select.cu)
-  selects what the portable path selects."""
+  cut, the band fill, the reference's move, the overflow's second run, whole chunks,
+  the kernel branch of device._Tensor._select_indices in whole trajectories) over a
+  model of the kernel on CPU memory (Model, written from the contract in
+  src/cuda/select.cu) selects what the portable path selects."""
 import ctypes
 
 import pytest
@@ -172,6 +173,40 @@ def check_overflow(x, r, spec, dev):
     assert torch.equal(bits(rg).cpu(), moved)
 
 
+# ---- with the library, a GPU or not -------------------------------------------------
+
+@lib
+def test_glue_the_library_refuses_bad_arguments_before_any_cuda_call():
+    lb = _cuda.lib()
+    assert lb.amber_cuda_args_bytes() == ctypes.sizeof(_cuda.Args)
+    n = 10_000
+    buf = ctypes.create_string_buffer(8 * n)  # never read: refused first
+    p = ctypes.addressof(buf)
+
+    def args(**kw):
+        a = _cuda.Args(kind=1, dtype=amber.F32, width=4, live=p, ref=p, n=n, cap_b=float("inf"),
+                       capacity=n, idx=p, count=p, scratch=p,
+                       scratch_bytes=lb.amber_cuda_scratch_bytes(n))
+        for k, v in kw.items():
+            setattr(a, k, v)
+        return a
+
+    for bad in [dict(dtype=amber.I32), dict(width=3), dict(width=2), dict(count=None),
+                dict(scratch=None), dict(scratch_bytes=8), dict(live=None), dict(idx=None),
+                dict(kind=2), dict(chunk_abs=p, chunk_elems=0), dict(kind=0, width=5)]:
+        assert lb.amber_cuda_select(ctypes.byref(args(**bad)), None) == _cuda.EINVAL, bad
+
+
+@lib
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
+def test_glue_without_a_gpu_a_call_fails_with_a_cuda_error():
+    lb = _cuda.lib()
+    host = ctypes.create_string_buffer(8)  # not device memory either
+    a = _cuda.Args(kind=0, dtype=amber.U8, width=1, count=ctypes.addressof(host))
+    rc = lb.amber_cuda_select(ctypes.byref(a), None)  # n = 0: only the count's memset
+    assert rc < 0
+
+
 # ---- on a GPU ------------------------------------------------------------------------
 
 @cuda
@@ -234,8 +269,8 @@ def test_the_current_stream_is_used():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         xg, rg = x.cuda(), r.cuda()  # queued on s: the kernel must follow them
-        got = kernel_indices(xg, rg, "threshold:1e-3", 65536)
-    assert torch.equal(got.cpu(), want)
+        got = kernel_indices(xg, rg, "threshold:1e-3", 65536).cpu()
+    assert torch.equal(got, want)
 
 
 def run(path, dev, policy, monkeypatch, kernel):
@@ -377,6 +412,27 @@ def test_glue_budget_fills_from_a_cluster(model):
     out = _cuda._budget_plan(x, r, 0.05, float("inf"), 65536, 2)
     assert any(out[3]), "no strict chunk: the case is not tested"
     check(x, r, "budget:0.05", 65536, "cpu")
+
+
+@pytest.mark.parametrize("policy", ["exact", "budget:0.05:1e-2", "lossy"])
+def test_glue_with_the_reference_on_the_host_restores_what_the_cpu_path_restores(
+        tmp_path, monkeypatch, model, policy):
+    """With AMBER_DEVICE_REFERENCE=host, _Tensor._select_indices' kernel branch
+    (indices only, chunk by chunk; the model standing in for the kernel, on CPU
+    tensors) restores at every step what the CPU path restores."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
+    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
+    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
+    calls = []
+    real = _cuda.indices
+    monkeypatch.setattr(_cuda, "indices", lambda *a: calls.append(1) or real(*a))
+    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
+    assert calls, "the kernel branch was not used"
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}: {name} differs"
 
 
 @pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy"])
