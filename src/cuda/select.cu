@@ -368,7 +368,12 @@ static int width_of(int dtype) {
 
 template <typename T, int M>
 static int launch(const amber_cuda_args *a, uint64_t tiles, cudaStream_t s) {
+#ifdef AMBER_CUDA_EMULATOR /* tests/gpu/emu: this source on the CPU, for the tests */
+  (void)s;
+  emu_launch(select_kernel<T, M>, (unsigned)tiles, *a);
+#else
   select_kernel<T, M><<<(unsigned)tiles, THREADS, 0, s>>>(*a);
+#endif
   return check(cudaGetLastError());
 }
 

@@ -19,6 +19,7 @@ tests/gpu/run.sh on a GPU machine; the CUDA tests are skipped without one).
   model of the kernel on CPU memory (Model, written from the contract in
   src/cuda/select.cu) selects what the portable path selects."""
 import ctypes
+import os
 
 import pytest
 import torch
@@ -380,9 +381,29 @@ class Model:
         return 0
 
 
+def _emulated(path):
+    """libamber_cuda's real source built for the CPU emulator (tests/gpu/emu/build.sh),
+    with the signatures amber._cuda gives the real library."""
+    emu = ctypes.CDLL(path)
+    for name, res, args in [("amber_cuda_tile", ctypes.c_uint64, []),
+                            ("amber_cuda_scratch_bytes", ctypes.c_uint64, [ctypes.c_uint64]),
+                            ("amber_cuda_args_bytes", ctypes.c_uint64, []),
+                            ("amber_cuda_supports", ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+                            ("amber_cuda_select", ctypes.c_int,
+                             [ctypes.POINTER(_cuda.Args), ctypes.c_void_p])]:
+        getattr(emu, name).restype = res
+        getattr(emu, name).argtypes = args
+    assert emu.amber_cuda_args_bytes() == ctypes.sizeof(_cuda.Args)
+    assert emu.amber_cuda_tile() == TILE
+    return emu
+
+
 @pytest.fixture
 def model(monkeypatch):
-    monkeypatch.setattr(_cuda, "_lib", Model())
+    """The kernel's contract on the CPU: the Model above, or, with AMBER_CUDA_EMU set to
+    a library built by tests/gpu/emu/build.sh, the kernel's own source emulated."""
+    emu = os.environ.get("AMBER_CUDA_EMU")
+    monkeypatch.setattr(_cuda, "_lib", _emulated(emu) if emu else Model())
 
 
 @pytest.mark.parametrize("dtype", FLOATS + [torch.int32, torch.bool])
