@@ -25,7 +25,7 @@ On a CPU it runs the same path with AMBER_DEVICE_PATH=1 (set here when absent), 
 prints the same table for CPU tensors; there "device-to-host" means the copy out of
 the tensors' memory into amber's buffers. AMBER_DEVICE_ASYNC=1 selects on a thread
 while the next step computes (the stall is then the wait at the fence);
-AMBER_CUDA_KERNEL=1 uses libamber_cuda's kernels for exact and threshold.
+AMBER_CUDA_KERNEL=1 uses libamber_cuda's fused kernel (every policy).
 
     gpu_bench.py [--size 124m|0.5b] [--policy lossy-compact] [--deltas 4] [--quick] [--out DIR]
                  [--threads N]

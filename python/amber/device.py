@@ -38,9 +38,11 @@ A failed full save cannot (it replaced every value), so it marks the reference
 stale, and the next delta reloads it from the store, as the C writer does.
 
 Each step is a few torch operations per tensor (budget: per chunk), so it runs
-on any device. For CUDA tensors under exact and threshold, libamber_cuda
-(src/cuda/select.cu, built by nvcc) selects in two kernels instead; it is used
-with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
+on any device. For CUDA tensors, libamber_cuda (src/cuda/select.cu, built by nvcc;
+amber._cuda) compares, selects, compacts and moves the reference in one pass over
+live and reference instead (budget: the per-chunk estimate and the cut stay torch
+operations); it is used with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked
+it on a GPU.
 """
 import os
 import threading
