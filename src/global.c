@@ -376,17 +376,19 @@ int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule) {
   return 0;
 }
 
-/* (Re)creates the rank's writer from the declarations. */
 /* The rank writer's sources: tensor li of the rank writer is the li-th local one of
  * the global writer, whose source is asked with the global index. */
-static int global_source(void *user, int worker, size_t li, uint64_t chunk, amber_chunk_sel *sel) {
+static int global_source(void *user, int worker, size_t li, uint64_t chunk,
+                         amber_chunk_sel *sel) {
   amber_global_writer *gw = user;
   for (size_t i = 0; i < gw->nt; i++)
     if (gw->t[i].local && li-- == 0)
-      return gw->t[i].src ? gw->t[i].src(gw->t[i].src_user, worker, i, chunk, sel) : AMBER_EINVAL;
+      return gw->t[i].src ? gw->t[i].src(gw->t[i].src_user, worker, i, chunk, sel)
+                          : AMBER_EINVAL;
   return AMBER_ERANGE;
 }
 
+/* (Re)creates the rank's writer from the declarations. */
 static int ensure_writer(amber_global_writer *gw) {
   if (gw->w) return 0;
   int rc = amber_writer_open(&gw->w, gw->st, &gw->opts);

@@ -500,13 +500,16 @@ static int bad_sel(const decl *d, uint64_t j, const amber_chunk_sel *sel, int fu
                    size_t len) {
   uint64_t n = amber__chunk_n(&d->t, j), c = sel->count;
   if (c != AMBER_SELECT_WHOLE && c > n)
-    snprintf(why, len, "tensor '%s', chunk %" PRIu64 ": %" PRIu64 " elements selected of its %" PRIu64,
+    snprintf(why, len,
+             "tensor '%s', chunk %" PRIu64 ": %" PRIu64 " elements selected of its %" PRIu64,
              d->t.name, j, c, n);
   else if (c && n && (!sel->vals || (c != AMBER_SELECT_WHOLE && !sel->idx)))
     snprintf(why, len, "tensor '%s', chunk %" PRIu64 ": no %s", d->t.name, j,
              sel->vals ? "indices" : "values");
   else if (full && c != AMBER_SELECT_WHOLE)
-    snprintf(why, len, "a full checkpoint, but chunk %" PRIu64 " of pre-selected tensor '%s' is not AMBER_SELECT_WHOLE",
+    snprintf(why, len,
+             "a full checkpoint, but chunk %" PRIu64
+             " of pre-selected tensor '%s' is not AMBER_SELECT_WHOLE",
              j, d->t.name);
   else
     return 0;
