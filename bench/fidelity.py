@@ -90,6 +90,26 @@ POLICIES = {
     "mid2": rules("budget:0.04:2.5e-4", "budget:0.04:2.5e-5", "threshold:0:0.15"),
     # the candidate that kept fidelity in an earlier sweep (deltas ~30%)
     "tight-30pct": rules("budget:0.08:1.25e-4", "budget:0.08:1.25e-5", "threshold:0:0.15"),
+    # -- second sweep (per-step scales on the demo at steps 20-200, seed 0: Adam moves
+    # a weight by a median 0.15 lr a step (90th pct. 0.37 lr); |exp_avg| median 1.5e-5,
+    # per-step change median 7e-6 (0.06 sqrt(V)), and it is mostly noise (|M|/sqrt(V)
+    # median 0.15); exp_avg_sq decays ~4.4% a step (1 - beta2) for most elements)
+    # how much of lossy-compact's loss the first moments carry (the v1 run was lost)
+    "v2-M-only": ("exact", M_ + "budget:0.02:2e-4", "*/momentum_buffer=budget:0.02:2e-4"),
+    # ~3%, bytes moved from M to W: W cap 2e-3 -> 1e-3, M budget 2% -> 1%, cap 4e-4
+    "v2-3-W": rules("budget:0.02:1e-3", "budget:0.01:4e-4", "threshold:0:0.5"),
+    # ~3%, bytes moved from W to M: W budget 1% cap 4e-3, M cap 2e-4 -> 1e-4
+    "v2-3-M": rules("budget:0.01:4e-3", "budget:0.02:1e-4", "threshold:0:0.5"),
+    # ~3%, bytes moved from V to W: V rel. 0.5 -> 1.0, W cap 1e-3
+    "v2-3-V": rules("budget:0.02:1e-3", "budget:0.02:2e-4", "threshold:0:1.0"),
+    # W on an absolute threshold only (no 2% floor): a cap of 0.5 lr at the peak, 5 lr
+    # at the end, where a step moves a weight ~10x less, so late deltas are cheap
+    "v2-3-Wthr": rules("threshold:5e-4", "budget:0.01:2e-4", "threshold:0:0.5"),
+    # around lossy (20%): which class's bytes can go
+    "v2-lossy-V0.3": rules("budget:0.04:2.5e-4", "budget:0.04:2.5e-5", "threshold:0:0.3"),
+    "v2-lossy-W5e-4": rules("budget:0.04:5e-4", "budget:0.04:2.5e-5", "threshold:0:0.15"),
+    "v2-lossy-M5e-5": rules("budget:0.04:2.5e-4", "budget:0.02:5e-5", "threshold:0:0.15"),
+    "v2-mid-small": rules("budget:0.04:5e-4", "budget:0.04:5e-5", "threshold:0:0.2", *SMALL),
 }
 
 
