@@ -296,7 +296,8 @@ def summarize(rows, seeds):
             diff = statistics.mean(x["diff"] for x in v)
             worst = max(abs(x["diff"]) for x in v)
             p["K"][k] = {
-                "seeds": len(v), "mean_diff_pct": 100 * diff / mean,
+                "seeds": len(v), "delta_pct": statistics.mean(x["delta_pct"] for x in v),
+                "mean_diff_pct": 100 * diff / mean,
                 "worst_diff_pct": 100 * worst / mean,
                 "mean_diff_sd": diff / sd if sd == sd and sd > 0 else None,
                 # the issue's criterion: within 2 seed sd and within 0.5%
@@ -307,42 +308,64 @@ def summarize(rows, seeds):
     return out
 
 
+def pareto(points):
+    """The (x, y) points that no other point beats on both (smaller is better)."""
+    return sorted(p for p in points
+                  if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in points))
+
+
 def plot(summary, path, steps):
+    """Final eval loss against delta size: one series per K (mean over its seeds,
+    bars from the best to the worst seed, the Pareto front of the means joined), on
+    the band of the uninterrupted runs' seed spread."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401 - matplotlib.ticker below
     u = summary["uninterrupted"]
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(10, 6))
     if u["sd_pct"] == u["sd_pct"]:
-        ax.axhspan(-2 * u["sd_pct"], 2 * u["sd_pct"], color="0.85",
-                   label=f"uninterrupted runs: ±2 sd over {len(u['final_eval'])} seeds")
-        ax.axhspan(-u["sd_pct"], u["sd_pct"], color="0.7", label="±1 sd")
+        ax.axhspan(-2 * u["sd_pct"], 2 * u["sd_pct"], color="0.88",
+                   label=f"uninterrupted runs: ±2 sd over {len(u['final_eval'])} seeds "
+                         f"(sd {u['sd_pct']:.2f}%)")
+        ax.axhspan(-u["sd_pct"], u["sd_pct"], color="0.75", label="±1 sd")
     ax.axhline(0.5, color="tab:red", ls=":", lw=1, label="+0.5%")
     ax.axvline(3.0, color="tab:red", ls="--", lw=1, label="3% of a full checkpoint")
-    marks = {"10": "v", "20": "o", "50": "^"}
-    names = sorted(summary["policies"])
-    for i, name in enumerate(names):
-        p = summary["policies"][name]
-        label = f"{name} (seeds: " + ", ".join(f"{s['seeds']} at K={k}"
-                                                for k, s in p["K"].items()) + ")"
-        for k, s in p["K"].items():
+    style = {"10": ("v", "tab:red"), "20": ("o", "tab:blue"), "50": ("^", "tab:green")}
+    ks = sorted({k for p in summary["policies"].values() for k in p["K"]}, key=int)
+    for j, k in enumerate(ks):
+        marker, color = style.get(k, ("s", f"C{j + 3}"))
+        pts = []
+        for name, p in summary["policies"].items():
+            s = p["K"].get(k)
+            if s is None or name == "exact" or not s["delta_pct"] == s["delta_pct"]:
+                continue
             diffs = [x["diff_pct"] for x in p["runs"][k]]
             m = s["mean_diff_pct"]
-            bars = [[max(0, m - min(diffs))], [max(0, max(diffs) - m)]]
-            ax.errorbar([p["delta_pct"]], [m], yerr=bars,
-                        marker=marks.get(k, "s"), ms=6, color=f"C{i % 10}", capsize=2,
-                        lw=0.8, label=label if k == min(p["K"], key=int) else None)
+            x = s["delta_pct"]
+            pts.append((x, m))
+            ax.errorbar([x], [m], yerr=[[max(0, m - min(diffs))], [max(0, max(diffs) - m)]],
+                        marker=marker, ms=6 if s["seeds"] > 1 else 4, color=color,
+                        mfc=color if s["seeds"] > 1 else "white", capsize=2, lw=0.8)
+            if k == "20" or name in ("lossy", "lossy-compact"):
+                ax.annotate(name, (x, m), fontsize=6, xytext=(4, 2),
+                            textcoords="offset points", color=color)
+        front = pareto(pts)
+        if front:
+            ax.plot(*zip(*front), color=color, lw=1, alpha=0.7,
+                    label=f"K={k} ({steps // int(k) - 1} resumes): Pareto front of the means")
     ax.set_xscale("log")
     ax.set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
     ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("mean delta checkpoint size (% of a full checkpoint)")
     ax.set_ylabel("final eval loss, resumed - uninterrupted (% of it)")
-    ax.set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps\n"
-                 f"(▼ K=10, ● K=20, ▲ K=50; bars: min-max over seeds)", fontsize=9)
+    ax.set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps "
+                 f"(▼ K=10, ● K=20, ▲ K=50)\nfilled: mean of 3 seeds, bars from best to "
+                 f"worst seed; open: seed 0 only; exact: bit-identical (not drawn)",
+                 fontsize=9)
     ax.axhline(0, color="k", lw=0.5)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
@@ -353,7 +376,8 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ks", default="10,20,50")
-    ap.add_argument("--policies", default="exact,lossy,lossy-compact")
+    ap.add_argument("--policies", default="exact,lossy,lossy-compact",
+                    help="comma-separated names, or all (with --report: every cached run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "fidelity"))
     ap.add_argument("--json", default=None, help="default: OUT/fidelity.json")
     ap.add_argument("--png", default=None, help="default: OUT/fidelity.png")
@@ -362,12 +386,18 @@ def main():
     ap.add_argument("--list", action="store_true", help="print the policies and exit")
     ap.add_argument("--report", action="store_true",
                     help="train nothing: JSON and plot from the runs cached in OUT")
+    ap.add_argument("--markdown", action="store_true",
+                    help="also print the summary as a Markdown table (README)")
     a = ap.parse_args()
     if a.list:
         for name, rs in POLICIES.items():
             print(f"{name:22} {' '.join(rs)}")
         return
-    names = [n for n in a.policies.split(",") if n]
+    if a.policies == "all":  # every policy, each set of rules once (mid2 = lossy)
+        seen = set()
+        names = [n for n in POLICIES if not (POLICIES[n] in seen or seen.add(POLICIES[n]))]
+    else:
+        names = [n for n in a.policies.split(",") if n]
     for n in names:
         if n not in POLICIES:
             sys.exit(f"fidelity: unknown policy {n} (--list shows them)")
@@ -422,11 +452,43 @@ def main():
             err = (f"{e['W_rms_lr']:.3f} {e['M_rms_update']:.3f} {e['V_log_mean']:+.3f} "
                    f"{e['V_log_rms']:.3f}" if e else "")
             sds = f"{s['mean_diff_sd']:+.2f}" if s["mean_diff_sd"] is not None else "-"
-            print(f"{name:18}{p['delta_pct']:7.2f}%{k:>4}{s['seeds']:>6}"
+            print(f"{name:18}{s['delta_pct']:7.2f}%{k:>4}{s['seeds']:>6}"
                   f"{s['mean_diff_pct']:+10.3f}%"
                   f"{s['worst_diff_pct']:8.3f}%{sds:>7}"
-                  f"{'yes' if s['fidelity'] else 'no':>10}   {err}")
+                  f"{'yes' if s['fidelity_every_seed'] else 'no':>10}   {err}")
+    if a.markdown:
+        print(markdown(summary))
     print(f"wrote {a.json}, {a.png}")
+
+
+def markdown(summary):
+    """One row per policy: its rules, delta size, and at each K the mean and the
+    worst seed's final eval loss against the uninterrupted run."""
+    ks = sorted({k for p in summary["policies"].values() for k in p["K"]}, key=int)
+    sd = summary["uninterrupted"]["sd_pct"]
+    out = ["| policy | rules (W; M; V) | delta, % of full | "
+           + " | ".join(f"K={k}: mean (worst seed), seeds" for k in ks) + " |",
+           "|---|---|---|" + "---|" * len(ks)]
+    for name, p in sorted(summary["policies"].items(), key=lambda kv: kv[1]["delta_pct"]):
+        r = p["rules"]
+        short = "; ".join(x.split("=", 1)[-1] if "=" in x else x for x in r[:1] + r[1:2] + r[3:4])
+        if len(r) > 5:
+            short += " + " + ", ".join(r[5:])
+        cells = []
+        for k in ks:
+            s = p["K"].get(k)
+            if s is None:
+                cells.append("")
+                continue
+            if all(x["bit_identical"] for x in p["runs"][k]):
+                cells.append(f"bit-identical, {s['seeds']}")
+                continue
+            worst = max((x["diff_pct"] for x in p["runs"][k]), key=abs)
+            ok = "**" if s["fidelity_every_seed"] and s["seeds"] > 1 else ""
+            cells.append(f"{ok}{s['mean_diff_pct']:+.2f}% ({worst:+.2f}%){ok}, {s['seeds']}")
+        out.append(f"| `{name}` | {short} | {p['delta_pct']:.1f}% | " + " | ".join(cells) + " |")
+    out.append(f"\n(bold: within 0.5% and within 2 sd = {2 * sd:.2f}% on every seed)")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
