@@ -110,6 +110,10 @@ POLICIES = {
     "v2-lossy-W5e-4": rules("budget:0.04:5e-4", "budget:0.04:2.5e-5", "threshold:0:0.15"),
     "v2-lossy-M5e-5": rules("budget:0.04:2.5e-4", "budget:0.02:5e-5", "threshold:0:0.15"),
     "v2-mid-small": rules("budget:0.04:5e-4", "budget:0.04:5e-5", "threshold:0:0.2", *SMALL),
+    # v2-lossy-M5e-5 (16.8%, +0.47% on seed 0, lossy's worst seed) with W's floor
+    # halved (the cap 2.5e-4 kept) / with M's cap doubled again
+    "v2-16-Wfloor": rules("budget:0.02:2.5e-4", "budget:0.02:5e-5", "threshold:0:0.15"),
+    "v2-16-M1e-4": rules("budget:0.04:2.5e-4", "budget:0.02:1e-4", "threshold:0:0.15"),
 }
 
 
@@ -329,8 +333,8 @@ def plot(summary, path, steps):
                    label=f"uninterrupted runs: ±2 sd over {len(u['final_eval'])} seeds "
                          f"(sd {u['sd_pct']:.2f}%)")
         ax.axhspan(-u["sd_pct"], u["sd_pct"], color="0.75", label="±1 sd")
-    ax.axhline(0.5, color="tab:red", ls=":", lw=1, label="+0.5%")
-    ax.axvline(3.0, color="tab:red", ls="--", lw=1, label="3% of a full checkpoint")
+    ax.axhline(0.5, color="k", ls=":", lw=1, label="+0.5%")
+    ax.axvline(3.0, color="k", ls="--", lw=1, label="3% of a full checkpoint")
     style = {"10": ("v", "tab:red"), "20": ("o", "tab:blue"), "50": ("^", "tab:green")}
     ks = sorted({k for p in summary["policies"].values() for k in p["K"]}, key=int)
     for j, k in enumerate(ks):
