@@ -319,57 +319,65 @@ def pareto(points):
 
 
 def plot(summary, path, steps):
-    """Final eval loss against delta size: one series per K (mean over its seeds,
-    bars from the best to the worst seed, the Pareto front of the means joined), on
-    the band of the uninterrupted runs' seed spread."""
+    """Final eval loss against delta size: one series per K (filled: mean over every
+    seed, bars from the best to the worst seed, the Pareto front of these means
+    joined; open: one seed only, a screen), on the band of the uninterrupted runs'
+    seed spread; the right panel zooms on the policies near the targets."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401 - matplotlib.ticker below
     u = summary["uninterrupted"]
-    fig, ax = plt.subplots(figsize=(10, 6))
-    if u["sd_pct"] == u["sd_pct"]:
-        ax.axhspan(-2 * u["sd_pct"], 2 * u["sd_pct"], color="0.88",
-                   label=f"uninterrupted runs: ±2 sd over {len(u['final_eval'])} seeds "
-                         f"(sd {u['sd_pct']:.2f}%)")
-        ax.axhspan(-u["sd_pct"], u["sd_pct"], color="0.75", label="±1 sd")
-    ax.axhline(0.5, color="k", ls=":", lw=1, label="+0.5%")
-    ax.axvline(3.0, color="k", ls="--", lw=1, label="3% of a full checkpoint")
+    nseeds = len(u["final_eval"])
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
     style = {"10": ("v", "tab:red"), "20": ("o", "tab:blue"), "50": ("^", "tab:green")}
     ks = sorted({k for p in summary["policies"].values() for k in p["K"]}, key=int)
-    for j, k in enumerate(ks):
-        marker, color = style.get(k, ("s", f"C{j + 3}"))
-        pts = []
-        for name, p in summary["policies"].items():
-            s = p["K"].get(k)
-            if s is None or name == "exact" or not s["delta_pct"] == s["delta_pct"]:
-                continue
-            diffs = [x["diff_pct"] for x in p["runs"][k]]
-            m = s["mean_diff_pct"]
-            x = s["delta_pct"]
-            pts.append((x, m))
-            ax.errorbar([x], [m], yerr=[[max(0, m - min(diffs))], [max(0, max(diffs) - m)]],
-                        marker=marker, ms=6 if s["seeds"] > 1 else 4, color=color,
-                        mfc=color if s["seeds"] > 1 else "white", capsize=2, lw=0.8)
-            if k == "20" or name in ("lossy", "lossy-compact"):
-                ax.annotate(name, (x, m), fontsize=6, xytext=(4, 2),
-                            textcoords="offset points", color=color)
-        front = pareto(pts)
-        if front:
-            ax.plot(*zip(*front), color=color, lw=1, alpha=0.7,
-                    label=f"K={k} ({steps // int(k) - 1} resumes): Pareto front of the means")
-    ax.set_xscale("log")
-    ax.set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.set_xlabel("mean delta checkpoint size (% of a full checkpoint)")
-    ax.set_ylabel("final eval loss, resumed - uninterrupted (% of it)")
-    ax.set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps "
-                 f"(▼ K=10, ● K=20, ▲ K=50)\nfilled: mean of 3 seeds, bars from best to "
-                 f"worst seed; open: seed 0 only; exact: bit-identical (not drawn)",
-                 fontsize=9)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.legend(fontsize=7, loc="upper right")
+    for n, ax in enumerate(axes):
+        if u["sd_pct"] == u["sd_pct"]:
+            ax.axhspan(-2 * u["sd_pct"], 2 * u["sd_pct"], color="0.88",
+                       label=f"uninterrupted runs: ±2 sd over {nseeds} seeds "
+                             f"(sd {u['sd_pct']:.2f}%)")
+            ax.axhspan(-u["sd_pct"], u["sd_pct"], color="0.75", label="±1 sd")
+        ax.axhline(0.5, color="k", ls=":", lw=1, label="+0.5%")
+        ax.axvline(3.0, color="k", ls="--", lw=1, label="3% of a full checkpoint")
+        ax.axhline(0, color="k", lw=0.5)
+        for j, k in enumerate(ks):
+            marker, color = style.get(k, ("s", f"C{j + 3}"))
+            pts = []
+            for name, p in summary["policies"].items():
+                s = p["K"].get(k)
+                if s is None or name == "exact" or not s["delta_pct"] == s["delta_pct"]:
+                    continue
+                diffs = [x["diff_pct"] for x in p["runs"][k]]
+                m, x, full = s["mean_diff_pct"], s["delta_pct"], s["seeds"] == nseeds
+                if full:
+                    pts.append((x, m))
+                ax.errorbar([x], [m], yerr=[[max(0, m - min(diffs))], [max(0, max(diffs) - m)]],
+                            marker=marker, ms=6 if full else 5, color=color,
+                            mfc=color if full else "white", capsize=2, lw=0.8)
+                if (k == "20" or full) and (n == 1 or not 12 < x < 40):
+                    ax.annotate(name, (x, m), fontsize=6.5, xytext=(4, 2),
+                                textcoords="offset points", color=color)
+            front = pareto(pts)
+            if front:
+                ax.plot(*zip(*front), color=color, lw=1, alpha=0.7,
+                        label=f"K={k} ({steps // int(k) - 1} resumes): Pareto front "
+                              f"of the {nseeds}-seed means")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("mean delta checkpoint size (% of a full checkpoint)")
+    axes[0].set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
+    axes[0].set_ylabel("final eval loss, resumed - uninterrupted (% of it)")
+    axes[0].set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps "
+                      f"(▼ K=10, ● K=20, ▲ K=50)\nfilled: mean of {nseeds} seeds, bars "
+                      f"from best to worst seed; open: seed 0 only; exact: bit-identical "
+                      f"(not drawn)", fontsize=9)
+    axes[0].legend(fontsize=7, loc="upper right")
+    axes[1].set_xlim(14, 36)
+    axes[1].set_ylim(-0.1, 1.4)
+    axes[1].set_xticks([15, 17, 20, 25, 30, 35])
+    axes[1].set_title("zoom: the policies near the targets", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
