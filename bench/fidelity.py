@@ -33,7 +33,12 @@ every cached run that the command line selects.
     fidelity.py [--steps 200] [--seeds 3] [--ks 10,20,50] [--policies exact,lossy,...]
                 [--out bench-out/fidelity] [--json docs/fidelity.json]
                 [--png docs/fidelity.png] [--threads 2] [--eval-seqs 256] [--list]
-                [--report]
+                [--report] [--markdown]
+
+`--policies all` selects every policy in POLICIES (each set of rules once); with
+`--report` that rebuilds the JSON and the plot from every cached run. The numbers in
+README were measured with `--threads 1` (the thread count changes the float results:
+runs are compared only with runs of the same count).
 """
 import argparse
 import glob
