@@ -122,6 +122,9 @@ POLICIES = {
     "v2-16-M1e-4": rules("budget:0.04:2.5e-4", "budget:0.02:1e-4", "threshold:0:0.15"),
     # halfway between lossy and v2-lossy-M5e-5 (which failed on seed 2 at +0.63%)
     "v2-18-M3.5e-5": rules("budget:0.04:2.5e-4", "budget:0.03:3.5e-5", "threshold:0:0.15"),
+    # K=10 (19 resumes): lossy fails (+0.52%), tight-30pct keeps it (+0.26%); halfway
+    # between them (caps and budgets at about their geometric mean)
+    "v2-k10-mid": rules("budget:0.06:1.8e-4", "budget:0.06:1.8e-5", "threshold:0:0.15"),
 }
 
 
