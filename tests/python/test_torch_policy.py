@@ -93,7 +93,7 @@ def preset_bound(name, preset="lossy"):
     return bound
 
 
-@pytest.mark.parametrize("preset", ["lossy", "lossy-compact"])
+@pytest.mark.parametrize("preset", ["lossy", "lossy-frequent", "lossy-compact"])
 def test_lossy_presets_keep_their_bounds_and_exact_step_counters(store, preset):
     # full_share off: a chain of deltas even where the preset's deltas are dense
     _, _, truth, kinds = run(store, preset, lr=1e-3, full_share=-1)
