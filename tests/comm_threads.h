@@ -10,10 +10,24 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "amber.h"
+
+/* A check inside a rank's thread: a failure is printed (with the thread's last
+ * amber error) and counted in rank_fails, which the test reads after tc_run. */
+static atomic_int rank_fails;
+
+#define RCHECK(cond)                                                                 \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      fprintf(stderr, "%s:%d: rank check failed: %s (%s)\n", __FILE__, __LINE__, #cond, \
+              amber_last_error(NULL));                                               \
+      atomic_fetch_add(&rank_fails, 1);                                              \
+    }                                                                                \
+  } while (0)
 
 typedef struct tc_world {
   int size;

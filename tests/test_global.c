@@ -21,16 +21,6 @@
 #include "store.h"
 #include "testutil.h"
 
-static atomic_int rank_fails;
-
-#define RCHECK(cond)                                                                 \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      fprintf(stderr, "%s:%d: rank check failed: %s (%s)\n", __FILE__, __LINE__, #cond, \
-              amber_last_error(NULL));                                               \
-      atomic_fetch_add(&rank_fails, 1);                                              \
-    }                                                                                \
-  } while (0)
 
 #define ROWS 12
 #define COLS 10
