@@ -651,13 +651,13 @@ class DevicePath:
         self.hold = None   # host buffers of the save in flight
         self.copied = 0    # bytes the last save copied from the devices to the host
         self.ring = {}     # worker -> _Slot
-        self.ring_bytes = 0  # the most host memory the ring has held
         self.full = False  # the save in flight is a full one
         self.selected = None  # CUDA events: the selection of the save in flight is done
         self.ready = {}       # the same, kept for the ring until the save ends
         self.copies = None    # CUDA events: its copies to host memory are done
         self.source_error = None  # what the source raised, for the save's failure
         self._lock = threading.Lock()
+        self._sides = {}      # device -> the side stream of a delta's copies
         self._source = _SOURCE(self._ask)  # kept alive with the writer's tensors
 
     def declare(self, writer, name, dtype_code, t, **box):
@@ -668,6 +668,11 @@ class DevicePath:
         self.by_index[index] = self.tensors[name]
         set_source(writer, index, self._source)
         return index
+
+    @property
+    def ring_bytes(self):
+        """Host memory the ring holds (its buffers only grow: the most it has held)."""
+        return sum(s.host.buf.numel() for s in list(self.ring.values()))
 
     def _ask(self, _user, worker, index, j, sel):
         """amber_chunk_source: chunk j of tensor `index` for the save in flight."""
@@ -680,8 +685,6 @@ class DevicePath:
                         slot = self.ring[worker] = _Slot(dt.device.type == "cuda")
                 slot.ready = self.ready.get(dt.device)
                 sel[0] = _ChunkSel(SELECT_WHOLE, None, dt.chunk_ptr(j, slot))
-                self.ring_bytes = max(self.ring_bytes,
-                                      sum(s.host.buf.numel() for s in list(self.ring.values())))
                 return 0
             if dt.sels is None:
                 raise RuntimeError(f"tensor '{dt.name}': no selection for this save")
@@ -829,8 +832,6 @@ class DevicePath:
         return out
 
     def _side(self, d):
-        if not hasattr(self, "_sides"):
-            self._sides = {}
         if d not in self._sides:
             self._sides[d] = torch.cuda.Stream(d)
         return self._sides[d]

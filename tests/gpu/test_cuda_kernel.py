@@ -435,25 +435,32 @@ def test_glue_budget_fills_from_a_cluster(model):
     check(x, r, "budget:0.05", 65536, "cpu")
 
 
+def same_as_cpu_path_through(tmp_path, monkeypatch, policy, entry):
+    """run()'s trajectory on CPU tensors through the device path, the kernel branch
+    forced and amber._cuda.`entry` (over the model) counted, restores at every step
+    what the CPU path restores."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")  # (AMBER_DEVICE_REFERENCE is then unused)
+    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
+    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
+    calls = []
+    real = getattr(_cuda, entry)
+    monkeypatch.setattr(_cuda, entry, lambda *a: calls.append(1) or real(*a))
+    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
+    assert calls, f"amber._cuda.{entry} was not used"
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        for name in a:
+            assert a[name] == b[name], f"step {step}: {name} differs"
+
+
 @pytest.mark.parametrize("policy", ["exact", "budget:0.05:1e-2", "lossy"])
 def test_glue_with_the_reference_on_the_host_restores_what_the_cpu_path_restores(
         tmp_path, monkeypatch, model, policy):
     """With AMBER_DEVICE_REFERENCE=host, _Tensor._select_indices' kernel branch
     (indices only, chunk by chunk; the model standing in for the kernel, on CPU
     tensors) restores at every step what the CPU path restores."""
-    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
-    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
-    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
     monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
-    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
-    calls = []
-    real = _cuda.indices
-    monkeypatch.setattr(_cuda, "indices", lambda *a: calls.append(1) or real(*a))
-    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
-    assert calls, "the kernel branch was not used"
-    for step, (a, b) in enumerate(zip(want, got), 1):
-        for name in a:
-            assert a[name] == b[name], f"step {step}: {name} differs"
+    same_as_cpu_path_through(tmp_path, monkeypatch, policy, "indices")
 
 
 @pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy"])
@@ -463,18 +470,7 @@ def test_the_fused_select_in_the_device_path_restores_what_the_cpu_path_restores
     with the reference moved (here over the model, CPU tensors made to take it):
     the trajectory restores as through the CPU path, dense chunks included, and a
     failed save puts the reference back as the last committed step restores it."""
-    monkeypatch.setenv("AMBER_DEVICE_PATH", "0")
-    want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
-    monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
-    monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
-    calls = []
-    real = _cuda.select
-    monkeypatch.setattr(_cuda, "select", lambda *a: calls.append(1) or real(*a))
-    got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
-    assert calls, "the fused select was not used"
-    for step, (a, b) in enumerate(zip(want, got), 1):
-        for name in a:
-            assert a[name] == b[name], f"step {step}: {name} differs"
+    same_as_cpu_path_through(tmp_path, monkeypatch, policy, "select")
     # a failed save: the references go back to what the store restores
     path = str(tmp_path / "dev")
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(5))
