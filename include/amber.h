@@ -48,9 +48,10 @@ extern "C" {
 /* The newest file-format version this library writes and reads (docs/FORMAT.md).
  * Readers accept every minor version of their major; a newer major is refused. A
  * file records the oldest version that describes it: 1.0 unless it holds a
- * tensor of a dtype that 1.1 added (U16, U32, U64). */
+ * tensor of a dtype that 1.1 added (U16, U32, U64), 1.3 when a tensor's policy
+ * has a value code ("@q4": quantized deltas). */
 #define AMBER_FORMAT_MAJOR 1
-#define AMBER_FORMAT_MINOR 2
+#define AMBER_FORMAT_MINOR 3
 
 /* Returns (MAJOR << 16) | (MINOR << 8) | PATCH of the linked library. */
 AMBER_API uint32_t amber_version(void);
@@ -290,8 +291,30 @@ AMBER_API int amber_writer_set_data(amber_writer *w, size_t index, const void *d
  * tensor names; a rule without a pattern matches every tensor. For each tensor the
  * last matching rule wins; with none, the policy is `exact`. Integer and bool
  * tensors are always exact. AMBER_EINVAL with a message for a malformed rule.
- * Rules apply to every later save. */
+ * Rules apply to every later save.
+ *
+ * Quantized deltas: a threshold or budget SPEC followed by `@q8`, `@q4` or `@bf16`
+ * stores each selected change as an 8- or 4-bit code times a step (threshold: half
+ * the element's bound; budget: per 64 selected elements, their largest change over
+ * the largest code, at most CAP) or as a bf16 delta, and moves the reference to
+ * what a restore decodes, so the rounding stays in live - reference like any
+ * change left out; an element a code cannot carry within the bound is stored
+ * whole. `+lead` after @q8/@q4 picks the code farthest in the change's direction
+ * that stays within the bound (for quantities that drift one way). The bound of
+ * the policy holds for every element as without a code. f32, f64, bf16 and f16
+ * tensors are coded; f8 tensors store their selected values whole.
+ *
+ * Units: a threshold's ABS or a budget's CAP written `Nu` (e.g. `threshold:0.5u`)
+ * means N times the tensor's unit, set with amber_writer_set_units (a learning
+ * rate, say); a tensor without a unit is exact under such a rule. */
 AMBER_API int amber_writer_add_policy(amber_writer *w, const char *rule);
+
+/* Sets the units of the first n declared tensors (declaration order) for the
+ * following saves: "Nu" in a rule means N * units[i] for tensor i; 0 means no unit
+ * (the tensor is exact under a rule with units). Each save records its numbers
+ * written out as the tensor's policy. AMBER_EINVAL for a negative or non-finite
+ * unit or n beyond the declared tensors; AMBER_EBUSY during a save. */
+AMBER_API int amber_writer_set_units(amber_writer *w, const double *units, size_t n);
 
 /* Sets the checkpoint's metadata: small non-tensor state (counters,
  * hyper-parameters, ...) as `len` bytes of UTF-8 JSON, stored and returned exactly.
@@ -481,13 +504,40 @@ AMBER_API int amber_writer_save_stats(const amber_writer *w, amber_save_stats *o
 /* amber_chunk_sel.count: every element of the chunk, values in chunk order. */
 #define AMBER_SELECT_WHOLE UINT64_MAX
 
+/* Value codes of a quantized selection (docs/FORMAT.md, "Quantized sparse body"). */
+#define AMBER_QV_Q8 1   /* int8 codes in -127..127 */
+#define AMBER_QV_Q4 2   /* 4-bit codes in -8..7 */
+#define AMBER_QV_BF16 3 /* bf16 deltas */
+
+/* A selection stored quantized: the selected element with ordinal i (its place in
+ * the selection) and reference value r restores to r + codes[i] * (steps[i >>
+ * group_log2] + rel_step * |r|) (Q8, Q4; each operation rounded to the precision
+ * of the dtype's arithmetic: f32, or f64 for f64, then to the dtype), or to r +
+ * codes[i] as a bf16 (BF16), or, escaped, to its value in esc_vals. The caller
+ * quantizes (as src/quant.c does) and moves its own reference to exactly these
+ * values. f32, f64, bf16 and f16 tensors only. */
+typedef struct amber_chunk_qsel {
+  uint32_t mode;        /* AMBER_QV_* */
+  uint32_t group_log2;  /* Q8, Q4: selected elements per step, log2, at most 24; BF16: 0 */
+  float rel_step;       /* Q8, Q4: b of the step; BF16: 0 */
+  const float *steps;   /* Q8, Q4: one step per group of 2^group_log2 elements */
+  const void *codes;    /* count codes: int8_t (Q8, Q4) or uint16_t bf16 bits (BF16);
+                           0 for an escaped element */
+  uint64_t nesc;        /* escaped elements, stored whole */
+  const uint32_t *esc;  /* their ordinals, strictly increasing, each below count */
+  const void *esc_vals; /* their new values, nesc elements of the dtype */
+} amber_chunk_qsel;
+
 /* What one chunk of a pre-selected tensor stores in a save. */
 typedef struct amber_chunk_sel {
   uint64_t count;      /* selected elements (0: unchanged), or AMBER_SELECT_WHOLE */
   const uint32_t *idx; /* count strictly increasing indices within the chunk, each
                           below its element count; ignored for AMBER_SELECT_WHOLE */
   const void *vals;    /* the selected elements' new values, count (or, whole, the
-                          chunk's) elements of the tensor's dtype, little-endian */
+                          chunk's) elements of the tensor's dtype, little-endian;
+                          not read when quant is set */
+  const amber_chunk_qsel *quant; /* NULL, or the selection stored quantized (a delta;
+                          read, with what it points to, as long as idx) */
 } amber_chunk_sel;
 
 /* Declares a pre-selected tensor: as amber_writer_add, without memory to read; each
@@ -714,6 +764,10 @@ AMBER_API int amber_global_writer_set_meta(amber_global_writer *gw, const char *
                                            size_t len);
 /* As amber_writer_add_policy, for this rank's files. */
 AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule);
+/* As amber_writer_set_units, for tensors 0..n-1 in declaration order (the ones
+ * this rank does not write are kept and ignored). Not collective. */
+AMBER_API int amber_global_writer_set_units(amber_global_writer *gw, const double *units,
+                                            size_t n);
 /* Saves global step `step` and commits it. Collective. When it returns 0 on one
  * rank it returns 0 on all, and the step is durable and the store's latest. If any
  * rank fails, every rank returns the same error (the code of the lowest failing

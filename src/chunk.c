@@ -15,6 +15,7 @@
 #include "codec.h"
 #include "internal.h"
 #include "io.h"
+#include "quant.h"
 #include "scan.h"
 
 #define SLICE (256u << 10)
@@ -22,15 +23,16 @@
 int amber__scratch_init(amber__scratch *s, size_t max_bytes, size_t max_elems, int prefault) {
   size_t mb = max_bytes ? max_bytes : 1, zb = amber__zstd_bound(mb + 16);
   size_t ib = max_elems * sizeof(uint32_t);
-  size_t sizes[7] = {ib, ib, mb, mb + 16, zb, mb, zb}, total = 0;
-  for (int k = 0; k < 7; k++) total += (sizes[k] + 63) & ~(size_t)63;
+  size_t qb = 2 * max_elems + 64 + 64; /* codes, then the chunk's step */
+  size_t sizes[8] = {ib, ib, mb, mb + 16, zb, mb, zb, qb}, total = 0;
+  for (int k = 0; k < 8; k++) total += (sizes[k] + 63) & ~(size_t)63;
   s->mem = amber__big_alloc(total);
   s->cctx = amber__zstd_cctx();
   if (!s->mem || !s->cctx) return AMBER_ENOMEM;
   s->mem_size = total;
   if (prefault) amber__big_prefault(s->mem, total);
-  uint8_t *p = s->mem, *at[7];
-  for (int k = 0; k < 7; k++) {
+  uint8_t *p = s->mem, *at[8];
+  for (int k = 0; k < 8; k++) {
     at[k] = p;
     p += (sizes[k] + 63) & ~(size_t)63;
   }
@@ -41,6 +43,8 @@ int amber__scratch_init(amber__scratch *s, size_t max_bytes, size_t max_elems, i
   s->zbuf = at[4];
   s->xbuf = at[5];
   s->zx = at[6];
+  s->qcodes = at[7];
+  s->qsteps = (float *)(void *)(at[7] + ((2 * max_elems + 63) & ~(size_t)63));
   return 0;
 }
 
@@ -95,6 +99,40 @@ void amber__chunk_full(amber__scratch *s, const amber__chunk_src *src, amber__ch
   amber__ckpt_append(src->out, c, ref, bytes);
 }
 
+/* A quantized policy's chunk after its scan selected k > 0 elements (and left the
+ * reference alone there): quantize, then store the QSPARSE body, or the whole
+ * chunk (RAW) when that is smaller, the reference then taking every live value. */
+static void quant_chunk(amber__scratch *s, const amber__chunk_src *src, const amber__policy *p,
+                        size_t k, amber__chunk *c) {
+  size_t isz = amber_dtype_size(src->dtype), n = src->n, bytes = n * isz, blen, plen = 0;
+  /* after the scan, keys and xbuf are free: escapes' positions and values go there */
+  amber__qbuf qb = {.codes = s->qcodes, .steps = s->qsteps, .esc = s->keys,
+                    .esc_vals = s->xbuf};
+  amber__qsel q;
+  amber__quantize(p, src->dtype, src->ref, s->idx, s->vals, k, &qb, &q);
+  if (amber__qsparse_bound(n, &q, isz) <= bytes + 16) { /* the body fits s->body */
+    blen = amber__qsparse_encode(s->body, &q, n, isz);
+    if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
+                             s->body, blen, &plen) != 0) {
+      char why[AMBER__ERRLEN];
+      snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", src->name);
+      amber__ckpt_fail(src->out, AMBER_ENOMEM, why);
+      return;
+    }
+  }
+  if (plen && plen < bytes) {
+    c->encoding = AMBER__ENC_QSPARSE;
+    c->checksum = amber__xxh3(s->zbuf, plen);
+    amber__ckpt_append(src->out, c, s->zbuf, plen);
+    return;
+  }
+  memcpy(src->ref, src->live, bytes);
+  c->encoding = AMBER__ENC_RAW;
+  c->stored = n;
+  c->checksum = amber__xxh3(src->ref, bytes);
+  amber__ckpt_append(src->out, c, src->ref, bytes);
+}
+
 /* Delta chunk: scan under the tensor's policy, then store nothing (UNCHANGED),
  * the selected elements (SPARSE), the XOR with the reference (exact policy, when
  * smaller), or the whole chunk (RAW, when denser than sparse pays). */
@@ -116,6 +154,9 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
      * moves one element per save: without a CAP it would otherwise never move. */
     if (!a.budget && rule->policy.frac > 0) a.budget = 1;
   }
+  int quant = rule && rule->policy.qmode && a.kind != AMBER__SCAN_EXACT &&
+              amber__quant_dtype(src->dtype);
+  a.defer = quant;
   double t0 = amber__now();
   size_t k = amber__scan(&a);
   double t1 = amber__now();
@@ -125,6 +166,11 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
     c->encoding = AMBER__ENC_UNCHANGED;
     c->checksum = 0;
     amber__ckpt_append(src->out, c, NULL, 0);
+    s->encode_s += amber__now() - t1;
+    return;
+  }
+  if (quant) {
+    quant_chunk(s, src, &rule->policy, k, c);
     s->encode_s += amber__now() - t1;
     return;
   }

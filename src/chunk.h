@@ -3,7 +3,8 @@
  * beside the scan (scan.c) that selects what a delta stores. A full chunk copies
  * live into the reference and stores it raw or shuffled+zstd; a delta chunk
  * scans live against the reference under the tensor's policy and stores nothing,
- * the selected elements, their XOR, or the whole chunk. Each builder appends the
+ * the selected elements (whole, or quantized: quant.c), their XOR, or the whole
+ * chunk. Each builder appends the
  * payload to the checkpoint file being written (ckpt.c) and fills the chunk's
  * entry. Workers call them in parallel, each with its own scratch.
  */
@@ -23,6 +24,8 @@ typedef struct amber__scratch {
   size_t mem_size;
   uint8_t *vals, *body, *zbuf, *xbuf, *zx;
   uint32_t *keys, *idx;
+  uint8_t *qcodes; /* a quantized chunk's codes (2 bytes an element), then its steps */
+  float *qsteps;
   void *cctx;
   double scan_s, encode_s; /* this save's time in each phase */
 } amber__scratch;

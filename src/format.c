@@ -107,10 +107,14 @@ int amber__footer_decode(amber__err *e, const char *what, const uint8_t *in,
 }
 
 uint16_t amber__format_minor_for(const amber__tensor *t, uint64_t n) {
-  for (uint64_t i = 0; i < n; i++)
+  uint16_t minor = 0;
+  for (uint64_t i = 0; i < n; i++) {
+    /* a policy with a value code ("@q4") may store QSPARSE chunks (1.3) */
+    if (t[i].policy && strchr(t[i].policy, '@')) return 3;
     if (t[i].dtype == AMBER_U16 || t[i].dtype == AMBER_U32 || t[i].dtype == AMBER_U64)
-      return 1;
-  return 0;
+      minor = 1;
+  }
+  return minor;
 }
 
 static uint64_t tensor_entry_size(const amber__tensor *t) {

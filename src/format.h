@@ -26,7 +26,8 @@ enum {
   AMBER__ENC_UNCHANGED = 2,
   AMBER__ENC_SPARSE = 3,
   AMBER__ENC_XOR_ZSTD = 4,
-  AMBER__ENC_COUNT = 5
+  AMBER__ENC_QSPARSE = 5, /* format 1.3 */
+  AMBER__ENC_COUNT = 6
 };
 
 typedef struct amber__header {

@@ -32,6 +32,7 @@ typedef struct gtensor {
   int presel; /* pre-selected: the caller selects, and keeps its reference */
   amber_chunk_source src; /* pre-selected: its source of selections, or NULL */
   void *src_user;
+  double unit; /* amber_global_writer_set_units */
 } gtensor;
 
 struct amber_global_writer {
@@ -388,6 +389,35 @@ static int global_source(void *user, int worker, size_t li, uint64_t chunk,
   return AMBER_ERANGE;
 }
 
+/* Gives the rank writer the units of its tensors. */
+static int push_units(amber_global_writer *gw) {
+  double stack[256] = {0}, *u = stack;
+  size_t nl = 0;
+  for (size_t i = 0; i < gw->nt; i++) nl += gw->t[i].local != 0;
+  if (nl > 256 && !(u = malloc(nl * sizeof *u))) return AMBER_ENOMEM;
+  for (size_t i = 0, li = 0; i < gw->nt; i++)
+    if (gw->t[i].local) u[li++] = gw->t[i].unit;
+  int rc = amber_writer_set_units(gw->w, u, nl);
+  if (u != stack) free(u);
+  return rc;
+}
+
+int amber_global_writer_set_units(amber_global_writer *gw, const double *units, size_t n) {
+  if (n && !units) return amber__fail(&gw->err, AMBER_EINVAL, "set_units: NULL units");
+  if (n > gw->nt)
+    return amber__fail(&gw->err, AMBER_EINVAL, "%zu units for %zu declared tensors", n, gw->nt);
+  if ((gw->busy && gw->present && !gw->begin_rc) || gw->committing)
+    return amber__fail(caller_err(gw), AMBER_EBUSY, "a save is in progress (wait for it first)");
+  for (size_t i = 0; i < n; i++)
+    if (!(units[i] >= 0) || isinf(units[i]))
+      return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': unit %g is not finite and >= 0",
+                         gw->t[i].name, units[i]);
+  for (size_t i = 0; i < n; i++) gw->t[i].unit = units[i];
+  if (!gw->w) return 0;
+  int rc = push_units(gw);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
+}
+
 /* (Re)creates the rank's writer from the declarations. */
 static int ensure_writer(amber_global_writer *gw) {
   if (gw->w) return 0;
@@ -402,6 +432,7 @@ static int ensure_writer(amber_global_writer *gw) {
     } else if (gw->t[i].local)
       rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
                             gw->t[i].lshape, gw->t[i].data, NULL);
+  if (rc == 0) rc = push_units(gw);
   if (rc < 0) {
     rc = amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
     amber_writer_close(gw->w);

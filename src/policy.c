@@ -1,6 +1,7 @@
 /*
  * policy.c - parsing policy rules ("exact", "threshold:ABS[:REL]",
- * "budget:FRAC[:CAP]", optionally "PATTERN=" in front) and choosing the rule that
+ * "budget:FRAC[:CAP]", optionally with a value code "@q8", "@q4" or "@bf16" and
+ * "+lead" after it, optionally "PATTERN=" in front) and choosing the rule that
  * applies to a tensor: the last one whose glob matches its name. Integer and bool
  * tensors are always exact, whatever the rules say.
  */
@@ -11,13 +12,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "codec.h"
 #include "internal.h"
 #include "policy.h"
 
-/* Parses a non-negative finite number that spans [s, end). */
-static int parse_num(const char *s, const char *end, double *out) {
+/* Parses a non-negative finite number that spans [s, end); with `unit` not NULL
+ * it may end in 'u' (in units of the tensor's unit), which sets *unit. */
+static int parse_num(const char *s, const char *end, double *out, int *unit) {
   char buf[64];
   size_t n = (size_t)(end - s);
+  if (unit && n > 1 && end[-1] == 'u') {
+    *unit = 1;
+    n--;
+  }
   if (n == 0 || n >= sizeof buf) return -1;
   memcpy(buf, s, n);
   buf[n] = 0;
@@ -26,6 +33,25 @@ static int parse_num(const char *s, const char *end, double *out) {
   double v = strtod(buf, &e);
   if (*e || errno || !isfinite(v) || v < 0) return -1;
   *out = v;
+  return 0;
+}
+
+/* The value code after '@' in [s, end): "q8", "q4" or "bf16", then "+lead". */
+static int parse_code(const char *s, const char *end, amber__policy *p) {
+  size_t n = (size_t)(end - s);
+  const char *plus = memchr(s, '+', n);
+  size_t cn = plus ? (size_t)(plus - s) : n;
+  if (cn == 2 && !strncmp(s, "q8", 2)) p->qmode = AMBER__QV_Q8;
+  else if (cn == 2 && !strncmp(s, "q4", 2)) p->qmode = AMBER__QV_Q4;
+  else if (cn == 4 && !strncmp(s, "bf16", 4)) p->qmode = AMBER__QV_BF16;
+  else return -1;
+  if (plus) {
+    if ((size_t)(end - plus) != 5 || strncmp(plus, "+lead", 5)) return -1;
+    /* bf16 codes carry the change itself; a lead needs a bound to stop at */
+    if (p->qmode == AMBER__QV_BF16 || (p->kind == AMBER__POL_BUDGET && isinf(p->cap)))
+      return -1;
+    p->lead = 1;
+  }
   return 0;
 }
 
@@ -45,12 +71,16 @@ int amber__policy_parse(const char *spec, amber__policy *p) {
   } else {
     return -1;
   }
-  const char *colon = strchr(args, ':');
-  const char *end1 = colon ? colon : args + strlen(args);
+  const char *at = strchr(args, '@');
+  const char *end = at ? at : args + strlen(args);
+  const char *colon = memchr(args, ':', (size_t)(end - args));
+  const char *end1 = colon ? colon : end;
   double a, b = 0;
-  if (parse_num(args, end1, &a)) return -1;
-  if (colon && parse_num(colon + 1, colon + 1 + strlen(colon + 1), &b)) return -1;
-  if (p->kind == AMBER__POL_THRESHOLD) {
+  int thr = p->kind == AMBER__POL_THRESHOLD;
+  /* units: a threshold's ABS, a budget's CAP */
+  if (parse_num(args, end1, &a, thr ? &p->abs_unit : NULL)) return -1;
+  if (colon && parse_num(colon + 1, end, &b, thr ? NULL : &p->cap_unit)) return -1;
+  if (thr) {
     p->abs = a;
     p->rel = b;
   } else {
@@ -58,7 +88,31 @@ int amber__policy_parse(const char *spec, amber__policy *p) {
     p->frac = a;
     p->cap = colon ? b : INFINITY;
   }
+  if (at && parse_code(at + 1, at + strlen(at), p)) return -1;
   return 0;
+}
+
+void amber__policy_scale(const amber__policy *p, double unit, amber__policy *out) {
+  *out = *p;
+  if (p->abs_unit) out->abs = p->abs * unit;
+  if (p->cap_unit) out->cap = p->cap * unit;
+  out->abs_unit = out->cap_unit = 0;
+}
+
+int amber__policy_format(const amber__policy *p, char *buf, size_t cap) {
+  static const char *codes[] = {"", "@q8", "@q4", "@bf16"};
+  int n;
+  if (p->kind == AMBER__POL_EXACT)
+    n = snprintf(buf, cap, "exact");
+  else if (p->kind == AMBER__POL_THRESHOLD)
+    n = snprintf(buf, cap, "threshold:%.17g:%.17g%s%s", p->abs, p->rel, codes[p->qmode],
+                 p->lead ? "+lead" : "");
+  else if (isinf(p->cap))
+    n = snprintf(buf, cap, "budget:%.17g%s", p->frac, codes[p->qmode]);
+  else
+    n = snprintf(buf, cap, "budget:%.17g:%.17g%s%s", p->frac, p->cap, codes[p->qmode],
+                 p->lead ? "+lead" : "");
+  return n < 0 || (size_t)n >= cap ? -1 : n;
 }
 
 int amber__rules_add(amber__err *e, amber__rules *r, const char *rule) {
@@ -68,7 +122,8 @@ int amber__rules_add(amber__err *e, amber__rules *r, const char *rule) {
   if (amber__policy_parse(spec, &p) != 0)
     return amber__fail(e, AMBER_EINVAL,
                        "bad policy '%s' (expected exact, threshold:ABS[:REL] or "
-                       "budget:FRAC[:CAP], optionally PATTERN=SPEC)",
+                       "budget:FRAC[:CAP] (ABS and CAP may end in u), optionally followed by "
+                       "@q8, @q4 or @bf16 and +lead, optionally PATTERN=SPEC)",
                        rule);
   if (eq && eq == rule)
     return amber__fail(e, AMBER_EINVAL, "bad policy '%s': empty pattern", rule);

@@ -355,6 +355,18 @@ static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t
       break;
     return 0;
   }
+  case AMBER__ENC_QSPARSE: {
+    if (c->hdr.kind == AMBER_KIND_FULL) break;
+    size_t k = (size_t)ch->stored, bound = amber__qsparse_body_max(n, k, isz), blen;
+    bound = (bound + 3) & ~(size_t)3; /* the index scratch after it is 4-aligned */
+    if ((rc = need_scratch(r, bound + 2 * k * 4))) return rc;
+    uint32_t *idx = (uint32_t *)(void *)(r->scratch + bound);
+    if (amber__zstd_decompress_bounded(r->dctx, r->scratch, bound, p, (size_t)ch->size,
+                                       &blen) != 0 ||
+        amber__qsparse_apply(dst, r->scratch, blen, n, k, t->dtype, idx, idx + k) != 0)
+      break;
+    return 0;
+  }
   case AMBER__ENC_XOR_ZSTD:
     if (c->hdr.kind == AMBER_KIND_FULL) break;
     if ((rc = need_scratch(r, 2 * bytes))) return rc;

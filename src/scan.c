@@ -216,7 +216,7 @@ typedef struct pass {
           a->keys[k] = key[j];                                                                \
         }                                                                                     \
         memcpy(a->vals + k * sizeof(T), &v, sizeof v);                                        \
-        memcpy(ref + j * sizeof(T), &v, sizeof v);                                            \
+        if (!a->defer) memcpy(ref + j * sizeof(T), &v, sizeof v);                             \
         k++;                                                                                  \
       }                                                                                       \
     }                                                                                         \
@@ -314,7 +314,7 @@ __attribute__((target("avx2"))) static size_t scan_f32_avx2(const amber__scan_ar
         memcpy(olds + 4 * k, &o, 4);
         keys[k] = f32_key(v, o, cap);
       }
-      memcpy(r + 4 * j, &v, 4);
+      if (!a->defer) memcpy(r + 4 * j, &v, 4);
       k++;
     }
     i += 32;
@@ -389,7 +389,7 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512(const amber__sc
       __mmask16 fk = forced | _mm512_cmp_ps_mask(d, vcap, _CMP_GT_OQ);
       __m512i key = _mm512_mask_blend_epi32(fk, di, forcedk);
       _mm512_mask_storeu_epi32(keys + k, pre, _mm512_maskz_compress_epi32(sel, key));
-    } else {
+    } else if (!a->defer) {
       _mm512_mask_storeu_ps(rp, sel, vx);
     }
     k += c;
@@ -441,7 +441,7 @@ __attribute__((target("avx512f"))) static size_t cut4_avx512(const amber__scan_a
     }
     __m512i ix = _mm512_maskz_loadu_epi32(in, a->idx + i);
     __m512 v = _mm512_maskz_loadu_ps(in, vals + i);
-    _mm512_mask_i32scatter_ps(ref, keep, ix, v, 4);
+    if (!a->defer) _mm512_mask_i32scatter_ps(ref, keep, ix, v, 4);
     unsigned c = (unsigned)__builtin_popcount(keep);
     __mmask16 pre = (__mmask16)((1u << c) - 1);
     _mm512_mask_storeu_epi32(a->idx + out, pre, _mm512_maskz_compress_epi32(keep, ix));
@@ -584,7 +584,7 @@ static size_t fill_band(const amber__scan_args *a, size_t w, const float band[2]
       if (!(d > band[0] && d <= band[1])) continue;
       tidx[got] = (uint32_t)(base + i);
       memcpy(tvals + got * w, live + (base + i) * w, w);
-      memcpy(ref + (base + i) * w, live + (base + i) * w, w);
+      if (!a->defer) memcpy(ref + (base + i) * w, live + (base + i) * w, w);
       got++;
     }
   }
@@ -674,7 +674,7 @@ static size_t finish(const amber__scan_args *a, size_t k, size_t w, int level, i
   if (a->kind != AMBER__SCAN_BUDGET) return k;
   if (k > a->budget) return budget_cut(a, k, w, level);
 #ifdef HAVE_F32_AVX2
-  if (level == 2) put_all_avx512(a, k); /* its pass left the reference alone */
+  if (level == 2 && !a->defer) put_all_avx512(a, k); /* its pass left the reference alone */
 #endif
   if (strict && k < a->budget) {
     size_t m = fill_band(a, w, band, a->budget - k, a->keys, a->olds);

@@ -27,11 +27,13 @@ typedef struct amber__scan_args {
   uint8_t *vals;      /* out: selected live values, up to n * width bytes */
   uint8_t *olds;      /* out (exact): their previous reference values; scratch for
                          budget, n * width bytes */
+  int defer;          /* threshold, budget: leave the reference alone at the selected
+                         elements (a quantized policy moves them itself, quant.c) */
 } amber__scan_args;
 
 /* Selects the elements a delta stores under the policy, gathers their indices
- * and values and moves them into the reference, reading live and reference once.
- * Returns the number selected. */
+ * and values and (unless `defer`) moves them into the reference, reading live and
+ * reference once. Returns the number selected. */
 size_t amber__scan(const amber__scan_args *a);
 /* Value of one element of a float dtype as f64, the way the policies compare it
  * (tests use it). */

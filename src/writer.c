@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "cadence.h"
+#include "codec.h"
 #include "chunk.h"
 #include "ckpt.h"
 #include "format.h"
@@ -52,6 +53,9 @@ typedef struct decl {
   amber__tensor t;         /* as the index describes it; name owned, policy points into rules */
   const uint8_t *data;     /* the caller's memory */
   const amber__rule *rule; /* its rule at this save (NULL: exact) */
+  double unit;             /* what "Nu" in its rule means (0: no unit, see set_units) */
+  amber__rule own;         /* its rule with units resolved, when `rule` points here */
+  char own_spec[AMBER__SPEC_MAX];
   uint8_t *ref;            /* its copy in the reference state (NULL until allocated) */
   int presel;              /* pre-selected: the caller selects and keeps the reference */
   amber_chunk_sel *sel;    /* pre-selected: the next save's chunks (n_chunks entries) */
@@ -323,6 +327,19 @@ int amber_writer_add_policy(amber_writer *w, const char *rule) {
   return amber__rules_add(&w->err, &w->dc.rules, rule);
 }
 
+int amber_writer_set_units(amber_writer *w, const double *units, size_t n) {
+  if (!w || (n && !units)) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_units: NULL");
+  if (busy(w, "amber_writer_set_units")) return AMBER_EBUSY;
+  if (n > w->dc.n)
+    return amber__fail(&w->err, AMBER_EINVAL, "%zu units for %zu declared tensors", n, w->dc.n);
+  for (size_t i = 0; i < n; i++)
+    if (!(units[i] >= 0) || isinf(units[i]))
+      return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': unit %g is not finite and >= 0",
+                         w->dc.d[i].t.name, units[i]);
+  for (size_t i = 0; i < n; i++) w->dc.d[i].unit = units[i];
+  return 0;
+}
+
 int amber_writer_set_meta(amber_writer *w, const char *json, size_t len) {
   if (!w || (len && !json)) return amber__fail(NULL, AMBER_EINVAL, "amber_writer_set_meta: NULL");
   if (busy(w, "amber_writer_set_meta")) return AMBER_EBUSY;
@@ -437,12 +454,25 @@ static int ensure_scratch(amber_writer *w, int prefault) {
   return 0;
 }
 
-/* Resolves each tensor's rule; rules may have changed since the last save. */
+/* Resolves each tensor's rule; rules and units may have changed since the last
+ * save. A rule with units applies to a tensor with a unit as its numbers times
+ * that unit (the index records them written out); a tensor without one is exact. */
 static void resolve_policies(amber_writer *w) {
   for (size_t i = 0; i < w->dc.n; i++) {
-    amber__tensor *t = &w->dc.d[i].t;
-    w->dc.d[i].rule = amber__rules_match(&w->dc.rules, t->name, t->dtype);
-    t->policy = w->dc.d[i].rule ? w->dc.d[i].rule->spec : (char *)"exact";
+    decl *d = &w->dc.d[i];
+    const amber__rule *m = amber__rules_match(&w->dc.rules, d->t.name, d->t.dtype), *r = m;
+    if (m && amber__policy_has_units(&m->policy)) {
+      r = NULL;
+      if (d->unit > 0) {
+        amber__policy_scale(&m->policy, d->unit, &d->own.policy);
+        if (amber__policy_format(&d->own.policy, d->own_spec, sizeof d->own_spec) > 0) {
+          d->own.spec = d->own_spec;
+          r = &d->own;
+        }
+      }
+    }
+    d->rule = r;
+    d->t.policy = r ? r->spec : (char *)"exact";
   }
 }
 
@@ -503,9 +533,12 @@ static int bad_sel(const decl *d, uint64_t j, const amber_chunk_sel *sel, int fu
     snprintf(why, len,
              "tensor '%s', chunk %" PRIu64 ": %" PRIu64 " elements selected of its %" PRIu64,
              d->t.name, j, c, n);
-  else if (c && n && (!sel->vals || (c != AMBER_SELECT_WHOLE && !sel->idx)))
+  else if (sel->quant && (c == AMBER_SELECT_WHOLE || !amber__quant_dtype(d->t.dtype)))
+    snprintf(why, len, "tensor '%s', chunk %" PRIu64 ": a quantized selection %s", d->t.name,
+             j, c == AMBER_SELECT_WHOLE ? "of a whole chunk" : "of a dtype without codes");
+  else if (c && n && ((!sel->vals && !sel->quant) || (c != AMBER_SELECT_WHOLE && !sel->idx)))
     snprintf(why, len, "tensor '%s', chunk %" PRIu64 ": no %s", d->t.name, j,
-             sel->vals ? "indices" : "values");
+             sel->vals || sel->quant ? "indices" : "values");
   else if (full && c != AMBER_SELECT_WHOLE)
     snprintf(why, len,
              "a full checkpoint, but chunk %" PRIu64

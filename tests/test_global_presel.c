@@ -71,7 +71,7 @@ static int dev_hand_over(amber_global_writer *gw, size_t index, dev *d, int full
     size_t lo = (size_t)(j * info.chunk_elems), hi = lo + (size_t)info.chunk_elems;
     if (hi > d->n) hi = d->n;
     if (full) {
-      d->sels[j] = (amber_chunk_sel){AMBER_SELECT_WHOLE, NULL, d->live + lo};
+      d->sels[j] = (amber_chunk_sel){.count = AMBER_SELECT_WHOLE, .vals = d->live + lo};
       memcpy(d->ref + lo, d->live + lo, (hi - lo) * sizeof *d->ref);
       continue;
     }
@@ -83,7 +83,7 @@ static int dev_hand_over(amber_global_writer *gw, size_t index, dev *d, int full
         d->ref[i] = d->live[i];
       }
     }
-    d->sels[j] = (amber_chunk_sel){k - start, d->idx + start, d->vals + start};
+    d->sels[j] = (amber_chunk_sel){.count = k - start, .idx = d->idx + start, .vals = d->vals + start};
   }
   if (by_source) return 0; /* its source answers from d->sels */
   return amber_global_writer_set_selection(gw, index, d->sels, info.nchunks);
@@ -357,9 +357,9 @@ static void test_wrong_use_is_refused_with_what_to_do(void) {
            AMBER_EEXIST);
   CHECK_RC(amber_global_writer_add_preselected(gw, "e", AMBER_F32, 1, &n, NULL, NULL, 0),
            AMBER_EINVAL);
-  amber_chunk_sel whole[2] = {{AMBER_SELECT_WHOLE, NULL, vals},
-                              {AMBER_SELECT_WHOLE, NULL, vals + 4}};
-  amber_chunk_sel some[2] = {{2, idx, vals}, {0, NULL, NULL}};
+  amber_chunk_sel whole[2] = {{.count = AMBER_SELECT_WHOLE, .vals = vals},
+                              {.count = AMBER_SELECT_WHOLE, .vals = vals + 4}};
+  amber_chunk_sel some[2] = {{.count = 2, .idx = idx, .vals = vals}, {.count = 0}};
   amber_tensor_info info;
   uint32_t kind;
   /* before a plan there is no rank writer to take a selection */

@@ -310,10 +310,14 @@ static void check_delta_chunks(world *W, uint64_t step) {
       case AMBER__ENC_UNCHANGED: ok = ch->stored == 0 && ch->size == 0 && changed == 0; break;
       case AMBER__ENC_SPARSE:
       case AMBER__ENC_XOR_ZSTD: ok = ch->stored == changed && ch->size > 0; break;
+      /* a quantized change may round to a code of 0: stored, and restores unchanged */
+      case AMBER__ENC_QSPARSE: ok = ch->stored >= changed && ch->size > 0; break;
       case AMBER__ENC_RAW: ok = ch->stored == n && ch->size == n * t->w; break;
       default: ok = 0;
       }
-      if (ok && ch->encoding == AMBER__ENC_SPARSE && t->p.kind == P_THR) ok = overstored == 0;
+      if (ok && (ch->encoding == AMBER__ENC_SPARSE || ch->encoding == AMBER__ENC_QSPARSE) &&
+          t->p.kind == P_THR)
+        ok = overstored == 0;
       if (ok && ch->encoding != AMBER__ENC_RAW && t->p.kind == P_BUD)
         ok = ch->stored <= budget_allows(t->p.frac, n) + nforced;
       CHECK(ok);

@@ -46,8 +46,8 @@ it on a GPU.
 """
 import os
 import threading
-from ctypes import CFUNCTYPE, POINTER, Structure, byref, c_char_p, c_int, c_int64, c_size_t, c_uint32, \
-    c_uint64, c_void_p
+from ctypes import CFUNCTYPE, POINTER, Structure, byref, c_char_p, c_float, c_int, c_int64, \
+    c_size_t, c_uint32, c_uint64, c_void_p
 
 import numpy as np
 import torch
@@ -59,8 +59,15 @@ SELECT_WHOLE = (1 << 64) - 1
 KIND_FULL, KIND_DELTA = 0, 1
 
 
+class _ChunkQSel(Structure):  # amber_chunk_qsel
+    _fields_ = [("mode", c_uint32), ("group_log2", c_uint32), ("rel_step", c_float),
+                ("steps", c_void_p), ("codes", c_void_p), ("nesc", c_uint64), ("esc", c_void_p),
+                ("esc_vals", c_void_p)]
+
+
 class _ChunkSel(Structure):  # amber_chunk_sel
-    _fields_ = [("count", c_uint64), ("idx", c_void_p), ("vals", c_void_p)]
+    _fields_ = [("count", c_uint64), ("idx", c_void_p), ("vals", c_void_p),
+                ("quant", c_void_p)]
 
 
 _add_preselected = _fn("amber_writer_add_preselected", c_int, _H, c_char_p, c_int, c_uint32,

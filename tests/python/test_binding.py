@@ -23,6 +23,7 @@ STRUCTS = {
     "amber_global_step_info": amber._GlobalStepInfo,
     "amber_global_tensor": amber._GlobalTensor,
     "amber_chunk_sel": device._ChunkSel,  # the accelerator path's pre-selected chunks
+    "amber_chunk_qsel": device._ChunkQSel,  # and their quantized form
 }
 
 

@@ -1,0 +1,225 @@
+/*
+ * quant.c - the quantizer of a delta chunk (docs/FORMAT.md, "Quantized sparse
+ * body"; docs/DESIGN.md, "Quantized deltas").
+ *
+ * A stored change costs its value's bits plus its index's. Under a quantized
+ * policy a selected element stores, instead of its new value, a small integer
+ * code: the change divided by a step, rounded. The reference then moves to what
+ * a restore decodes (reference + code * step), not to the live value, so the
+ * rounding error stays in live - reference and is stored later once it matters:
+ * error feedback, as for the elements a policy leaves out. Each element's
+ * restored value is checked against the policy's bound; one that a code cannot
+ * carry within it (a change too large for the codes, a NaN or Inf on either side,
+ * a step that rounds badly) is stored whole, an "escape".
+ *
+ * Steps: a threshold policy's step is AMBER__QSTEP_SHARE of the element's own
+ * bound (ABS + REL * |reference|), one pair (a, b) for the chunk, so that every
+ * element is coded in units of what the policy tolerates for it. A budget has no
+ * bound of its own below CAP, but each save has its cut: the least change it
+ * selected. It is coded as a threshold at its cut: step AMBER__QSTEP_SHARE of the
+ * cut, or the largest change over the largest code if that is more (so that no
+ * change overflows the codes), at most CAP; one step for the chunk. With "+lead"
+ * the code is the one farthest in the change's direction that still restores
+ * within the bound (a budget: within its cut, and CAP): for a quantity that drifts
+ * one way (a weight under a steady update, a decaying second moment), the restored
+ * value is then ahead of the live one as often as behind, instead of always
+ * behind, and the next store comes later.
+ *
+ * Every decision is made with single IEEE operations in a fixed order (f32, or
+ * f64 for f64 tensors), so the device path (python/amber/device.py) and the CUDA
+ * kernel (src/cuda/select.cu), which follow this file step by step, store the
+ * same codes and move their references to the same bits.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "quant.h"
+
+/* The most a code may be (Q8: 127, Q4: 7); -qmax is the least. */
+static int32_t qmax_of(int mode) {
+  return mode == AMBER__QV_Q4 ? 7 : 127;
+}
+
+/* One element, widened: live, reference, their change. */
+typedef struct qel {
+  double x, r, d;
+} qel;
+
+static qel load(int dtype, const uint8_t *live, const uint8_t *ref) {
+  qel e;
+  if (dtype == AMBER_F64) {
+    memcpy(&e.x, live, 8);
+    memcpy(&e.r, ref, 8);
+    e.d = e.x - e.r;
+    return e;
+  }
+  float x, r;
+  if (dtype == AMBER_F32) {
+    memcpy(&x, live, 4);
+    memcpy(&r, ref, 4);
+  } else {
+    uint16_t hx, hr;
+    memcpy(&hx, live, 2);
+    memcpy(&hr, ref, 2);
+    x = dtype == AMBER_BF16 ? amber__bf16_to_f32(hx) : amber__f16_to_f32(hx);
+    r = dtype == AMBER_BF16 ? amber__bf16_to_f32(hr) : amber__f16_to_f32(hr);
+  }
+  e.x = x;
+  e.r = r;
+  e.d = (double)(x - r); /* the f32 change, as the codes see it */
+  return e;
+}
+
+/* The restored value of an element with reference r under (a, b, code) or a bf16
+ * delta, in the tensor's dtype: its bits into out, its value returned widened. */
+static double restore(int dtype, int mode, double r, float a, float b, int32_t code,
+                      uint16_t bf, uint8_t *out) {
+  if (dtype == AMBER_F64) {
+    double v = mode == AMBER__QV_BF16 ? r + (double)amber__bf16_to_f32(bf)
+                                      : amber__dequant_f64(r, a, b, code);
+    memcpy(out, &v, 8);
+    return v;
+  }
+  float rf = (float)r;
+  float v = mode == AMBER__QV_BF16 ? rf + amber__bf16_to_f32(bf)
+                                   : amber__dequant_f32(rf, a, b, code);
+  if (dtype == AMBER_F32) {
+    memcpy(out, &v, 4);
+    return v;
+  }
+  uint16_t h = dtype == AMBER_BF16 ? amber__f32_to_bf16(v) : amber__f32_to_f16(v);
+  memcpy(out, &h, 2);
+  return dtype == AMBER_BF16 ? amber__bf16_to_f32(h) : amber__f16_to_f32(h);
+}
+
+/* The policy's bound for an element restored to v (threshold: ABS + REL * |v|, as
+ * the guarantee is stated; budget: CAP). */
+static double bound_at(const amber__policy *p, double v) {
+  return p->kind == AMBER__POL_THRESHOLD ? p->abs + p->rel * fabs(v) : p->cap;
+}
+
+static int within(const amber__policy *p, double x, double v) {
+  return isfinite(v) && fabs(x - v) <= bound_at(p, v);
+}
+
+/* The step of an element with reference r: a + b * |r|, in the arithmetic of the
+ * restore. */
+static double step_of(int dtype, double r, float a, float b) {
+  if (dtype == AMBER_F64) return (double)a + (double)b * fabs(r);
+  return (double)(a + b * fabsf((float)r));
+}
+
+/* The code of change d in steps of s, or INT32_MIN when it has none (too large,
+ * or a step that is zero or not finite). */
+static int32_t code_of(int dtype, double d, double s, int32_t qmax) {
+  double t = dtype == AMBER_F64 ? d / s : (double)((float)d / (float)s);
+  if (!(fabs(t) <= (double)qmax + 0.5)) return INT32_MIN; /* NaN fails too */
+  int32_t c = (int32_t)nearbyint(t); /* ties to even, as rintf and torch.round */
+  return c < -qmax || c > qmax ? INT32_MIN : c;
+}
+
+/* With +lead: from the code farthest in the change's direction whose restore the
+ * bound could allow (|d| + the bound at r, in steps, truncated; a budget's bound
+ * is its cut `cut`) back towards the nearest code c, the first that restores
+ * within the bound (and, for a budget, within the cut), trying at most a few; c
+ * when none does. */
+static int32_t lead_code(const amber__policy *p, int dtype, int mode, const qel *e, float a,
+                         float b, float cut, double s, int32_t c, int32_t qmax, uint8_t *tmp) {
+  int32_t sgn = e->d > 0 ? 1 : -1;
+  int thr = p->kind == AMBER__POL_THRESHOLD;
+  double far;
+  if (dtype == AMBER_F64) {
+    far = (fabs(e->d) + (thr ? p->abs + p->rel * fabs(e->r) : (double)cut)) / s;
+  } else {
+    float ef = thr ? (float)p->abs + (float)p->rel * fabsf((float)e->r) : cut;
+    far = (double)((fabsf((float)e->d) + ef) / (float)s);
+  }
+  int32_t f = far >= (double)qmax ? qmax : (int32_t)far;
+  for (int tries = 0; tries < 4 && f > sgn * c; tries++, f--) {
+    double v = restore(dtype, mode, e->r, a, b, f * sgn, 0, tmp);
+    if (within(p, e->x, v) && (thr || fabs(e->x - v) <= (double)cut)) return f * sgn;
+  }
+  return c;
+}
+
+/* A budget's cut and step: the least and the largest finite change selected, the
+ * step AMBER__QSTEP_SHARE of the cut or the largest over qmax, whichever is more,
+ * at most CAP (f32 operations, as the device path repeats them). */
+static float budget_step(const amber__policy *p, int dtype, const uint8_t *ref,
+                         const uint32_t *idx, const uint8_t *vals, size_t k, int32_t qmax,
+                         float *cut) {
+  size_t w = amber_dtype_size(dtype);
+  float lo = INFINITY, hi = 0;
+  for (size_t i = 0; i < k; i++) {
+    qel e = load(dtype, vals + i * w, ref + (size_t)idx[i] * w);
+    float ad = (float)fabs(e.d);
+    if (!isfinite(e.x) || !isfinite(e.r) || !isfinite(ad)) continue;
+    lo = ad < lo ? ad : lo;
+    hi = ad > hi ? ad : hi;
+  }
+  if (!isfinite(lo)) lo = 0; /* nothing finite: every element is an escape */
+  float s = (float)AMBER__QSTEP_SHARE * lo, m = hi / (float)qmax;
+  s = m > s ? m : s;
+  if (s > (float)p->cap) s = (float)p->cap;
+  *cut = lo;
+  return s;
+}
+
+void amber__quantize(const amber__policy *p, int dtype, uint8_t *ref, const uint32_t *idx,
+                     const uint8_t *vals, size_t k, const amber__qbuf *buf, amber__qsel *q) {
+  size_t w = amber_dtype_size(dtype);
+  int mode = p->qmode;
+  int32_t qmax = qmax_of(mode);
+  int8_t *codes = buf->codes;
+  uint16_t *bfc = buf->codes;
+  memset(q, 0, sizeof *q);
+  q->k = k;
+  q->idx = idx;
+  q->mode = mode;
+  q->codes = buf->codes;
+  q->steps = buf->steps;
+  q->esc = buf->esc;
+  q->esc_vals = buf->esc_vals;
+  float a = 0, b = 0, cut = 0;
+  if (mode != AMBER__QV_BF16) { /* one step rule for the chunk */
+    q->group_log2 = 24;
+    if (p->kind == AMBER__POL_THRESHOLD) {
+      a = (float)(AMBER__QSTEP_SHARE * p->abs);
+      b = (float)(AMBER__QSTEP_SHARE * p->rel);
+    } else {
+      a = budget_step(p, dtype, ref, idx, vals, k, qmax, &cut);
+    }
+    q->rel_step = b;
+    if (k) buf->steps[0] = a;
+  }
+  size_t nesc = 0;
+  uint8_t tmp[8];
+  for (size_t i = 0; i < k; i++) {
+    uint8_t *rp = ref + (size_t)idx[i] * w;
+    const uint8_t *xp = vals + i * w;
+    qel e = load(dtype, xp, rp);
+    int ok = isfinite(e.x) && isfinite(e.r) && isfinite(e.d);
+    if (mode == AMBER__QV_BF16) {
+      uint16_t c = amber__f32_to_bf16((float)e.d);
+      bfc[i] = c;
+      ok = ok && within(p, e.x, restore(dtype, mode, e.r, 0, 0, 0, c, tmp));
+    } else {
+      double s = step_of(dtype, e.r, a, b);
+      int32_t c = ok ? code_of(dtype, e.d, s, qmax) : INT32_MIN;
+      if (c != INT32_MIN && p->lead)
+        c = lead_code(p, dtype, mode, &e, a, b, cut, s, c, qmax, tmp);
+      ok = c != INT32_MIN && within(p, e.x, restore(dtype, mode, e.r, a, b, c, 0, tmp));
+      codes[i] = (int8_t)(ok ? c : 0);
+    }
+    if (ok) {
+      memcpy(rp, tmp, w);
+    } else { /* stored whole */
+      if (mode == AMBER__QV_BF16) bfc[i] = 0;
+      buf->esc[nesc] = (uint32_t)i;
+      memcpy(buf->esc_vals + nesc * w, xp, w);
+      memcpy(rp, xp, w);
+      nesc++;
+    }
+  }
+  q->nesc = nesc;
+}
