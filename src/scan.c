@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "scan.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) &&                  \
@@ -40,35 +41,19 @@
 #endif
 
 #define BLK 256
-#define EXP32 0x7f800000u
+#define EXP32 AMBER__EXP32
 #define EXP64 0x7ff0000000000000ull
 #define SHRINK (1.0 - 1.0 / 1048576.0) /* 1 - 2^-20 */
 
 /* ---- small-float conversions ---- */
 
-static inline float bits_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  if (exp == 0x1f) return bits_f32(sign | EXP32 | (man << 13)); /* Inf / NaN */
-  if (exp == 0) {
-    float v = (float)man * 5.9604644775390625e-8f; /* subnormal: man * 2^-24, exact */
-    return sign ? -v : v;
-  }
-  return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
-}
-
 /* f8 e4m3 (OCP "fn" variant): no Inf; NaN is S.1111.111. */
 static inline float e4m3_to_f32(uint8_t b) {
   uint32_t sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
   float v;
-  if (exp == 0xf && man == 7) return bits_f32(0x7fc00000u | (sign << 31));
+  if (exp == 0xf && man == 7) return amber__bits_f32(0x7fc00000u | (sign << 31));
   if (exp == 0) v = (float)man * 0.001953125f; /* man * 2^-9 */
-  else v = bits_f32(((exp + 120) << 23) | (man << 20));
+  else v = amber__bits_f32(((exp + 120) << 23) | (man << 20));
   return sign ? -v : v;
 }
 
@@ -78,20 +63,20 @@ static void widen(int dtype, const uint8_t *src, float *dst, size_t n) {
   case AMBER_F16:
     for (size_t i = 0; i < n; i++) {
       memcpy(&h, src + 2 * i, 2);
-      dst[i] = f16_to_f32(h);
+      dst[i] = amber__f16_to_f32(h);
     }
     break;
   case AMBER_BF16:
     for (size_t i = 0; i < n; i++) {
       memcpy(&h, src + 2 * i, 2);
-      dst[i] = bits_f32((uint32_t)h << 16);
+      dst[i] = amber__bits_f32((uint32_t)h << 16);
     }
     break;
   case AMBER_F8_E4M3:
     for (size_t i = 0; i < n; i++) dst[i] = e4m3_to_f32(src[i]);
     break;
   default: /* AMBER_F8_E5M2: the top byte of an f16 */
-    for (size_t i = 0; i < n; i++) dst[i] = f16_to_f32((uint16_t)(src[i] << 8));
+    for (size_t i = 0; i < n; i++) dst[i] = amber__f16_to_f32((uint16_t)(src[i] << 8));
     break;
   }
 }
@@ -247,7 +232,7 @@ static void compact(pass *p, size_t base, const uint8_t *sel, const uint32_t *ke
 #define HAVE_F32_AVX2 1
 
 static inline uint32_t f32_key(uint32_t xb, uint32_t rb, float cap) {
-  float x = bits_f32(xb), r = bits_f32(rb), d = fabsf(x - r);
+  float x = amber__bits_f32(xb), r = amber__bits_f32(rb), d = fabsf(x - r);
   int nf = ((xb & EXP32) == EXP32) | ((rb & EXP32) == EXP32);
   uint32_t kb;
   memcpy(&kb, &d, 4);
