@@ -126,6 +126,8 @@ def main():
     ap.add_argument("--export")
     ap.add_argument("--errors", action="store_true")
     opts = ap.parse_args()
+    sys.stdout.write(f"pid {os.getpid()}\n")  # for a kill under a launcher: one write
+    sys.stdout.flush()
 
     set_seed(0)
     model = GPT2LMHeadModel(GPT2Config(**CONFIG))
@@ -141,7 +143,9 @@ def main():
     report.trainer = trainer
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
     opt = trainer.optimizer.optimizer
-    save_file(flat_state(trainer.model, opt), os.path.join(opts.out, "final.safetensors"))
+    rank = trainer.args.process_index
+    save_file(flat_state(trainer.model, opt),
+              os.path.join(opts.out, f"final{f'-{rank}' if rank else ''}.safetensors"))
     result = {"start": report.start, "seeded": report.seeded,
               "losses": {str(e["step"]): e["loss"] for e in trainer.state.log_history
                          if "loss" in e},
