@@ -13,7 +13,7 @@ folder that AutoModelForCausalLM.from_pretrained loads.
     python examples/hf_trainer.py [--out hf-example] [--steps 60] [--policy exact|lossy]
 
 On CPU it takes a few seconds. Under `accelerate launch --multi_gpu --num_processes 2`
-(or torchrun) the ranks save and resume together (DDP over gloo on CPU).
+the ranks save and resume together (DDP over gloo on CPU).
 """
 import argparse
 import os
@@ -48,10 +48,12 @@ def main():
     trainer = AmberTrainer(model=model, args=args, train_dataset=data, amber_policy=opts.policy)
     latest = trainer.amber_latest()
     if latest is None or latest < opts.steps:
-        if latest is not None:
+        if latest is not None and trainer.is_world_process_zero():
             print(f"resuming from step {latest} of {trainer.amber_store}")
         trainer.train(resume_from_checkpoint=latest is not None)  # True: the store's latest step
 
+    if not trainer.is_world_process_zero():  # with many ranks, one exports
+        return
     step = export(trainer.amber_store, os.path.join(opts.out, "final"))
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(opts.out, "final"))
     prompt = torch.tensor([[5, 6, 7, 8]])
