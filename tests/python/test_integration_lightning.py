@@ -236,6 +236,23 @@ def test_checkpoint_dict_round_trips_exactly(tmp_path):
     io.teardown()
 
 
+def test_optimizer_step_counters_stay_exact_under_a_lossy_policy(tmp_path):
+    """A policy that would drop every change below 10 keeps the weights within 10
+    but Adam's step counters exact (their own rule comes after the user's)."""
+    io = AmberCheckpointIO(policy="threshold:10")
+    ck = odd_checkpoint()
+    io.save_checkpoint(ck, tmp_path / "a.ckpt")
+    st = ck["optimizer_states"][0]["state"][0]
+    st["step"] += 1
+    st["m"] += 0.5
+    io.save_checkpoint(ck, tmp_path / "b.ckpt")
+    io.teardown()
+    got = io.load_checkpoint(tmp_path / "b.ckpt")["optimizer_states"][0]["state"][0]
+    assert got["step"].item() == 42.0
+    assert not torch.equal(got["m"], st["m"]) and (got["m"] - st["m"]).abs().max() <= 10
+    io.teardown()
+
+
 def test_a_value_that_is_not_plain_data_is_refused_before_anything_is_written(tmp_path):
     ck = odd_checkpoint()
     ck["hyper_parameters"]["root"] = pathlib.Path("/data")
