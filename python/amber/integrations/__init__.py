@@ -4,6 +4,7 @@
                                  and export() to a folder that from_pretrained loads
   amber.integrations.accelerate  Accelerate's save_state/load_state through amber
                                  (AcceleratorCheckpointer)
+  amber.integrations.lightning   PyTorch Lightning's CheckpointIO (AmberCheckpointIO)
 
 Each submodule imports its framework, so import the one you use; this package
 imports none of them.
