@@ -183,6 +183,7 @@ _writer_add = _fn("amber_writer_add", c_int, _H, c_char_p, c_int, c_uint32, POIN
 _writer_set_data = _fn("amber_writer_set_data", c_int, _H, c_size_t, c_void_p)
 _writer_add_policy = _fn("amber_writer_add_policy", c_int, _H, c_char_p)
 _writer_set_meta = _fn("amber_writer_set_meta", c_int, _H, c_char_p, c_size_t)
+_writer_set_units = _fn("amber_writer_set_units", c_int, _H, POINTER(c_double), c_size_t)
 _writer_save = _fn("amber_writer_save", c_int, _H, c_uint64, c_uint32)
 _writer_close = _fn("amber_writer_close", None, _H)
 _writer_begin = _fn("amber_writer_begin", c_int, _H, c_uint64, c_uint32)
@@ -504,6 +505,14 @@ class Writer(_Handle):
         with self._lock:
             _check(_writer_add_policy(self._handle(), rule.encode()), self._h)
 
+    def set_units(self, units):
+        """Sets the units of the declared tensors (in declaration order) for later
+        saves: a rule's "Nu" means N times the tensor's unit; 0 = no unit (the tensor
+        is exact under such a rule)."""
+        arr = (c_double * max(1, len(units)))(*units)
+        with self._lock:
+            _check(_writer_set_units(self._handle(), arr, len(units)), self._h)
+
     def set_meta(self, data):
         """Sets the metadata (UTF-8 JSON, bytes or str) of later saves; copied."""
         if isinstance(data, str):
@@ -717,6 +726,7 @@ _gw_add = _fn("amber_global_writer_add", c_int, _H, c_char_p, c_int, c_uint32, P
 _gw_set_data = _fn("amber_global_writer_set_data", c_int, _H, c_size_t, c_void_p)
 _gw_set_meta = _fn("amber_global_writer_set_meta", c_int, _H, c_char_p, c_size_t)
 _gw_add_policy = _fn("amber_global_writer_add_policy", c_int, _H, c_char_p)
+_gw_set_units = _fn("amber_global_writer_set_units", c_int, _H, POINTER(c_double), c_size_t)
 _gw_save = _fn("amber_global_writer_save", c_int, _H, c_uint64, c_uint32)
 _gw_begin = _fn("amber_global_writer_begin", c_int, _H, c_uint64, c_uint32)
 _gw_fence = _fn("amber_global_writer_fence", c_int, _H)
@@ -935,6 +945,12 @@ class GlobalWriter(_Handle):
     def add_policy(self, rule):
         with self._lock:
             _check(_gw_add_policy(self._handle(), rule.encode()), self._h)
+
+    def set_units(self, units):
+        """As Writer.set_units, for the tensors in declaration order (not collective)."""
+        arr = (c_double * max(1, len(units)))(*units)
+        with self._lock:
+            _check(_gw_set_units(self._handle(), arr, len(units)), self._h)
 
     def set_meta(self, data):
         """This rank's metadata (UTF-8 JSON) of later saves, in its own file; copied."""

@@ -336,6 +336,7 @@ class DistCheckpointer(_at.Checkpointer):
                                       "Checkpointer; any rank may read a step with "
                                       "amber.GlobalReader")
         self._rules = _at._rules(policy)
+        self._has_units, self._units = _at._rules_have_units(self._rules), None
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
         if keep_last:
@@ -435,6 +436,11 @@ class DistCheckpointer(_at.Checkpointer):
             self._point(decl)
         w = self._gw
         w.set_meta(meta_json)
+        if self._has_units:
+            units = _at._units(flat, state)
+            if units != self._units:
+                w.set_units(units)
+                self._units = units
         scanned = [d for d in decl if d[8] and d[9]]
         self._pinned = [d[7] for d in scanned]
         # A DTensor's in-place ops (the optimizer's) move its own version counter, which
@@ -568,6 +574,7 @@ class DistCheckpointer(_at.Checkpointer):
         self._sig = sig
         self._ptrs = [d[6] for d in decl]
         self._seeds = None
+        self._units = None  # the new writer has none yet
 
     def _point(self, decl):
         for i, d in enumerate(decl):

@@ -292,6 +292,16 @@ def _rules(policy):
     return out
 
 
+def _rules_have_units(rules):
+    """Whether a rule writes a number in units ("threshold:0.5u", "budget:0.1:2u")."""
+    for r in rules:
+        parts = r.rpartition("=")[2].partition("@")[0].split(":")
+        if (parts[0] == "threshold" and len(parts) > 1 and parts[1].endswith("u")) or \
+                (parts[0] == "budget" and len(parts) > 2 and parts[2].endswith("u")):
+            return True
+    return False
+
+
 # ---- naming: modules, FQNs and optimizers ------------------------------------------
 
 def _plain(mod):
@@ -524,6 +534,33 @@ def _owned_storages(state):
                     if isinstance(t, torch.Tensor):
                         out.add(_storage_key(t))
     out.discard(None)
+    return out
+
+
+def _units(flat, state):
+    """Each flattened tensor's unit (what "Nu" in a policy rule multiplies): the
+    learning rate of the optimizer param group of the parameter it belongs to (the
+    parameter itself and its optimizer state), 0 (no unit) for everything else."""
+    names = _Names(state)
+    lr = {}
+    for okey, opt in state.items():
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        for g in opt.param_groups:
+            for p in g["params"]:
+                pname = names.by_id.get(id(p))
+                if pname is None or not isinstance(g.get("lr"), (int, float)):
+                    continue
+                unit = float(g["lr"])
+                lr[f"{okey}/{pname}"] = unit  # its state: "<optim key>/<param>/<key>"
+                if names.single:  # the parameter: "<module key>/<FQN>"
+                    lr[f"{names.modules[0][0]}/{pname}"] = unit
+                else:
+                    lr[pname] = unit
+    out = []
+    for name, _ in flat.tensors:
+        head, _, _ = name.rpartition("/")
+        out.append(lr.get(name, lr.get(head, 0.0)))
     return out
 
 
@@ -1020,6 +1057,7 @@ class Checkpointer:
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
                  readonly=False, threads=0, chunk_elems=0, keep_last=None, process_group=None):
         self._rules = _rules(policy)
+        self._has_units, self._units = _rules_have_units(self._rules), None
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
@@ -1089,6 +1127,11 @@ class Checkpointer:
         self._inplace = bool(scanned)  # the library reads tensors in place until the fence
         w = self._writer
         w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
+        if self._has_units:
+            units = _units(flat, state)
+            if units != self._units:
+                w.set_units(units)
+                self._units = units
         self._pinned = [t for _, t in scanned]
         self._versions = [(n, t, t._version) for n, t in scanned]
         for v in state.values():
@@ -1193,6 +1236,7 @@ class Checkpointer:
             raise
         self._writer, self._sig = w, sig
         self._ptrs = list(ptrs)
+        self._units = None  # the new writer has none yet
 
     def _hook(self, opt):
         if id(opt) in self._hooks and self._hooks[id(opt)][0]() is opt:
