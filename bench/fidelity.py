@@ -75,16 +75,48 @@ def rules(w, m, v, *extra):
 # Small tensors (biases, LayerNorm gains and biases: 0.4% of the demo's elements)
 SMALL = ("model/*.bias=exact", "optim/*.bias/*=exact", "model/*ln*=exact", "optim/*ln*/*=exact")
 
-# name -> rules. The candidates of issue 16; `--list` prints them.
+# The models. "demo": examples/demo_gpt.py as it is (3.3M parameters, the Python
+# standard library's sources). "large": the same GPT 4.3x larger (8 layers, d=384:
+# 14.4M parameters), trained on data of its own: the Linux kernel's UAPI headers
+# (/usr/include/linux, from linux-libc-dev, which build-essential brings), 1000 steps.
+MODELS = {"demo": {"layers": demo.LAYERS, "d": demo.D, "steps": 200},
+          "large": {"layers": 8, "d": 384, "steps": 1000}}
+
+
+def corpus_of(model):
+    if model == "demo":
+        return demo.corpus()
+    files = sorted(glob.glob("/usr/include/linux/**/*.h", recursive=True))
+    if not files:
+        sys.exit("fidelity: no /usr/include/linux headers (apt-get install linux-libc-dev)")
+    data = bytearray(b"".join(open(p, "rb").read() for p in files))
+    t = torch.frombuffer(data, dtype=torch.uint8)
+    cut = int(len(t) * 0.95)
+    return t[:cut], t[cut:], len(files)
+
+
+def use_model(model):
+    """Sets the demo's module-level sizes: its GPT reads them when built (and D in
+    forward), so every process forked after this trains this model."""
+    demo.LAYERS, demo.D = MODELS[model]["layers"], MODELS[model]["d"]
+
+
+# name -> rules. The candidates of issues 16 and 22; `--list` prints them.
 POLICIES = {
     "exact": ("exact",),
+    # the presets since issue 22: quantized changes (see amber/torch.py)
     "lossy": LOSSY,
+    "lossy-frequent": LOSSY_FREQUENT,
+    "lossy-compact": LOSSY_COMPACT,
+    # -- the presets before issue 22 (whole f32 values); the same rules under other
+    # names in earlier sweeps: v1-lossy = mid2 = lossy of issue 16
+    "v1-lossy": rules("budget:0.04:2.5e-4", "budget:0.04:2.5e-5", "threshold:0:0.15"),
     # K=10 (19 resumes): lossy fails (+0.52%), tight-30pct keeps it (+0.26%); halfway
     # between them (caps and budgets at about their geometric mean; measured as the
     # candidate "v2-k10-mid", then adopted)
-    "lossy-frequent": LOSSY_FREQUENT,
+    "v1-lossy-frequent": rules("budget:0.06:1.8e-4", "budget:0.06:1.8e-5", "threshold:0:0.15"),
     # the "lossy" preset before issue 16
-    "lossy-compact": LOSSY_COMPACT,
+    "v1-lossy-compact": rules("budget:0.02:2e-3", "budget:0.02:2e-4", "threshold:0:0.5"),
     # which tensor class carries the error: one class lossy as in lossy-compact, the rest exact
     "v1-W-only": ("exact", "model/*=budget:0.02:2e-3"),
     "v1-M-only": ("exact", M_ + "budget:0.02:2e-4"),
@@ -126,6 +158,18 @@ POLICIES = {
     "v2-16-M1e-4": rules("budget:0.04:2.5e-4", "budget:0.02:1e-4", "threshold:0:0.15"),
     # halfway between lossy and v2-lossy-M5e-5 (which failed on seed 2 at +0.63%)
     "v2-18-M3.5e-5": rules("budget:0.04:2.5e-4", "budget:0.03:3.5e-5", "threshold:0:0.15"),
+    # -- issue 22: quantized changes. The old v1-lossy's selections with codes instead
+    # of values (8-bit in steps of half the bound or the budget's cut; V in bf16)
+    "q1-v1-lossy-q8": rules("budget:0.04:2.5e-4@q8", "budget:0.04:2.5e-5@q8",
+                            "threshold:0:0.15@bf16"),
+    # the presets' shape (W in lr units with lead, M budget, V relative with lead) with
+    # M's share at 10% instead of 8%
+    "q2-M10": rules("threshold:1u@q8+lead", "budget:0.1:1e-3@q8", "threshold:0:0.3@q8+lead"),
+    # without the lead on W (and V): what the lead buys
+    "q3-nolead": rules("threshold:1u@q8", "budget:0.08:1e-3@q8", "threshold:0:0.3@q8"),
+    # W as a budget (20%, in steps of its cut, leading to it) instead of lr units
+    "q4-Wbudget": rules("budget:0.2:5e-3@q8+lead", "budget:0.08:1e-3@q8",
+                        "threshold:0:0.3@q8+lead"),
 }
 
 
@@ -181,14 +225,19 @@ def resume_error(store, state, steps, seed):
 
 
 def sizes_of(store):
-    """Mean bytes of full and delta checkpoints; delta bytes per class (every 5th)."""
+    """Mean bytes of full and delta checkpoints; every delta's size against the mean
+    full one (the largest, and the largest after Adam's warm-up, steps > 20, where
+    the moments grow from zero); delta bytes per class (every 5th)."""
     from amber import Store
     out = {"full": [], "delta": []}
     per = {"W": 0, "M": 0, "V": 0}
+    steps = {}
     with Store(store, readonly=True) as st:
         cks = st.list()
         for c in cks:
             out[c.kind].append(c.bytes)
+            if c.kind == "delta":
+                steps[c.step] = c.bytes
         for c in cks[::5]:
             if c.kind == "delta":
                 with st.reader(c.step) as r:
@@ -197,7 +246,13 @@ def sizes_of(store):
     full = statistics.mean(out["full"]) if out["full"] else float("nan")
     delta = statistics.mean(out["delta"]) if out["delta"] else float("nan")
     tot = sum(per.values()) or 1
+    pct = {st_: 100 * b / full for st_, b in steps.items()}
+    late = [v for st_, v in pct.items() if st_ > 20]
     return {"full_bytes": full, "delta_bytes": delta, "delta_pct": 100 * delta / full,
+            "delta_max_pct": max(pct.values(), default=float("nan")),
+            "delta_max_late_pct": max(late, default=float("nan")),
+            "deltas_over_3pct": sum(v > 3 for v in pct.values()),
+            "deltas_over_3pct_late": sum(v > 3 for v in late), "deltas": len(pct),
             "delta_share": {k: v / tot for k, v in per.items()}}
 
 
@@ -301,6 +356,10 @@ def summarize(rows, seeds):
             "seed": r["seed"], "final_eval": r["final_eval"], "diff": d,
             "diff_pct": 100 * d / base[r["seed"]], "bit_identical": d == 0.0,
             "delta_pct": r.get("delta_pct"), "delta_share": r.get("delta_share"),
+            "delta_max_pct": r.get("delta_max_pct"),
+            "delta_max_late_pct": r.get("delta_max_late_pct"),
+            "deltas_over_3pct": r.get("deltas_over_3pct"),
+            "deltas_over_3pct_late": r.get("deltas_over_3pct_late"),
             "resumes": len(r["kills"]),
             "error": {key: statistics.mean(x["error"][key] for x in r["kills"])
                       for key in (r["kills"][0]["error"] if r["kills"] else ())}})
@@ -311,8 +370,16 @@ def summarize(rows, seeds):
         for k, v in sorted(p["runs"].items(), key=lambda kv: int(kv[0])):
             diff = statistics.mean(x["diff"] for x in v)
             worst = max(abs(x["diff"]) for x in v)
+            sized = [x for x in v if x.get("delta_max_pct") is not None]
             p["K"][k] = {
                 "seeds": len(v), "delta_pct": statistics.mean(x["delta_pct"] for x in v),
+                # every delta of every seed (runs cached before issue 22 did not record it)
+                "delta_max_pct": max((x["delta_max_pct"] for x in sized), default=None),
+                "delta_max_late_pct": max((x["delta_max_late_pct"] for x in sized),
+                                          default=None),
+                "deltas_over_3pct": sum(x["deltas_over_3pct"] for x in sized) if sized else None,
+                "deltas_over_3pct_late": (sum(x["deltas_over_3pct_late"] for x in sized)
+                                          if sized else None),
                 "mean_diff_pct": 100 * diff / mean,
                 "worst_diff_pct": 100 * worst / mean,
                 "mean_diff_sd": diff / sd if sd == sd and sd > 0 else None,
@@ -397,7 +464,8 @@ def plot(summary, path, steps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--model", default="demo", choices=sorted(MODELS))
+    ap.add_argument("--steps", type=int, default=None, help="default: 200 (demo), 1000 (large)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ks", default="10,20,50")
     ap.add_argument("--policies", default="exact,lossy,lossy-compact",
@@ -426,11 +494,13 @@ def main():
         if n not in POLICIES:
             sys.exit(f"fidelity: unknown policy {n} (--list shows them)")
     ks = [int(x) for x in a.ks.split(",") if x]
+    a.steps = a.steps or MODELS[a.model]["steps"]
+    use_model(a.model)
     a.out = os.path.abspath(a.out)
     a.json = a.json or os.path.join(a.out, "fidelity.json")
     a.png = a.png or os.path.join(a.out, "fidelity.png")
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
-    train_data, held, _ = demo.corpus()
+    train_data, held, _ = corpus_of(a.model)
     seeds = list(range(a.seeds))
     plan = [(None, s, 0) for s in seeds]
     plan += [(n, s, k) for n in names for k in ks for s in seeds]
@@ -439,6 +509,8 @@ def main():
     rows, t0 = [], time.time()
     for i, (name, seed, k) in enumerate(plan):
         key = f"{policy_key(name)}-s{seed}-k{k}-n{a.steps}-e{a.eval_seqs}.json"
+        if a.model != "demo":
+            key = f"{a.model}-{key}"
         cache = os.path.join(a.out, "runs", f"{name or 'uninterrupted'}-{key}")
         same = glob.glob(os.path.join(glob.escape(a.out), "runs", "*-" + key))
         if same:  # a run of the same rules, under this name or another
@@ -460,8 +532,11 @@ def main():
               f"({r['seconds']:.0f} s; {time.time() - t0:.0f} s so far; "
               f"load {os.getloadavg()[0]:.1f})", flush=True)
     summary = summarize(rows, seeds)
-    summary.update(steps=a.steps, seeds=a.seeds, eval_seqs=a.eval_seqs,
-                   model="examples/demo_gpt.py", cadence="full every 50 deltas, full_share off")
+    nparams = sum(p.numel() for p in demo.build(a.steps)[0].parameters())
+    summary.update(steps=a.steps, seeds=a.seeds, eval_seqs=a.eval_seqs, model=a.model,
+                   model_desc=f"examples/demo_gpt.py's GPT, {demo.LAYERS} layers, d={demo.D}, "
+                              f"{nparams} parameters", params=nparams,
+                   cadence="full every 50 deltas, full_share off")
     with open(a.json, "w") as f:
         json.dump(summary, f, indent=1)
     plot(summary, a.png, a.steps)

@@ -73,7 +73,9 @@ Policies. `policy=` is "exact" (the default: every restored tensor is bit-exact)
 LOSSY_COMPACT below, each with its
 measured fidelity under repeated resumes and delta size), a single rule "SPEC" or
 "PATTERN=SPEC", a list of rules, or a dict {PATTERN: SPEC}. SPEC is exact,
-threshold:ABS[:REL] or budget:FRAC[:CAP] (see README); PATTERN is a glob on the
+threshold:ABS[:REL] or budget:FRAC[:CAP], optionally followed by a value code
+(@q8, @q4, @bf16: quantized changes; +lead), ABS and CAP optionally in units of the
+tensor's learning rate ("threshold:0.5u": see README); PATTERN is a glob on the
 tensor names above ("*/exp_avg_sq" matches every Adam second moment); the last
 matching rule wins.
 Integer and bool tensors, and optimizer step counters ("<optim key>/*/step", a
@@ -157,87 +159,59 @@ __all__ = ["Checkpointer", "StateMismatchError", "EXACT", "LOSSY", "LOSSY_FREQUE
 
 # The lossy presets, chosen by measurement on the demo's training (examples/demo_gpt.py:
 # 3.3M-parameter GPT, AdamW with betas 0.9/0.95, saved every step, a full checkpoint
-# every 50 deltas). W = weights and every other float tensor, M = exp_avg (and SGD's
+# every 50 deltas) and checked on a 4.3x larger GPT on other data (bench/fidelity.py
+# --model large). W = weights and every other float tensor, M = exp_avg (and SGD's
 # momentum), V = exp_avg_sq. A resume restores the writer's reference, so the changes
 # not yet stored (up to each rule's bound) are lost at every failure, and that error
 # adds up over many failures. bench/fidelity.py measures it: the run is SIGKILLed
-# every 20 steps over 200 steps (9 resumes, each in a new process from the store),
-# and its final held-out loss is compared with the uninterrupted run of the same
-# seed; the seed-to-seed spread of uninterrupted runs (data order, dropout) is
+# every K steps (K = 20: 9 resumes in 200 steps, each in a new process from the
+# store), and its final held-out loss is compared with the uninterrupted run of the
+# same seed; the seed-to-seed spread of uninterrupted runs (data order, dropout) is
 # sd = 0.25%. The README's "Fidelity under repeated resumes" has the whole table.
 #
-# "lossy": W budget:0.04:2.5e-4, M budget:0.04:2.5e-5, V threshold:0:0.15.
-#   Deltas 20.1% of a full checkpoint on the demo. SIGKILLed every 20 steps, the demo
-#   ends +0.42%, +0.15% and +0.30% above the uninterrupted run (three seeds; mean
-#   +0.29% = 1.2 sd): within 2 sd and within 0.5% on every seed. Every 50 steps (3
-#   resumes) +0.10% (worst seed +0.13%); every 10 steps (19 resumes) +0.52% (worst
-#   +0.67%): not within the bound: for runs resumed that often, "lossy-frequent".
-#   About +0.03% per resume. Of the presets, the one that keeps fidelity at a resume
-#   every 20 steps; no policy of 3% did (see the README; a candidate at 18.2% kept it
-#   by a thin margin and was not adopted). At a resume the weights are off by about 0.33 of a step's update (rms,
-#   in units of lr), Adam's update from the first moment by 0.13, and the step size
-#   from V by a few percent (rms of log V 0.08). Twice the budget and half the caps
-#   (W budget:0.08:1.25e-4, M budget:0.08:1.25e-5, same V): deltas 30.8%, +0.12%.
+# Since issue 22 the presets store quantized changes (docs/FORMAT.md, "Quantized
+# sparse body"): 8-bit codes in steps of half the bound, the rounding kept in
+# live - reference and stored later (error feedback). Their rules:
+#   W: threshold:Nu@q8+lead, in units of the parameter's learning rate (amber.torch
+#      sets each parameter's and its optimizer state's unit to its param group's lr at
+#      every save): a weight is stored once it has moved N learning rates from what a
+#      restore gives, and "+lead" stores it a step ahead of where it moves, so that a
+#      restored weight is ahead as often as behind instead of always behind.
+#   M: budget:F:1e-3@q8: the F largest changes of each chunk, coded in steps of half
+#      the least of them; 1e-3 is a safety bound, far above Adam's first moments here.
+#   V: threshold:0:R@q8+lead: within a share R of itself (it spans many orders of
+#      magnitude), leading its decay.
+# Tensors without a learning rate (buffers, tensors no optimizer owns) are exact
+# under the W rule. The lr units and the lead fit Adam-type optimizers, whose update
+# is about lr per element and step; measure other optimizers with bench/fidelity.py.
+#
+# "lossy": N = 1, F = 8%, R = 0.3. See README for its measured delta sizes and
+#   fidelity at K = 10, 20, 50 on both models.
 LOSSY = (
-    "budget:0.04:2.5e-4",
-    "*/exp_avg=budget:0.04:2.5e-5",
-    "*/momentum_buffer=budget:0.04:2.5e-5",
-    "*/exp_avg_sq=threshold:0:0.15",
-    "*/max_exp_avg_sq=threshold:0:0.15",
+    "threshold:1u@q8+lead",
+    "*/exp_avg=budget:0.08:1e-3@q8",
+    "*/momentum_buffer=budget:0.08:1e-3@q8",
+    "*/exp_avg_sq=threshold:0:0.3@q8+lead",
+    "*/max_exp_avg_sq=threshold:0:0.3@q8+lead",
 )
-# "lossy-frequent": W budget:0.06:1.8e-4, M budget:0.06:1.8e-5, V threshold:0:0.15.
-#   Deltas 24-25% of a full checkpoint on the demo; the smallest policy measured that
-#   keeps fidelity at every K: SIGKILLed every 10 steps (19 resumes) +0.40%, +0.25%,
-#   +0.40% (three seeds), every 20 steps +0.33%, +0.10%, +0.16%, every 50 steps
-#   +0.05%, +0.09%, +0.07%. For runs that fail (or are preempted) often.
+# "lossy-frequent": N = 0.7, F = 15%, R = 0.2: for runs resumed more often (every 10
+#   steps of the demo).
 LOSSY_FREQUENT = (
-    "budget:0.06:1.8e-4",
-    "*/exp_avg=budget:0.06:1.8e-5",
-    "*/momentum_buffer=budget:0.06:1.8e-5",
-    "*/exp_avg_sq=threshold:0:0.15",
-    "*/max_exp_avg_sq=threshold:0:0.15",
+    "threshold:0.7u@q8+lead",
+    "*/exp_avg=budget:0.15:1e-3@q8",
+    "*/momentum_buffer=budget:0.15:1e-3@q8",
+    "*/exp_avg_sq=threshold:0:0.2@q8+lead",
+    "*/max_exp_avg_sq=threshold:0:0.2@q8+lead",
 )
-# "lossy-compact" (the "lossy" preset before repeated resumes were measured): W
-#   budget:0.02:2e-3, M budget:0.02:2e-4, V threshold:0:0.5. Deltas 3.2% of a full
-#   checkpoint on the demo (1.7% on GPT-2 small in mid-training, bench/torch_bench.py).
-#   One resume costs about +0.3%, but the error compounds: SIGKILLed every 20 steps
-#   the demo ends +2.0%, +2.1% and +2.4% (three seeds; mean +2.2% = 8.8 sd) above the
-#   uninterrupted run; every 10 steps +4.75%, every 50 steps +0.87% (three seeds;
-#   about +0.25% per resume at every K). For runs that are rarely
-#   resumed, or checkpoints that are exported rather than resumed from.
-#   Its earlier single-resume measurements (restored at step K, trained on to step N;
-#   median delta size):
-#   W budget:0.02:1e-3, M budget:0.02:1e-4, V threshold:0:0.05  N240 K120 +0.05%  16.3%
-#   W budget:0.02:1e-2, M budget:0.02:1e-3, V threshold:0:0.25  N240 K120 +0.08%   3.9%
-#   W budget:0.01:1e-2, M budget:0.01:1e-3, V threshold:0:0.25  N240 K120 +0.14%   3.5%
-#   W budget:0.005:1e-2, M budget:0.005:1e-3, V thr.:0:0.25     N240 K120 +0.33%   3.0%
-#   W budget:0.01:3e-3, M budget:0.01:3e-4, V threshold:0:0.5   N240 K120 +0.06%   2.1%
-#                                                               N200 K100 +0.42%
-#                                                               N200 K99  +0.39%
-#                                                               N200 K60  +0.12%
-#   W budget:0.01:1e-3, M budget:0.01:1e-4, V threshold:0:0.5   N200 K100 +0.17%   4.4%
-#   W budget:0.02:2e-3, M budget:0.02:2e-4, V threshold:0:0.5   N200 K100 +0.05%   3.1%  <-
-#                                                               N200 K60  +0.07%   3.5%
-# The runs above take a full checkpoint whenever the deltas add up to half of one
-# (the default cadence), so K restores a short chain. Restoring the 47th delta
-# after a full (full_share=-1, what the demo does: the worst case, as pending
-# changes have built up), N200 K99:
-#   W budget:0.02:2e-3, M budget:0.02:2e-4, V threshold:0:0.5             +0.27%   4.4%  <-
-#   W budget:0.02:1e-3, M budget:0.02:1e-4, V threshold:0:0.5             +0.16%   6.7%
-#   W budget:0.04:2e-3, M budget:0.04:2e-4, V threshold:0:0.5             +0.20%   5.1%
-# So: weights (and every other float tensor) keep the 2% largest pending changes
-# per step plus every change above 2e-3; Adam's first moment and SGD's momentum
-# likewise with a cap of 2e-4; Adam's second moments are restored within 50%
-# (an Adam step size within 0.71x..1.22x until they are stored). The second
-# moment's rule is relative because its values span many orders of magnitude.
-# On a GPT-2-small state in mid-training (bench/torch_bench.py) a delta is 1.6%
-# of a full checkpoint. Step counters stay exact (see above).
+# "lossy-compact": N = 1.5, F = 5%, R = 0.3: smaller deltas whose error adds up
+#   faster: for runs that are rarely resumed, or checkpoints that are exported
+#   rather than resumed from.
 LOSSY_COMPACT = (
-    "budget:0.02:2e-3",
-    "*/exp_avg=budget:0.02:2e-4",
-    "*/momentum_buffer=budget:0.02:2e-4",
-    "*/exp_avg_sq=threshold:0:0.5",
-    "*/max_exp_avg_sq=threshold:0:0.5",
+    "threshold:1.5u@q8+lead",
+    "*/exp_avg=budget:0.05:1e-3@q8",
+    "*/momentum_buffer=budget:0.05:1e-3@q8",
+    "*/exp_avg_sq=threshold:0:0.3@q8+lead",
+    "*/max_exp_avg_sq=threshold:0:0.3@q8+lead",
 )
 EXACT = ("exact",)
 PRESETS = {"exact": EXACT, "lossy": LOSSY, "lossy-frequent": LOSSY_FREQUENT,
