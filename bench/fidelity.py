@@ -76,11 +76,12 @@ def rules(w, m, v, *extra):
 SMALL = ("model/*.bias=exact", "optim/*.bias/*=exact", "model/*ln*=exact", "optim/*ln*/*=exact")
 
 # The models. "demo": examples/demo_gpt.py as it is (3.3M parameters, the Python
-# standard library's sources). "large": the same GPT 4.3x larger (8 layers, d=384:
-# 14.4M parameters), trained on data of its own: the Linux kernel's UAPI headers
-# (/usr/include/linux, from linux-libc-dev, which build-essential brings), 1000 steps.
-MODELS = {"demo": {"layers": demo.LAYERS, "d": demo.D, "steps": 200},
-          "large": {"layers": 8, "d": 384, "steps": 1000}}
+# standard library's sources, batches of 8). "large": the same GPT 4.3x larger (8
+# layers, d=384: 14.4M parameters), trained on data of its own: the Linux kernel's UAPI
+# headers (/usr/include/linux, from linux-libc-dev, which build-essential brings), for
+# 1000 steps of 4 sequences (half the demo's batch, so that a run takes minutes).
+MODELS = {"demo": {"layers": demo.LAYERS, "d": demo.D, "batch": demo.BATCH, "steps": 200},
+          "large": {"layers": 8, "d": 384, "batch": 4, "steps": 1000}}
 
 
 def corpus_of(model):
@@ -97,8 +98,9 @@ def corpus_of(model):
 
 def use_model(model):
     """Sets the demo's module-level sizes: its GPT reads them when built (and D in
-    forward), so every process forked after this trains this model."""
-    demo.LAYERS, demo.D = MODELS[model]["layers"], MODELS[model]["d"]
+    forward), and the batch size, so every process forked after this trains this
+    model."""
+    demo.LAYERS, demo.D, demo.BATCH = (MODELS[model][k] for k in ("layers", "d", "batch"))
 
 
 # name -> rules. The candidates of issues 16 and 22; `--list` prints them.
@@ -397,11 +399,13 @@ def pareto(points):
                   if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in points))
 
 
-def plot(summary, path, steps):
+def plot(summary, path, steps, baseline=None, title="demo GPT"):
     """Final eval loss against delta size: one series per K (filled: mean over every
     seed, bars from the best to the worst seed, the Pareto front of these means
     joined; open: one seed only, a screen), on the band of the uninterrupted runs'
-    seed spread; the right panel zooms on the policies near the targets."""
+    seed spread; the right panel zooms on the policies near the targets. `baseline`:
+    an earlier summary of the same training (the policies before issue 22, whole
+    values), drawn in grey with its Pareto fronts dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -420,6 +424,19 @@ def plot(summary, path, steps):
         ax.axhline(0.5, color="k", ls=":", lw=1, label="+0.5%")
         ax.axvline(3.0, color="k", ls="--", lw=1, label="3% of a full checkpoint")
         ax.axhline(0, color="k", lw=0.5)
+        for k in sorted({k for p in (baseline or {}).get("policies", {}).values()
+                         for k in p["K"]}, key=int):
+            marker = style.get(k, ("s", None))[0]
+            pts = [(p["K"][k]["delta_pct"], p["K"][k]["mean_diff_pct"])
+                   for name, p in baseline["policies"].items()
+                   if k in p["K"] and name != "exact" and
+                   p["K"][k]["seeds"] == len(baseline["uninterrupted"]["final_eval"])]
+            for x, m in pts:
+                ax.plot([x], [m], marker=marker, ms=4, color="0.55", mfc="white", lw=0)
+            front = pareto(pts)
+            if front:
+                ax.plot(*zip(*front), color="0.55", lw=1, ls="--",
+                        label=f"K={k}: front before issue 22 (whole values)")
         for j, k in enumerate(ks):
             marker, color = style.get(k, ("s", f"C{j + 3}"))
             pts = []
@@ -448,15 +465,16 @@ def plot(summary, path, steps):
         ax.set_xlabel("mean delta checkpoint size (% of a full checkpoint)")
     axes[0].set_xticks([1, 2, 3, 5, 10, 20, 30, 50, 100])
     axes[0].set_ylabel("final eval loss, resumed - uninterrupted (% of it)")
-    axes[0].set_title(f"demo GPT, {steps} steps, SIGKILLed and resumed every K steps "
+    axes[0].set_title(f"{title}, {steps} steps, SIGKILLed and resumed every K steps "
                       f"(▼ K=10, ● K=20, ▲ K=50)\nfilled: mean of {nseeds} seeds, bars "
                       f"from best to worst seed; open: seed 0 only; exact: bit-identical "
                       f"(not drawn)", fontsize=9)
     axes[0].legend(fontsize=7, loc="upper right")
-    axes[1].set_xlim(14, 36)
+    axes[1].set_xlim(1.5, 8)
     axes[1].set_ylim(-0.1, 1.4)
-    axes[1].set_xticks([15, 17, 20, 25, 30, 35])
-    axes[1].set_title("zoom: the policies near the targets", fontsize=9)
+    axes[1].set_xticks([1.5, 2, 2.5, 3, 4, 5, 6, 8])
+    axes[1].set_title("zoom: the policies near the targets (3% of a full checkpoint, "
+                      "0.5% of eval loss)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
@@ -473,6 +491,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "fidelity"))
     ap.add_argument("--json", default=None, help="default: OUT/fidelity.json")
     ap.add_argument("--png", default=None, help="default: OUT/fidelity.png")
+    ap.add_argument("--baseline", default=os.path.join(ROOT, "docs", "fidelity-v1.json"),
+                    help="an earlier summary of the demo drawn in grey ('' for none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-seqs", type=int, default=demo.EVAL_SEQS)
     ap.add_argument("--list", action="store_true", help="print the policies and exit")
@@ -535,11 +555,16 @@ def main():
     nparams = sum(p.numel() for p in demo.build(a.steps)[0].parameters())
     summary.update(steps=a.steps, seeds=a.seeds, eval_seqs=a.eval_seqs, model=a.model,
                    model_desc=f"examples/demo_gpt.py's GPT, {demo.LAYERS} layers, d={demo.D}, "
-                              f"{nparams} parameters", params=nparams,
+                              f"{nparams} parameters, batches of {demo.BATCH}", params=nparams,
                    cadence="full every 50 deltas, full_share off")
     with open(a.json, "w") as f:
         json.dump(summary, f, indent=1)
-    plot(summary, a.png, a.steps)
+    baseline = None
+    if a.baseline and a.model == "demo" and os.path.exists(a.baseline):
+        with open(a.baseline) as f:
+            baseline = json.load(f)
+    plot(summary, a.png, a.steps, baseline,
+         title="demo GPT" if a.model == "demo" else f"larger GPT ({nparams / 1e6:.1f}M)")
     u = summary["uninterrupted"]
     print(f"\nuninterrupted: final eval {u['mean']:.5f} (mean of {len(u['final_eval'])} seeds), "
           f"sd {u['sd']:.5f} = {u['sd_pct']:.3f}%")
