@@ -99,17 +99,26 @@ void amber__chunk_full(amber__scratch *s, const amber__chunk_src *src, amber__ch
   amber__ckpt_append(src->out, c, ref, bytes);
 }
 
+/* Where a quantized chunk's outputs go: keys and xbuf are free once the scan has
+ * selected (the escapes' positions and values), the codes and step have their own. */
+static amber__qbuf qbuf_of(amber__scratch *s) {
+  return (amber__qbuf){.codes = s->qcodes, .steps = s->qsteps, .esc = s->keys,
+                       .esc_vals = s->xbuf};
+}
+
 /* A quantized policy's chunk after its scan selected k > 0 elements (and left the
- * reference alone there): quantize, then store the QSPARSE body, or the whole
- * chunk (RAW) when that is smaller, the reference then taking every live value. */
+ * reference alone there, or quantized them itself: `fuse`): quantize, then store the
+ * QSPARSE body, or the whole chunk (RAW) when that is smaller, the reference then
+ * taking every live value. */
 static void quant_chunk(amber__scratch *s, const amber__chunk_src *src, const amber__policy *p,
-                        size_t k, amber__chunk *c) {
+                        size_t k, const amber__qfuse *fuse, amber__chunk *c) {
   size_t isz = amber_dtype_size(src->dtype), n = src->n, bytes = n * isz, blen, plen = 0;
-  /* after the scan, keys and xbuf are free: escapes' positions and values go there */
-  amber__qbuf qb = {.codes = s->qcodes, .steps = s->qsteps, .esc = s->keys,
-                    .esc_vals = s->xbuf};
+  amber__qbuf qb = qbuf_of(s);
   amber__qsel q;
-  amber__quantize(p, src->dtype, src->ref, s->idx, s->vals, k, &qb, &q);
+  if (fuse->done)
+    amber__qfuse_result(fuse, p, s->idx, k, &qb, &q);
+  else
+    amber__quantize(p, src->dtype, src->ref, s->idx, s->vals, k, &qb, &q);
   if (amber__qsparse_bound(n, &q, isz) <= bytes + 16) { /* the body fits s->body */
     blen = amber__qsparse_encode(s->body, &q, n, isz);
     if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
@@ -156,7 +165,12 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   }
   int quant = rule && rule->policy.qmode && a.kind != AMBER__SCAN_EXACT &&
               amber__quant_dtype(src->dtype);
+  amber__qfuse fuse = {0};
   a.defer = quant;
+  if (quant) {
+    amber__qbuf qb = qbuf_of(s);
+    if (amber__qfuse_init(&fuse, &rule->policy, src->dtype, &qb)) a.fuse = &fuse;
+  }
   double t0 = amber__now();
   size_t k = amber__scan(&a);
   double t1 = amber__now();
@@ -170,7 +184,7 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
     return;
   }
   if (quant) {
-    quant_chunk(s, src, &rule->policy, k, c);
+    quant_chunk(s, src, &rule->policy, k, &fuse, c);
     s->encode_s += amber__now() - t1;
     return;
   }

@@ -165,6 +165,109 @@ static float budget_step(const amber__policy *p, int dtype, const uint8_t *ref,
   return s;
 }
 
+/* ---- f32 with integer codes: the common case, in one tight loop ----
+ *
+ * The same decisions as the generic code below (test_delta_quant runs both), with
+ * what costs there taken out: no widening to f64 but for the bound's check, codes
+ * rounded by the 1.5 * 2^23 trick (|t| <= 127.5 is checked first, so the sum lies in
+ * [2^23, 2^24), where f32 has unit spacing: round to nearest, ties to even, as
+ * nearbyint), and the restore's two operations inline. */
+
+static int fast = 1;
+
+void amber__quant_use_fast(int on) {
+  __atomic_store_n(&fast, on, __ATOMIC_RELAXED);
+}
+
+static inline float round_code(float t) {
+  volatile float big = 0x1.8p23f; /* volatile: the sum is not folded away */
+  return (t + big) - big;
+}
+
+static inline int f32_within(int thr, double absb, double relb, double cap, float x, float v) {
+  double e = fabs((double)x - (double)v);
+  return isfinite(v) && e <= (thr ? absb + relb * fabs((double)v) : cap);
+}
+
+static size_t quant_f32(const amber__policy *p, float *ref, const uint32_t *idx,
+                        const float *vals, size_t k, int32_t qmax, float a, float b, float cut,
+                        int8_t *codes, uint32_t *esc, uint8_t *esc_vals) {
+  const int thr = p->kind == AMBER__POL_THRESHOLD, lead = p->lead;
+  const double absb = p->abs, relb = p->rel, cap = p->cap, cutd = cut;
+  const float absf = (float)p->abs, relf = (float)p->rel, qlim = (float)qmax + 0.5f;
+  size_t nesc = 0;
+  for (size_t i = 0; i < k; i++) {
+    float *rp = ref + idx[i];
+    float r = *rp, x;
+    memcpy(&x, vals + i, 4);
+    float d = x - r, s = a + b * fabsf(r), t = d / s;
+    int ok = fabsf(t) <= qlim && isfinite(x) && isfinite(r);
+    float c = ok ? round_code(t) : 0;
+    ok = ok && fabsf(c) <= (float)qmax; /* 127.5 rounds to 128 */
+    float v = r + c * s;
+    if (ok && lead) {
+      float ef = thr ? absf + relf * fabsf(r) : cut, far = (fabsf(d) + ef) / s, sg = d > 0 ? 1 : -1;
+      int32_t f = far >= (float)qmax ? qmax : (int32_t)far, ca = (int32_t)fabsf(c);
+      for (int tries = 0; tries < 4 && f > ca; tries++, f--) {
+        float w = r + ((float)f * sg) * s;
+        if (f32_within(thr, absb, relb, cap, x, w) &&
+            (thr || fabs((double)x - (double)w) <= cutd)) {
+          c = (float)f * sg;
+          v = w;
+          break;
+        }
+      }
+    }
+    ok = ok && f32_within(thr, absb, relb, cap, x, v);
+    codes[i] = (int8_t)(ok ? c : 0);
+    if (ok) {
+      *rp = v;
+    } else { /* stored whole */
+      esc[nesc] = (uint32_t)i;
+      memcpy(esc_vals + 4 * nesc, &x, 4);
+      *rp = x;
+      nesc++;
+    }
+  }
+  return nesc;
+}
+
+int amber__qfuse_init(amber__qfuse *f, const amber__policy *p, int dtype,
+                      const amber__qbuf *buf) {
+  memset(f, 0, sizeof *f);
+  if (dtype != AMBER_F32 || p->kind != AMBER__POL_THRESHOLD || p->qmode == AMBER__QV_BF16 ||
+      !__atomic_load_n(&fast, __ATOMIC_RELAXED))
+    return 0;
+  f->a = (float)(AMBER__QSTEP_SHARE * p->abs);
+  f->b = (float)(AMBER__QSTEP_SHARE * p->rel);
+  f->absf = (float)p->abs;
+  f->relf = (float)p->rel;
+  f->absb = p->abs;
+  f->relb = p->rel;
+  f->qmax = qmax_of(p->qmode);
+  f->lead = p->lead;
+  f->codes = buf->codes;
+  f->esc = buf->esc;
+  f->esc_vals = buf->esc_vals;
+  return 1;
+}
+
+void amber__qfuse_result(const amber__qfuse *f, const amber__policy *p, const uint32_t *idx,
+                         size_t k, const amber__qbuf *buf, amber__qsel *q) {
+  memset(q, 0, sizeof *q);
+  q->k = k;
+  q->idx = idx;
+  q->mode = p->qmode;
+  q->group_log2 = 24;
+  q->rel_step = f->b;
+  q->steps = buf->steps;
+  buf->steps[0] = f->a;
+  q->codes = f->codes;
+  q->nesc = f->nesc;
+  q->esc = f->esc;
+  q->esc_vals = f->esc_vals;
+}
+
 void amber__quantize(const amber__policy *p, int dtype, uint8_t *ref, const uint32_t *idx,
                      const uint8_t *vals, size_t k, const amber__qbuf *buf, amber__qsel *q) {
   size_t w = amber_dtype_size(dtype);
@@ -194,6 +297,11 @@ void amber__quantize(const amber__policy *p, int dtype, uint8_t *ref, const uint
   }
   size_t nesc = 0;
   uint8_t tmp[8];
+  if (dtype == AMBER_F32 && mode != AMBER__QV_BF16 && __atomic_load_n(&fast, __ATOMIC_RELAXED)) {
+    q->nesc = quant_f32(p, (float *)(void *)ref, idx, (const float *)(const void *)vals, k, qmax,
+                        a, b, cut, codes, buf->esc, buf->esc_vals);
+    return;
+  }
   for (size_t i = 0; i < k; i++) {
     uint8_t *rp = ref + (size_t)idx[i] * w;
     const uint8_t *xp = vals + i * w;

@@ -13,6 +13,7 @@
 
 #include "codec.h"
 #include "policy.h"
+#include "scan.h"
 
 /* The step is this share of the bound (a threshold's, or a budget's cut): a code
  * of 1 restores a change of half the bound, so a change just past the bound
@@ -37,5 +38,18 @@ typedef struct amber__qbuf {
  * yields. */
 void amber__quantize(const amber__policy *p, int dtype, uint8_t *ref, const uint32_t *idx,
                      const uint8_t *vals, size_t k, const amber__qbuf *buf, amber__qsel *q);
+
+/* A threshold policy of an f32 tensor can be quantized inside the scan's pass
+ * (scan.c, AVX-512): fills *f for it and returns 1, or 0 when it cannot (the caller
+ * then runs amber__quantize after the scan). After a scan that set f->done,
+ * amber__qfuse_result makes the chunk's selection *q of its outputs. */
+int amber__qfuse_init(amber__qfuse *f, const amber__policy *p, int dtype,
+                      const amber__qbuf *buf);
+void amber__qfuse_result(const amber__qfuse *f, const amber__policy *p, const uint32_t *idx,
+                         size_t k, const amber__qbuf *buf, amber__qsel *q);
+
+/* Tests: 0 makes every dtype take the generic code, so that the f32 loop can be
+ * checked against it; 1 (the default) the f32 loop. */
+void amber__quant_use_fast(int on);
 
 #endif /* AMBER_QUANT_H */

@@ -382,6 +382,122 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512(const amber__sc
   return k;
 }
 
+/* |x - v| <= absb + relb * |v| (and v finite), in f64, for 16 f32 lanes. */
+__attribute__((target("avx512f"))) static inline __mmask16 within16(__m512 vx, __m512 v,
+                                                                   __m512d absb, __m512d relb) {
+  const __m512i absm = _mm512_set1_epi64(0x7fffffffffffffffll);
+  __mmask16 m = 0;
+  for (int h = 0; h < 2; h++) {
+    __m256 xs = _mm512_castps512_ps256(h ? _mm512_shuffle_f32x4(vx, vx, 0xEE) : vx);
+    __m256 vs = _mm512_castps512_ps256(h ? _mm512_shuffle_f32x4(v, v, 0xEE) : v);
+    __m512d xd = _mm512_cvtps_pd(xs), vd = _mm512_cvtps_pd(vs);
+    __m512d e = _mm512_castsi512_pd(
+        _mm512_and_si512(_mm512_castpd_si512(_mm512_sub_pd(xd, vd)), absm));
+    __m512d av = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(vd), absm));
+    __m512d lim = _mm512_add_pd(absb, _mm512_mul_pd(relb, av));
+    m |= (__mmask16)(_mm512_cmp_pd_mask(e, lim, _CMP_LE_OQ) << (8 * h));
+  }
+  const __m512i expo = _mm512_set1_epi32((int)EXP32);
+  __m512i vi = _mm512_castps_si512(v);
+  return m & _mm512_cmpneq_epi32_mask(_mm512_and_si512(vi, expo), expo);
+}
+
+/* scan_f32_avx512 for a threshold with its quantization in the pass (a->fuse): each
+ * selected element gets its code (src/quant.c's rules: step a + b|r|, nearest code,
+ * +lead from the farthest code down, at most 4 tries, the bound checked at the
+ * restored value in f64) and the reference its restored value (the live one for an
+ * escape) in the same masked store; the selected values are not gathered. */
+__attribute__((target("avx512f"))) static size_t scan_f32_avx512_q(const amber__scan_args *a,
+                                                                   float abs_, float rel) {
+  amber__qfuse *q = a->fuse;
+  const uint8_t *x = a->live;
+  uint8_t *r = a->ref;
+  size_t n = a->n, k = 0, nesc = 0;
+  const __m512 vabs = _mm512_set1_ps(abs_), vrel = _mm512_set1_ps(rel),
+               tiny = _mm512_set1_ps(0x1p-149f), zero = _mm512_setzero_ps(),
+               va = _mm512_set1_ps(q->a), vb = _mm512_set1_ps(q->b),
+               vaf = _mm512_set1_ps(q->absf), vrf = _mm512_set1_ps(q->relf),
+               vqmax = _mm512_set1_ps((float)q->qmax),
+               vqlim = _mm512_set1_ps((float)q->qmax + 0.5f), one = _mm512_set1_ps(1.0f),
+               mone = _mm512_set1_ps(-1.0f);
+  const __m512d absb = _mm512_set1_pd(q->absb), relb = _mm512_set1_pd(q->relb);
+  const __m512i expo = _mm512_set1_epi32((int)EXP32), absm = _mm512_set1_epi32(0x7fffffff),
+                lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 bconst = _mm512_max_ps(_mm512_sub_ps(vabs, tiny), zero);
+  const int use_rel = rel != 0;
+  uint32_t *idx = a->idx;
+  for (size_t i = 0; i < n; i += 16) {
+    const float *xp = (const float *)(const void *)(x + 4 * i);
+    float *rp = (float *)(void *)(r + 4 * i);
+    __mmask16 in = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    __m512 vx = _mm512_maskz_loadu_ps(in, xp), vr = _mm512_maskz_loadu_ps(in, rp);
+    __m512 ds = _mm512_sub_ps(vx, vr);
+    __m512i di = _mm512_and_si512(_mm512_castps_si512(ds), absm);
+    __m512 d = _mm512_castsi512_ps(di);
+    __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vr), absm));
+    __m512 bnd = use_rel ? _mm512_max_ps(_mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, ar)),
+                                                       tiny), zero)
+                         : bconst;
+    __m512i xi = _mm512_castps_si512(vx), ri = _mm512_castps_si512(vr);
+    __mmask16 xfin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(xi, expo), expo),
+              rfin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(ri, expo), expo);
+    /* a change to or from NaN/Inf is forced (and an escape) */
+    __mmask16 sel = _mm512_cmp_ps_mask(d, bnd, _CMP_GT_OQ) |
+                    ((__mmask16)~(xfin & rfin) & _mm512_cmpneq_epi32_mask(xi, ri));
+    sel &= in;
+    if (!sel) continue;
+    __m512 s = _mm512_add_ps(va, _mm512_mul_ps(vb, ar));
+    __m512 t = _mm512_div_ps(ds, s);
+    __m512 c = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 tabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(t), absm));
+    __m512 cabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), absm));
+    __mmask16 ok = sel & xfin & rfin & _mm512_cmp_ps_mask(tabs, vqlim, _CMP_LE_OQ) &
+                   _mm512_cmp_ps_mask(cabs, vqmax, _CMP_LE_OQ);
+    c = _mm512_maskz_mov_ps(ok, c);
+    __m512 v = _mm512_add_ps(vr, _mm512_mul_ps(c, s));
+    if (q->lead && ok) {
+      __m512 sg = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ds, zero, _CMP_GT_OQ), mone, one);
+      __m512 e = _mm512_add_ps(vaf, _mm512_mul_ps(vrf, ar));
+      __m512 far = _mm512_div_ps(_mm512_add_ps(d, e), s);
+      __m512 f = _mm512_min_ps(_mm512_roundscale_ps(far, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC),
+                               vqmax);
+      cabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), absm));
+      __mmask16 pending = ok & _mm512_cmp_ps_mask(f, cabs, _CMP_GT_OQ);
+      for (int tries = 0; tries < 4 && pending; tries++) {
+        __m512 cf = _mm512_mul_ps(f, sg);
+        __m512 w = _mm512_add_ps(vr, _mm512_mul_ps(cf, s));
+        __mmask16 wok = pending & within16(vx, w, absb, relb);
+        c = _mm512_mask_mov_ps(c, wok, cf);
+        v = _mm512_mask_mov_ps(v, wok, w);
+        pending &= (__mmask16)~wok;
+        f = _mm512_sub_ps(f, one);
+        pending &= _mm512_cmp_ps_mask(f, cabs, _CMP_GT_OQ);
+      }
+    }
+    ok &= within16(vx, v, absb, relb);
+    __mmask16 escape = sel & (__mmask16)~ok;
+    unsigned cnt = (unsigned)__builtin_popcount(sel);
+    __mmask16 pre = (__mmask16)((1u << cnt) - 1);
+    _mm512_mask_storeu_epi32(idx + k, pre,
+                             _mm512_maskz_compress_epi32(sel, _mm512_add_epi32(
+                                                                  lanes, _mm512_set1_epi32((int)i))));
+    __m512i ci = _mm512_cvtps_epi32(_mm512_maskz_mov_ps(ok, c)); /* integral: exact */
+    _mm512_mask_cvtepi32_storeu_epi8(q->codes + k, pre, _mm512_maskz_compress_epi32(sel, ci));
+    _mm512_mask_storeu_ps(rp, sel, _mm512_mask_mov_ps(v, escape, vx));
+    while (escape) { /* rare: stored whole */
+      unsigned j = (unsigned)__builtin_ctz(escape);
+      escape &= (__mmask16)(escape - 1);
+      q->esc[nesc] = (uint32_t)(k + (size_t)__builtin_popcount(sel & ((1u << j) - 1)));
+      memcpy(q->esc_vals + 4 * nesc, xp + j, 4);
+      nesc++;
+    }
+    k += cnt;
+  }
+  q->nesc = nesc;
+  q->done = 1;
+  return k;
+}
+
 /* After scan_f32_avx512 under a budget that kept every candidate: the reference
  * takes their new values. */
 __attribute__((target("avx512f"))) static void put_all_avx512(const amber__scan_args *a,
@@ -703,6 +819,8 @@ size_t amber__scan(const amber__scan_args *a) {
   int level = a->dtype == AMBER_F32 && a->kind != AMBER__SCAN_EXACT ? f32_simd_level() : 0;
   if (level > __atomic_load_n(&use_simd, __ATOMIC_RELAXED))
     level = __atomic_load_n(&use_simd, __ATOMIC_RELAXED);
+  if (level == 2 && a->fuse && a->defer && a->kind == AMBER__SCAN_THRESHOLD)
+    return scan_f32_avx512_q(a, abs_f, rel_f);
   if (level) {
     p.k = level == 2 ? scan_f32_avx512(a, abs_f, rel_f, cap_f, a->kind == AMBER__SCAN_BUDGET)
                      : scan_f32_avx2(a, abs_f, rel_f, cap_f, p.keep_old);

@@ -13,6 +13,21 @@
 
 enum { AMBER__SCAN_EXACT = 0, AMBER__SCAN_THRESHOLD = 1, AMBER__SCAN_BUDGET = 2 };
 
+/* A threshold policy's quantization done inside the scan's pass (f32, AVX-512): the
+ * same decisions as src/quant.c's, for each selected element as it is found. */
+typedef struct amber__qfuse {
+  float a, b;         /* the step of an element with reference r: a + b * |r| */
+  float absf, relf;   /* +lead's reach: absf + relf * |r| (f32) */
+  double absb, relb;  /* the bound, checked at the restored value v: absb + relb * |v| */
+  int32_t qmax;       /* the largest code */
+  int lead;
+  int8_t *codes;      /* out: one per selected element (0 for an escape) */
+  uint32_t *esc;      /* out: escaped ordinals */
+  uint8_t *esc_vals;  /* out: their live values */
+  size_t nesc;        /* out */
+  int done;           /* out: the pass quantized (else the caller quantizes) */
+} amber__qfuse;
+
 typedef struct amber__scan_args {
   int kind;           /* AMBER__SCAN_* */
   int dtype;
@@ -29,6 +44,8 @@ typedef struct amber__scan_args {
                          budget, n * width bytes */
   int defer;          /* threshold, budget: leave the reference alone at the selected
                          elements (a quantized policy moves them itself, quant.c) */
+  amber__qfuse *fuse; /* with defer, a threshold may be quantized in the pass (NULL:
+                         not); the selected values are then not gathered */
 } amber__scan_args;
 
 /* Selects the elements a delta stores under the policy, gathers their indices

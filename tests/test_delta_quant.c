@@ -6,6 +6,7 @@
  * malformed one is refused before anything is written; units resolve into the
  * recorded policy; the f32 -> f16 rounding is IEEE's.
  */
+#include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -266,6 +267,125 @@ static void test_quantizer_moves_the_reference_to_what_a_restore_decodes(void) {
   free(dec), free(ev), free(codes), free(steps), free(body);
 }
 
+/* The f32 loop (the default for f32 tensors) decides exactly as the generic code:
+ * the same codes, escapes and reference bits, for every policy kind, on changes that
+ * land on ties of the rounding (x.5 steps, the codes' edges), on NaN, Inf, zero
+ * references and huge jumps. */
+static void test_f32_quantizer_matches_the_generic_one(void) {
+  const char *specs[] = {"threshold:1e-3@q4", "threshold:1e-3:0.05@q4+lead", "threshold:0:0.3@q8+lead",
+                         "threshold:2e-4@q8", "budget:0.5:0.02@q4", "budget:0.5:0.02@q8+lead",
+                         "budget:0.5@q8", "budget:0.3:1e-3@q4+lead"};
+  uint64_t rng = 4242;
+  size_t n = 4000;
+  uint32_t *idx = malloc(n * 4), *e1 = malloc(n * 4), *e2 = malloc(n * 4);
+  float *live = malloc(n * 4), *r1 = malloc(n * 4), *r2 = malloc(n * 4), *v1 = malloc(n * 4),
+        *v2 = malloc(n * 4), *s1 = malloc(64), *s2 = malloc(64);
+  int8_t *c1 = malloc(n), *c2 = malloc(n);
+  size_t ties = 0;
+  CHECK(idx && e1 && e2 && live && r1 && r2 && v1 && v2 && c1 && c2 && s1 && s2);
+  for (size_t si = 0; si < sizeof specs / sizeof specs[0]; si++) {
+    amber__policy p;
+    CHECK(amber__policy_parse(specs[si], &p) == 0);
+    double step = p.kind == AMBER__POL_THRESHOLD ? 0.5 * p.abs : 1e-3;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+      float r = (float)((urnd(&rng) - 0.5) * (i % 5 == 0 ? 10 : 0.2));
+      double m = (double)(int)(rnd(&rng) % 300) - 150 + (i % 2 ? 0.5 : 0.0); /* ties */
+      float x = (float)(r + m * step * (urnd(&rng) < 0.5 ? 1 : 1 + 1e-7));
+      if (i % 97 == 5) x = NAN;
+      if (i % 101 == 7) x = -INFINITY;
+      if (i % 103 == 9) r = 0;
+      if (i % 107 == 11) x = r + 1e30f;
+      r1[i] = r2[i] = r;
+      live[i] = x;
+      if (memcmp(&x, &r, 4) && urnd(&rng) < 0.7) {
+        idx[k] = (uint32_t)i;
+        memcpy(v1 + k, &x, 4);
+        k++;
+      }
+      ties += fabs(fmod(m, 1.0)) == 0.5;
+    }
+    amber__qbuf b1 = {.codes = c1, .steps = s1, .esc = e1, .esc_vals = (uint8_t *)v2};
+    amber__qsel q1, q2;
+    amber__quantize(&p, AMBER_F32, (uint8_t *)r1, idx, (const uint8_t *)v1, k, &b1, &q1);
+    float *ev = malloc(n * 4);
+    amber__qbuf b2 = {.codes = c2, .steps = s2, .esc = e2, .esc_vals = (uint8_t *)ev};
+    amber__quant_use_fast(0);
+    amber__quantize(&p, AMBER_F32, (uint8_t *)r2, idx, (const uint8_t *)v1, k, &b2, &q2);
+    amber__quant_use_fast(1);
+    int same = q1.nesc == q2.nesc && s1[0] == s2[0] && !memcmp(c1, c2, k) &&
+               !memcmp(r1, r2, n * 4) && !memcmp(e1, e2, q1.nesc * 4) &&
+               !memcmp(v2, ev, q1.nesc * 4);
+    if (!same) fprintf(stderr, "    %s: the f32 loop and the generic code differ\n", specs[si]);
+    CHECK(same && q1.nesc > 0);
+    free(ev);
+  }
+  CHECK(ties > 100);
+  free(idx), free(e1), free(e2), free(live), free(r1), free(r2), free(v1), free(v2);
+  free(c1), free(c2), free(s1), free(s2);
+}
+
+/* A threshold policy of an f32 tensor is quantized inside the scan's pass on AVX-512
+ * (scan.c) and after it elsewhere: a trajectory saved both ways restores the same
+ * bits at every step, and so the writers' references are the same. */
+static void test_quantizing_in_the_scan_matches_quantizing_after_it(void) {
+  const char *specs[] = {"threshold:1e-3@q8+lead", "threshold:1e-3:0.05@q4", "threshold:0:0.3@q8+lead",
+                         "threshold:2e-3@q4+lead"};
+  size_t n = 5000;
+  float *x = malloc(n * 4), *g0 = malloc(n * 4), *g2 = malloc(n * 4);
+  CHECK(x && g0 && g2);
+  for (size_t si = 0; si < sizeof specs / sizeof specs[0]; si++) {
+    amber_store *st[2];
+    amber_writer *w[2];
+    amber_store_opts so;
+    amber_store_opts_init(&so);
+    so.threads = 1;
+    amber_writer_opts wo;
+    amber_writer_opts_init(&wo);
+    wo.chunk_elems = 1024;
+    wo.full_every = UINT32_MAX;
+    wo.full_share = -1;
+    uint64_t rng = 99 + si;
+    for (size_t i = 0; i < n; i++) x[i] = (float)((urnd(&rng) - 0.5) * (i % 4 ? 1 : 1e3));
+    for (int v = 0; v < 2; v++) {
+      char dir[4200];
+      snprintf(dir, sizeof dir, "%s/fuse-%zu-%d", tu_tmpdir(), si, v);
+      CHECK_OK(amber_store_open(&st[v], dir, &so));
+      CHECK_OK(amber_writer_open(&w[v], st[v], &wo));
+      CHECK_OK(amber_writer_add(w[v], "x", AMBER_F32, 1, (int64_t[]){(int64_t)n}, x, NULL));
+      CHECK_OK(amber_writer_add_policy(w[v], specs[si]));
+    }
+    int same = 1;
+    for (uint64_t step = 1; step <= 25 && same; step++) {
+      for (size_t i = 0; i < n; i++) {
+        x[i] += (float)((urnd(&rng) - 0.3) * 2e-3 * (i % 3 ? 1 : 5)) - 0.05f * x[i] * (i % 5 == 0);
+        if (i % 211 == step % 7) x[i] = step % 2 ? NAN : INFINITY;
+        else if (!isfinite(x[i])) x[i] = 0.5f;
+      }
+      for (int v = 0; v < 2; v++) {
+        amber__scan_use_simd(v ? 2 : 0);
+        CHECK_OK(amber_writer_save(w[v], step, 0));
+      }
+      amber__scan_use_simd(2);
+      amber_reader *r;
+      CHECK_OK(amber_reader_open(&r, st[0], step, NULL));
+      CHECK_OK(amber_reader_read(r, 0, g0, n * 4));
+      amber_reader_close(r);
+      CHECK_OK(amber_reader_open(&r, st[1], step, NULL));
+      CHECK_OK(amber_reader_read(r, 0, g2, n * 4));
+      amber_reader_close(r);
+      same = !memcmp(g0, g2, n * 4);
+      if (!same) fprintf(stderr, "    %s step %" PRIu64 ": the two restores differ\n", specs[si], step);
+    }
+    CHECK(same);
+    for (int v = 0; v < 2; v++) {
+      amber_writer_close(w[v]);
+      amber_store_close(st[v]);
+    }
+  }
+  free(x), free(g0), free(g2);
+}
+
 /* ---- malformed bodies ---- */
 
 /* A valid Q4 body of 5 of 40 f32 elements with one escape; each damage below makes
@@ -459,6 +579,8 @@ int main(void) {
   TEST_RUN(test_quantized_budget_within_cap_every_step);
   TEST_RUN(test_quantized_bodies_decode_as_the_format_defines);
   TEST_RUN(test_quantizer_moves_the_reference_to_what_a_restore_decodes);
+  TEST_RUN(test_f32_quantizer_matches_the_generic_one);
+  TEST_RUN(test_quantizing_in_the_scan_matches_quantizing_after_it);
   TEST_RUN(test_malformed_quantized_bodies_are_refused);
   TEST_RUN(test_f16_rounding_is_ieee_round_to_nearest_even);
   TEST_RUN(test_value_codes_and_units_parse_as_documented);
