@@ -294,7 +294,7 @@ size_t amber__qsparse_encode(uint8_t *body, const amber__qsel *q, size_t n, size
   p += QFIXED;
   for (size_t g = 0; g < ng; g++, p += 4) amber__put32(p, amber__f32_bits(q->steps[g]));
   if (q->mode == AMBER__QV_Q8) {
-    memcpy(p, q->codes, q->k);
+    if (q->k) memcpy(p, q->codes, q->k);
     p += q->k;
   } else if (q->mode == AMBER__QV_Q4) {
     const int8_t *c = q->codes;
@@ -307,7 +307,7 @@ size_t amber__qsparse_encode(uint8_t *body, const amber__qsel *q, size_t n, size
   }
   for (size_t e = 0; e < q->nesc; e++)
     p = put_varint(p, q->esc[e] - (e ? q->esc[e - 1] + 1 : 0));
-  memcpy(p, q->esc_vals, q->nesc * w);
+  if (q->nesc) memcpy(p, q->esc_vals, q->nesc * w);
   return (size_t)(p - body) + q->nesc * w;
 }
 
