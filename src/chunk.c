@@ -108,19 +108,23 @@ static amber__qbuf qbuf_of(amber__scratch *s) {
 
 /* A quantized policy's chunk after its scan selected k > 0 elements (and left the
  * reference alone there, or quantized them itself: `fuse`): quantize, then store the
- * QSPARSE body, or the whole chunk (RAW) when that is smaller, the reference then
- * taking every live value. */
+ * QSPARSE body when the body (before zstd) is smaller than the chunk, else the whole
+ * chunk (RAW), the reference then taking every live value. The choice depends only
+ * on sizes that the device path (python/amber/device.py) computes as well, not on
+ * what zstd makes of the body, so that both paths store the same chunks and restore
+ * the same values. */
 static void quant_chunk(amber__scratch *s, const amber__chunk_src *src, const amber__policy *p,
                         size_t k, const amber__qfuse *fuse, amber__chunk *c) {
-  size_t isz = amber_dtype_size(src->dtype), n = src->n, bytes = n * isz, blen, plen = 0;
+  size_t isz = amber_dtype_size(src->dtype), n = src->n, bytes = n * isz, blen = bytes, plen;
   amber__qbuf qb = qbuf_of(s);
   amber__qsel q;
   if (fuse->done)
     amber__qfuse_result(fuse, p, s->idx, k, &qb, &q);
   else
     amber__quantize(p, src->dtype, src->ref, s->idx, s->vals, k, &qb, &q);
-  if (amber__qsparse_bound(n, &q, isz) <= bytes + 16) { /* the body fits s->body */
+  if (amber__qsparse_bound(n, &q, isz) <= bytes + 16) /* the body fits s->body */
     blen = amber__qsparse_encode(s->body, &q, n, isz);
+  if (blen < bytes) {
     if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
                              s->body, blen, &plen) != 0) {
       char why[AMBER__ERRLEN];
@@ -128,8 +132,6 @@ static void quant_chunk(amber__scratch *s, const amber__chunk_src *src, const am
       amber__ckpt_fail(src->out, AMBER_ENOMEM, why);
       return;
     }
-  }
-  if (plen && plen < bytes) {
     c->encoding = AMBER__ENC_QSPARSE;
     c->checksum = amber__xxh3(s->zbuf, plen);
     amber__ckpt_append(src->out, c, s->zbuf, plen);

@@ -661,14 +661,16 @@ static int budget_threshold(const amber__scan_args *a, size_t w, double *thr, fl
   return 0;
 }
 
-/* After a strict pass above band[1]: selects up to `want` more elements whose
- * change lies in the band (band[0], band[1]], first in index order, into
- * tidx/tvals (and the reference), stopping as soon as it has them. Compares in
- * f32, as the pass did. */
+/* After a strict pass above band[1] that selected the k candidates a->idx:
+ * selects up to `want` more elements whose change lies in the band (band[0],
+ * band[1]], first in index order, into tidx/tvals (and the reference), stopping
+ * as soon as it has them. Compares in f32, as the pass did. The candidates are
+ * skipped by index: a change forced by CAP may lie in the band, and with `defer`
+ * the reference still holds its old value there. */
 static size_t fill_band(const amber__scan_args *a, size_t w, const float band[2], size_t want,
-                        uint32_t *tidx, uint8_t *tvals) {
+                        size_t k, uint32_t *tidx, uint8_t *tvals) {
   float fx[BLK], fr[BLK];
-  size_t got = 0;
+  size_t got = 0, c = 0; /* c: the first candidate not below the element */
   const uint8_t *live = a->live;
   uint8_t *ref = a->ref;
   for (size_t base = 0; base < a->n && got < want; base += BLK) {
@@ -683,6 +685,8 @@ static size_t fill_band(const amber__scan_args *a, size_t w, const float band[2]
     for (size_t i = 0; i < m && got < want; i++) {
       float d = fabsf(fx[i] - fr[i]);
       if (!(d > band[0] && d <= band[1])) continue;
+      while (c < k && a->idx[c] < base + i) c++;
+      if (c < k && a->idx[c] == base + i) continue;
       tidx[got] = (uint32_t)(base + i);
       memcpy(tvals + got * w, live + (base + i) * w, w);
       if (!a->defer) memcpy(ref + (base + i) * w, live + (base + i) * w, w);
@@ -778,7 +782,7 @@ static size_t finish(const amber__scan_args *a, size_t k, size_t w, int level, i
   if (level == 2 && !a->defer) put_all_avx512(a, k); /* its pass left the reference alone */
 #endif
   if (strict && k < a->budget) {
-    size_t m = fill_band(a, w, band, a->budget - k, a->keys, a->olds);
+    size_t m = fill_band(a, w, band, a->budget - k, k, a->keys, a->olds);
     merge_fill(a, w, k, a->keys, a->olds, m);
     k += m;
   }

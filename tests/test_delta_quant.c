@@ -386,6 +386,62 @@ static void test_quantizing_in_the_scan_matches_quantizing_after_it(void) {
   free(x), free(g0), free(g2);
 }
 
+/* A budget's fill from the band after a strict pass skips the candidates: one forced
+ * by CAP may lie in the band, and under a quantized policy (defer) the reference
+ * still holds its old value there. Once they were selected twice: duplicate
+ * indices, and a body that does not decode. Every kernel level, f32 and f16. */
+static void test_a_budget_fill_skips_the_candidates_in_the_band(void) {
+  const int dts[] = {AMBER_F32, AMBER_F16};
+  size_t n = 4096, budget = 204;
+  double hi = 1.0 + 0x1p-10; /* the band's top for a cluster of changes of 1 */
+  uint32_t *idx = malloc(n * 4), *keys = malloc(n * 4), *first = malloc(n * 4), *s1 = malloc(n * 4),
+           *s2 = malloc(n * 4), *esc = malloc(n * 4);
+  uint8_t *live = malloc(n * 4), *ref = malloc(n * 4), *vals = malloc(n * 4), *olds = malloc(n * 4),
+          *dec = malloc(n * 4), *codes = malloc(2 * n), *ev = malloc(n * 4);
+  float steps[1];
+  amber__qsel q0 = {.k = n, .mode = AMBER__QV_BF16, .nesc = n};
+  uint8_t *body = malloc(amber__qsparse_bound(n, &q0, 4));
+  CHECK(idx && keys && first && s1 && s2 && esc && live && ref && vals && olds && dec && codes &&
+        ev && body);
+  amber__policy p;
+  CHECK(amber__policy_parse("budget:0.05:1.0009765625@q8", &p) == 0);
+  for (int level = 0; level <= 2; level++) {
+    amber__scan_use_simd(level);
+    for (size_t di = 0; di < 2; di++) {
+      int dt = dts[di];
+      size_t w = amber_dtype_size(dt), k0 = 0;
+      for (int defer = 0; defer <= 1; defer++) {
+        for (size_t i = 0; i < n; i++) {
+          put_val(dt, ref + i * w, 0);
+          put_val(dt, live + i * w, i < 4 ? hi : 1.0); /* forced by CAP, in the band */
+        }
+        amber__scan_args a = {.kind = AMBER__SCAN_BUDGET, .dtype = dt, .n = n, .live = live,
+                              .ref = ref, .cap = hi, .budget = budget, .keys = keys,
+                              .idx = idx, .vals = vals, .olds = olds, .defer = defer};
+        size_t k = amber__scan(&a);
+        CHECK(k == budget);
+        for (size_t i = 1; i < k; i++) CHECK(idx[i] > idx[i - 1]);
+        if (!defer) {
+          memcpy(first, idx, k * 4);
+          k0 = k;
+          continue;
+        }
+        CHECK(k == k0 && !memcmp(first, idx, k * 4)); /* the same selection either way */
+        amber__qbuf qb = {.codes = codes, .steps = steps, .esc = esc, .esc_vals = ev};
+        amber__qsel q;
+        memcpy(dec, ref, n * w);
+        amber__quantize(&p, dt, ref, idx, vals, k, &qb, &q);
+        size_t len = amber__qsparse_encode(body, &q, n, w);
+        CHECK_OK(amber__qsparse_apply(dec, body, len, n, k, dt, s1, s2));
+        CHECK(!memcmp(dec, ref, n * w));
+      }
+    }
+  }
+  amber__scan_use_simd(2);
+  free(idx), free(keys), free(first), free(s1), free(s2), free(esc), free(live), free(ref);
+  free(vals), free(olds), free(dec), free(codes), free(ev), free(body);
+}
+
 /* ---- malformed bodies ---- */
 
 /* A valid Q4 body of 5 of 40 f32 elements with one escape; each damage below makes
@@ -581,6 +637,7 @@ int main(void) {
   TEST_RUN(test_quantizer_moves_the_reference_to_what_a_restore_decodes);
   TEST_RUN(test_f32_quantizer_matches_the_generic_one);
   TEST_RUN(test_quantizing_in_the_scan_matches_quantizing_after_it);
+  TEST_RUN(test_a_budget_fill_skips_the_candidates_in_the_band);
   TEST_RUN(test_malformed_quantized_bodies_are_refused);
   TEST_RUN(test_f16_rounding_is_ieee_round_to_nearest_even);
   TEST_RUN(test_value_codes_and_units_parse_as_documented);

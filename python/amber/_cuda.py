@@ -24,6 +24,10 @@ Entry points:
   - select(x, r, spec, code, chunk, nchunks): (idx, vals, olds) of a delta's selection
     under policy `spec`, with the reference `r` moved (error feedback) - everything a
     save needs from one pass over live and reference;
+  - quantize(rl, code, vals, olds, idx, chunk, nchunks, ref): what amber._quant.quantize
+    returns for a selection under a quantized policy (codes, escapes, the values the
+    reference takes, steps), computed by the library's quantizer (src/quant.c step by
+    step), the reference moved at the selected indices;
   - budget(x, r, code, frac, cap, chunk, nchunks, update): the budget policy, per
     chunk. What stays in torch: the threshold's estimation from each chunk's sample
     (device._sample_positions / _sample_d / _budget_threshold, as device._budget_chunk
@@ -45,6 +49,7 @@ from ctypes import POINTER, Structure, byref, c_double, c_int, c_uint64, c_void_
 import torch
 
 import amber as _amber
+from amber import _quant
 
 KIND_EXACT, KIND_COMPARE = 0, 1
 EINVAL = 1  # amber_cuda_select: bad arguments (CUDA errors come negated)
@@ -62,14 +67,46 @@ class Args(Structure):  # amber_cuda_args
                 ("count", c_void_p), ("scratch", c_void_p), ("scratch_bytes", c_uint64)]
 
 
+class QArgs(Structure):  # amber_cuda_qargs
+    _fields_ = [("dtype", c_int), ("mode", c_int), ("budget", c_int), ("lead", c_int),
+                ("abs", c_double), ("rel", c_double), ("cap", c_double), ("k", c_uint64),
+                ("idx", c_void_p), ("vals", c_void_p), ("olds", c_void_p),
+                ("chunk_elems", c_uint64), ("nchunks", c_uint64), ("ref", c_void_p),
+                ("codes", c_void_p), ("esc", c_void_p), ("news", c_void_p), ("steps", c_void_p),
+                ("scratch", c_void_p), ("scratch_bytes", c_uint64)]
+
+
+# the entry points: (name, restype, argtypes)
+_SIGNATURES = [("amber_cuda_tile", c_uint64, []),
+               ("amber_cuda_scratch_bytes", c_uint64, [c_uint64]),
+               ("amber_cuda_supports", c_int, [c_int, c_int]),
+               ("amber_cuda_select", c_int, [POINTER(Args), c_void_p]),
+               ("amber_cuda_args_bytes", c_uint64, []), ("amber_cuda_qargs_bytes", c_uint64, []),
+               ("amber_cuda_qscratch_bytes", c_uint64, [c_uint64]),
+               ("amber_cuda_quantize", c_int, [POINTER(QArgs), c_void_p])]
+
+
+def declare(lb):
+    """Gives the entry points of library `lb` (a ctypes.CDLL) their signatures; False
+    when it lacks one (an older build) or lays out amber_cuda_args or amber_cuda_qargs
+    otherwise than Args and QArgs."""
+    try:
+        for name, res, args in _SIGNATURES:
+            getattr(lb, name).restype = res
+            getattr(lb, name).argtypes = args
+    except AttributeError:
+        return False
+    return lb.amber_cuda_args_bytes() == ctypes.sizeof(Args) and \
+        lb.amber_cuda_qargs_bytes() == ctypes.sizeof(QArgs)
+
+
 _lib = None  # the loaded library, False when there is none
 
 
 def lib():
     """libamber_cuda through ctypes, or None: AMBER_CUDA_LIBRARY, else next to the
-    loaded libamber (the package or the build directory). A library without the
-    fused entry point (an older build), or whose amber_cuda_args is not laid out as
-    Args, counts as none."""
+    loaded libamber (the package or the build directory). A library that declare()
+    refuses (an older build, another layout) counts as none."""
     global _lib
     if _lib is None:
         _lib = False
@@ -80,22 +117,11 @@ def lib():
                 continue
             try:
                 lb = ctypes.CDLL(path)
-                lb.amber_cuda_tile.restype = c_uint64
-                lb.amber_cuda_tile.argtypes = []
-                lb.amber_cuda_scratch_bytes.restype = c_uint64
-                lb.amber_cuda_scratch_bytes.argtypes = [c_uint64]
-                lb.amber_cuda_supports.restype = c_int
-                lb.amber_cuda_supports.argtypes = [c_int, c_int]
-                lb.amber_cuda_select.restype = c_int
-                lb.amber_cuda_select.argtypes = [POINTER(Args), c_void_p]
-                lb.amber_cuda_args_bytes.restype = c_uint64
-                lb.amber_cuda_args_bytes.argtypes = []
-            except (OSError, AttributeError):
+            except OSError:
                 continue
-            if lb.amber_cuda_args_bytes() != ctypes.sizeof(Args):
-                continue  # another layout of amber_cuda_args: not this library's
-            _lib = lb
-            break
+            if declare(lb):
+                _lib = lb
+                break
     return _lib or None
 
 
@@ -116,6 +142,27 @@ def _bits(t):
 
 def _ptr(t):
     return t.data_ptr() if t is not None else None
+
+
+@contextlib.contextmanager
+def _on(dev):
+    """With device `dev` current: its current stream (None off CUDA: only a model of
+    the library, the tests' own)."""
+    if dev.type != "cuda":
+        yield None
+        return
+    with torch.cuda.device(dev):
+        yield torch.cuda.current_stream(dev).cuda_stream
+
+
+def _call(name, args, stream):
+    """Entry point `name` of the library with `args` (by reference) on `stream`;
+    raises for its failures."""
+    rc = getattr(lib(), name)(byref(args), stream)
+    if rc == EINVAL:
+        raise ValueError(f"{name}: bad arguments")
+    if rc:
+        raise RuntimeError(f"{name} failed: CUDA error {-rc}")
 
 
 _seen = {}  # (device, reference address, n) -> its last count: the next guess
@@ -148,9 +195,7 @@ def run(x, r, kind, code, abs_b=0.0, rel_b=0.0, cap_b=float("inf"), chunk_abs=No
     key = (dev, r.data_ptr(), n)
     cap = _guess(key, n) if capacity is None else min(int(capacity), n)
     olds = olds or update  # an overflow puts the moved elements back
-    on_cuda = dev.type == "cuda"  # else only a model of the library (the tests' own)
-    with torch.cuda.device(dev) if on_cuda else contextlib.nullcontext():
-        stream = torch.cuda.current_stream(dev).cuda_stream if on_cuda else None
+    with _on(dev) as stream:
         count = torch.empty(1, dtype=torch.int64, device=dev)
         scratch = torch.empty(int(lb.amber_cuda_scratch_bytes(n)), dtype=torch.uint8,
                               device=dev)
@@ -163,11 +208,7 @@ def run(x, r, kind, code, abs_b=0.0, rel_b=0.0, cap_b=float("inf"), chunk_abs=No
                      abs_b, rel_b, cap_b, _ptr(chunk_abs), chunk if chunk_abs is not None else 0,
                      cap, oi.data_ptr(), _ptr(ov), _ptr(oo), _ptr(ok), count.data_ptr(),
                      scratch.data_ptr(), scratch.numel())
-            rc = lb.amber_cuda_select(byref(a), stream)
-            if rc == EINVAL:
-                raise ValueError("amber_cuda_select: bad arguments")
-            if rc:
-                raise RuntimeError(f"amber_cuda_select failed: CUDA error {-rc}")
+            _call("amber_cuda_select", a, stream)
             k = int(count.item())
             if k <= cap:
                 break
@@ -317,3 +358,29 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
     if update:
         _bits(r)[idx] = vals
     return idx, vals, olds
+
+
+def quantize(rl, code, vals, olds, idx, chunk, nchunks, ref=None):
+    """amber._quant.quantize(rl, ...) by the library's quantizer, on the current
+    stream: `vals` and `olds` are the live and old reference bits of the selected
+    elements at global indices `idx` (int64, increasing) of a tensor of amber dtype
+    `code` in chunks of `chunk` elements (nchunks of them). Returns
+    amber._quant.Quantized; with `ref` (the flat reference) the reference takes its
+    `new` at idx."""
+    lb = lib()
+    k, dev = idx.numel(), vals.device
+    bf = rl.mode == _quant.BF16
+    codes = torch.empty(k, dtype=torch.int16 if bf else torch.int8, device=dev)
+    esc = torch.empty(k, dtype=torch.bool, device=dev)
+    news = torch.empty_like(vals)
+    steps = None if bf else torch.empty(nchunks, dtype=torch.float32, device=dev)
+    budget = rl.kind == "budget"
+    scratch = torch.empty(int(lb.amber_cuda_qscratch_bytes(nchunks)) if budget and not bf else 0,
+                          dtype=torch.uint8, device=dev)
+    a = QArgs(code, rl.mode, int(budget), int(rl.lead), rl.abs, rl.rel, rl.cap, k,
+              idx.data_ptr(), vals.data_ptr(), olds.data_ptr(), chunk, nchunks, _ptr(ref),
+              codes.data_ptr(), esc.data_ptr(), news.data_ptr(), _ptr(steps), scratch.data_ptr(),
+              scratch.numel())
+    with _on(dev) as stream:
+        _call("amber_cuda_quantize", a, stream)
+    return _quant.Quantized(codes, esc, news, steps, _quant.rel_step_of(rl))

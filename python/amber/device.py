@@ -29,6 +29,14 @@ must equal a restore through the CPU path:
   - a change to or from NaN or Inf is always stored;
   - a chunk whose selection would not be smaller than the chunk goes whole, and
     the reference takes the whole chunk, as the C path stores it RAW.
+Under a policy with a value code (`@q8`, `@q4`, `@bf16`, `+lead`; f32, f16, bf16
+and f64 tensors) the selection is the same, and its changes are then quantized on
+the device as src/quant.c quantizes them (amber._quant: codes, one step per chunk,
+escapes stored whole); the library takes codes and escapes instead of values
+(amber_chunk_qsel) and stores QSPARSE chunks, and the reference takes what a
+restore decodes. A chunk goes whole when its QSPARSE body would not be smaller than
+the chunk, the C path's rule (amber._quant.stored_whole). f8 tensors keep plain
+values, as in the C path.
 The reference moves only by what is stored (error feedback). The old values of
 what a save moved are kept until the save commits: a failed save puts them back.
 With AMBER_DEVICE_REFERENCE=host (for tight device memory) the references live in
@@ -41,19 +49,20 @@ Each step is a few torch operations per tensor (budget: per chunk), so it runs
 on any device. For CUDA tensors, libamber_cuda (src/cuda/select.cu, built by nvcc;
 amber._cuda) compares, selects, compacts and moves the reference in one pass over
 live and reference instead (budget: the per-chunk estimate and the cut stay torch
-operations); it is used with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked
-it on a GPU.
+operations), and quantizes the compacted selection in its own kernels; it is used
+with AMBER_CUDA_KERNEL=1 until tests/gpu/run.sh has checked it on a GPU.
 """
+import itertools
 import os
 import threading
-from ctypes import CFUNCTYPE, POINTER, Structure, byref, c_char_p, c_float, c_int, c_int64, \
-    c_size_t, c_uint32, c_uint64, c_void_p
+from ctypes import CFUNCTYPE, POINTER, Structure, addressof, byref, c_char_p, c_float, c_int, \
+    c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 
 import numpy as np
 import torch
 
 import amber as _amber
-from amber import _H, _TensorInfo, _check, _fn, _name_bytes
+from amber import _H, _TensorInfo, _check, _fn, _name_bytes, _quant
 
 SELECT_WHOLE = (1 << 64) - 1
 KIND_FULL, KIND_DELTA = 0, 1
@@ -200,10 +209,12 @@ def _f32_down(v):
 
 
 def _parse(spec):
-    """(kind, a, b) of a policy spec as amber__policy_parse reads it."""
+    """(kind, a, b) of a policy spec as amber__policy_parse reads it: threshold
+    (ABS, REL), budget (FRAC, CAP); a value code after '@' does not change what is
+    selected (amber._quant reads it)."""
     if spec == "exact":
         return "exact", 0.0, 0.0
-    kind, _, args = spec.partition(":")
+    kind, _, args = _quant.split(spec)[0].partition(":")
     a, _, b = args.partition(":")
     if kind == "threshold":
         return kind, float(a), float(b) if b else 0.0
@@ -421,6 +432,8 @@ class _Tensor:
         self.undo = None    # what the save in flight moved: (idx, old values, whole chunks)
         self.copied = 0     # bytes copied to the host by the last selection
         self.sels = None    # the ctypes array handed to the library
+        self.qsels = None   # and the quantized selections it points to
+        self.hq = {part: _Host(pinned) for part in ("codes", "esc", "escv", "steps")}
         self.pending = None  # host_ref: what the reference takes once the copies are done
 
     def _new_ref(self, like):
@@ -447,7 +460,9 @@ class _Tensor:
         the save streams it out chunk by chunk (DevicePath's source, chunk_ptr);
         returns (None, []). A delta: returns (the selections, the copies that fill
         them: (host view, device tensor) pairs); `direct` makes them now, else the
-        caller does, after the selection, on a side stream."""
+        caller does, after the selection, on a side stream. Under a policy with a
+        value code the selected changes are quantized (amber._quant) and the
+        reference takes what a restore decodes."""
         x = self._flat(live)
         self.chunk = chunk
         if full:
@@ -460,59 +475,65 @@ class _Tensor:
             self.copied = self.n * self.w
             self.sels = None
             return None, []
-        sels = (_ChunkSel * max(1, nchunks))()
-        fused = None  # libamber_cuda's one pass: (idx, vals, olds), the reference moved
-        if not self.host_ref and _kernel_wanted(x):
-            from amber import _cuda
-            fused = _cuda.select(x, self.ref, spec, self.code, chunk, nchunks)
-        if fused is not None:
-            idx = fused[0]
-        elif self.host_ref:  # chunk by chunk, each chunk's reference copied in
-            parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
-                                          chunk, 1, spec) + o for o in range(0, self.n, chunk)]
-            idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+        kind, a, b = _parse(spec)
+        q = _quant.rule(kind, a, b, spec, self.dtype)
+        idx, vals, olds, moved = self._pick(x, chunk, nchunks, spec, q is not None)
+        cid = idx // chunk
+        qz, nesc = None, [0] * nchunks
+        if q is not None:
+            qz, moved = self._quantize(q, x, idx, vals, olds, cid, chunk, nchunks)
+            if nchunks:  # one sync for both counts
+                both = [torch.bincount(c, minlength=nchunks) for c in (cid, cid[qz.esc])]
+                counts, nesc = torch.stack(both).tolist()
+            else:
+                counts = []
         else:
-            idx = self._select_indices(x, self.ref, chunk, nchunks, spec)
-        counts = torch.bincount(idx // chunk, minlength=nchunks).tolist() if nchunks else []
+            counts = torch.bincount(cid, minlength=nchunks).tolist() if nchunks else []
         sizes = [min(chunk, self.n - j * chunk) for j in range(nchunks)]
-        dense = [1 + (m + 7) // 8 + k * self.w >= m * self.w for k, m in zip(counts, sizes)]
+
+        def selection(j):  # chunk j's indices and escape ordinals (rarely asked)
+            inside = cid == j
+            return idx[inside] - j * chunk, qz.esc[inside].nonzero().squeeze(1)
+
+        whole = [j for j in range(nchunks) if counts[j] and self._goes_whole(
+            q, sizes[j], counts[j], nesc[j], lambda j=j: selection(j))]
         xb = _bits(x)
-        whole = [j for j in range(nchunks) if dense[j] and counts[j]]
         rb = None if self.host_ref else _bits(self.ref)
-        if fused is not None:  # the old values of whole chunks: the moved ones put back
-            wold = []
-            for j in whole:
-                lo, hi = j * chunk, j * chunk + sizes[j]
-                old, inside = rb[lo:hi].clone(), (idx >= lo) & (idx < hi)
-                old[idx[inside] - lo] = fused[2][inside].view(old.dtype)
-                wold.append((lo, hi, old))
+        wold = []  # the old values of whole chunks: the moved ones put back
+        for j in whole if rb is not None else []:
+            lo, hi = j * chunk, j * chunk + sizes[j]
+            old, inside = rb[lo:hi].clone(), cid == j
+            old[idx[inside] - lo] = olds[inside]
+            wold.append((lo, hi, old))
         if whole:
-            keep = torch.tensor(dense, device=idx.device)[idx // chunk]
-            idx = idx[~keep]
-        if fused is not None:
-            vals, olds = fused[1].view(xb.dtype), fused[2].view(xb.dtype)
-            if whole:
-                vals, olds = vals[~keep], olds[~keep]
-        else:
-            vals = xb[idx]
+            keep = ~torch.isin(cid, torch.tensor(whole, device=cid.device))
+            idx, cid, vals = idx[keep], cid[keep], vals[keep]
+            olds = olds[keep] if olds is not None else None
+            if qz is not None:
+                qz = qz._replace(codes=qz.codes[keep], esc=qz.esc[keep], new=qz.new[keep])
+        takes = vals if qz is None else qz.new  # what the reference takes at idx
         wsrc = xb  # where whole chunks are copied from
-        if not self.host_ref:
-            if fused is None:
-                olds = rb[idx]
-                wold = [(j * chunk, j * chunk + sizes[j],
-                         rb[j * chunk:j * chunk + sizes[j]].clone()) for j in whole]
-                rb[idx] = vals  # the reference takes what is stored, and only that
-            for j in whole:
-                rb[j * chunk:j * chunk + sizes[j]] = xb[j * chunk:j * chunk + sizes[j]]
+        if rb is not None:
+            if not moved:
+                rb[idx] = takes  # the reference takes what is stored, and only that
+            for lo, hi, _ in wold:
+                rb[lo:hi] = xb[lo:hi]
             self.undo = (idx, olds, wold)
             wsrc = rb  # equal to live there now, and unchanged by training until the save ends
-        # compact and copy out: indices within their chunk (u32), values, whole chunks
+        # compact and copy out: indices within their chunk (u32), values (or codes and
+        # escapes), whole chunks
         k = idx.numel()
         hidx = self.hidx.get(4 * k)[:4 * k].view(torch.int32)
-        hvals = self.hvals.get(k * self.w)[:k * self.w].view(xb.dtype)
-        copies = []
-        if k:
-            copies += [(hidx, (idx % chunk).to(torch.int32)), (hvals, vals)]
+        copies = [(hidx, (idx - cid * chunk).to(torch.int32))]
+        hvals = None  # the stored values (not quantized), or host_ref's reference update
+        if qz is None or self.host_ref:
+            hvals = self.hvals.get(k * self.w)[:k * self.w].view(xb.dtype)
+            copies.append((hvals, takes))
+        kept = [0 if j in whole else counts[j] for j in range(nchunks)]
+        qsels = None
+        if qz is not None:
+            qcopies, qsels = self._quant_parts(q, qz, vals, cid, kept, nesc)
+            copies += qcopies
         nwhole = sum(sizes[j] for j in whole)
         hwhole = self.hwhole.get(nwhole * self.w)[:nwhole * self.w].view(xb.dtype)
         woff, at = {}, 0
@@ -520,25 +541,105 @@ class _Tensor:
             copies.append((hwhole[at:at + sizes[j]], wsrc[j * chunk:j * chunk + sizes[j]]))
             woff[j] = at
             at += sizes[j]
+        copies = [(dst, src) for dst, src in copies if src.numel()]
+        self.copied = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         if direct:
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
             copies = []
-        self.copied = k * (4 + self.w) + nwhole * self.w
         if self.host_ref:  # moved by finish(), from the host copies, once they are done
             self.pending = (idx.to("cpu", non_blocking=True), hvals,
                             [(j * chunk, j * chunk + sizes[j], hwhole[woff[j]:woff[j] + sizes[j]])
                              for j in whole])
-        ip, vp, wp, off = hidx.data_ptr(), hvals.data_ptr(), hwhole.data_ptr(), 0
+        sels = (_ChunkSel * max(1, nchunks))()
+        ip, off = hidx.data_ptr(), 0
         for j in range(nchunks):
             if j in woff:
-                sels[j] = _ChunkSel(SELECT_WHOLE, None, wp + woff[j] * self.w)
-                continue
-            c = counts[j] if not dense[j] else 0
-            sels[j] = _ChunkSel(c, ip + 4 * off if c else None, vp + self.w * off if c else None)
-            off += c
-        self.sels = sels
+                sels[j] = _ChunkSel(SELECT_WHOLE, None, hwhole.data_ptr() + woff[j] * self.w)
+            elif kept[j]:
+                vp = hvals.data_ptr() + self.w * off if qz is None else None
+                sels[j] = _ChunkSel(kept[j], ip + 4 * off, vp,
+                                    addressof(qsels[j]) if qz is not None else None)
+            off += kept[j]
+        self.sels, self.qsels = sels, qsels
         return sels, copies
+
+    def _goes_whole(self, q, m, k, nesc, selection):
+        """Whether a chunk of m elements with k selected (nesc of them escapes) goes
+        whole: plain values when the sparse body would not be smaller than the
+        chunk, as the C path stores it RAW; quantized ones as amber._quant.stored_whole
+        decides (`selection()`: the chunk's indices and escape ordinals)."""
+        if q is None:
+            return 1 + (m + 7) // 8 + k * self.w >= m * self.w
+        return _quant.stored_whole(q.mode, m, self.w, k, nesc, selection)
+
+    def _pick(self, x, chunk, nchunks, spec, need_olds):
+        """This delta's selection from flat live `x`: (idx, vals, olds, moved): the
+        selected indices (int64, increasing, global), the live bits there, the
+        reference's bits there before it (host_ref: only with need_olds, else None),
+        and whether the reference holds vals there already (the fused kernel)."""
+        xb = _bits(x)
+        if not self.host_ref and _kernel_wanted(x):
+            from amber import _cuda
+            fused = _cuda.select(x, self.ref, spec, self.code, chunk, nchunks)
+            if fused is not None:  # libamber_cuda's one pass, the reference moved
+                idx, vals, olds = fused
+                return idx, vals.view(xb.dtype), olds.view(xb.dtype), True
+        if self.host_ref:  # chunk by chunk, each chunk's reference copied in
+            parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
+                                          chunk, 1, spec) + o for o in range(0, self.n, chunk)]
+            idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
+            olds = _bits(self.ref)[idx.cpu()].to(x.device) if need_olds else None
+        else:
+            idx = self._select_indices(x, self.ref, chunk, nchunks, spec)
+            olds = _bits(self.ref)[idx]
+        return idx, xb[idx], olds, False
+
+    def _quantize(self, q, x, idx, vals, olds, cid, chunk, nchunks):
+        """The selected changes quantized under Rule q: (amber._quant.Quantized,
+        whether the reference took its `new` already). By libamber_cuda's kernel for
+        CUDA tensors with AMBER_CUDA_KERNEL=1 (which moves the reference), else by
+        torch operations."""
+        if not self.host_ref and _kernel_wanted(x):
+            from amber import _cuda
+            return _cuda.quantize(q, self.code, vals, olds, idx, chunk, nchunks, self.ref), True
+        return _quant.quantize(q, vals.view(self.dtype), olds.view(self.dtype), cid, nchunks), False
+
+    def _quant_parts(self, q, qz, vals, cid, kept, nesc):
+        """The host side of a quantized selection: (the copies that fill its codes,
+        escapes and steps, and an amber_chunk_qsel per chunk that has kept[j] > 0
+        selected elements, nesc[j] of them escapes). `vals` are the selected live bits
+        (the escapes' values)."""
+        k, w, dev = cid.numel(), self.w, cid.device
+        cw = qz.codes.element_size()
+        first = torch.tensor([0, *itertools.accumulate(kept)][:-1], dtype=torch.int64, device=dev)
+        ords = (torch.arange(k, device=dev) - first[cid])[qz.esc].to(torch.int32)  # in the chunk
+        evals = vals[qz.esc]
+        e = ords.numel()
+        hq = self.hq
+        codes = hq["codes"].get(k * cw)[:k * cw].view(qz.codes.dtype)
+        hesc = hq["esc"].get(4 * e)[:4 * e].view(torch.int32)
+        hescv = hq["escv"].get(e * w)[:e * w].view(vals.dtype)
+        copies = [(codes, qz.codes), (hesc, ords), (hescv, evals)]
+        steps = None
+        if qz.steps is not None:
+            steps = hq["steps"].get(4 * len(kept))[:4 * len(kept)].view(torch.float32)
+            copies.append((steps, qz.steps))
+        bf = q.mode == _quant.BF16
+        qsels = (_ChunkQSel * max(1, len(kept)))()
+        off = eoff = 0
+        for j, c in enumerate(kept):
+            if not c:
+                continue
+            ne = nesc[j]
+            qsels[j] = _ChunkQSel(q.mode, 0 if bf else 24, qz.rel_step,
+                                  None if bf else steps.data_ptr() + 4 * j,
+                                  codes.data_ptr() + cw * off, ne,
+                                  hesc.data_ptr() + 4 * eoff if ne else None,
+                                  hescv.data_ptr() + w * eoff if ne else None)
+            off += c
+            eoff += ne
+        return copies, qsels
 
     def chunk_ptr(self, j, slot):
         """The address of chunk j of the reference, for a full save: in place when
@@ -591,7 +692,7 @@ class _Tensor:
         return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
 
     def commit(self):
-        self.undo = self.sels = self.pending = None
+        self.undo = self.sels = self.qsels = self.pending = None
 
     def rollback(self):
         """After a failed save: the reference as it was before it."""
@@ -603,7 +704,7 @@ class _Tensor:
             rb[idx] = olds
             for lo, hi, old in wold:
                 rb[lo:hi] = old
-        self.undo = self.sels = self.pending = None
+        self.undo = self.sels = self.qsels = self.pending = None
 
 
 # Tests set this to run full saves of CPU tensors through the ring too (as CUDA

@@ -105,6 +105,29 @@ typedef struct amber_cuda_args {
   void *scratch;           /* device, amber_cuda_scratch_bytes(n) bytes */
   uint64_t scratch_bytes;
 } amber_cuda_args;
+
+/* One quantization of a compacted selection (python/amber/_cuda.py mirrors it). */
+typedef struct amber_cuda_qargs {
+  int dtype;            /* amber_dtype of vals and olds: f32, f16, bf16 or f64 */
+  int mode;             /* AMBER_QV_*: 1 Q8, 2 Q4, 3 BF16 */
+  int budget;           /* 0: a threshold (abs, rel); 1: a budget (cap) */
+  int lead;             /* +lead (Q8, Q4) */
+  double abs, rel, cap; /* the policy's ABS and REL (threshold), CAP (budget; Inf: none) */
+  uint64_t k;           /* selected elements */
+  const int64_t *idx;   /* their global indices, increasing (device) */
+  const void *vals;     /* their live values, k elements of the dtype (device) */
+  const void *olds;     /* the reference's values there, k elements (device) */
+  uint64_t chunk_elems; /* element i is in chunk idx[i] / chunk_elems, below nchunks */
+  uint64_t nchunks;
+  void *ref;            /* NULL, or the reference: ref[idx[i]] takes news[i] */
+  void *codes;          /* out: k codes, int8 (Q8, Q4) or bf16 bits (BF16); 0 if escaped */
+  uint8_t *esc;         /* out: k flags, 1 for an escape (stored whole) */
+  void *news;           /* out: k values the reference takes: restored, or live if escaped */
+  float *steps;         /* out, Q8/Q4: each chunk's step (0 for a chunk without elements
+                           under a budget) */
+  void *scratch;        /* budget Q8/Q4: device, amber_cuda_qscratch_bytes(nchunks) bytes */
+  uint64_t scratch_bytes;
+} amber_cuda_qargs;
 }
 
 /* ---- one element, as src/scan.c compares it ---- */
@@ -344,6 +367,230 @@ __global__ void __launch_bounds__(THREADS) select_kernel(amber_cuda_args a) {
   }
 }
 
+/* ---- the quantizer (src/quant.c, function by function) ----
+ *
+ * After the selection, amber._cuda hands the compacted selection (global indices,
+ * live values and the reference's old ones) to amber_cuda_quantize, which follows
+ * src/quant.c step by step: per chunk the budget's step from the least and largest
+ * finite change (two atomic maxima per element, then one thread per chunk), then per
+ * element the code, the lead, the restore (rounded to the dtype), the bound check
+ * and the escape, and the reference's move to what a restore decodes (the live value
+ * for an escape). Every operation is a round-to-nearest intrinsic, in f32 for f32,
+ * f16 and bf16 (widened exactly) and in f64 for f64; nearest codes round half to
+ * even (rint); f16 and bf16 round as src/half.h does. */
+
+enum { QV_Q8 = 1, QV_Q4 = 2, QV_BF16 = 3 };
+#define QNONE INT32_MIN
+
+/* A quantized policy, as quant.c reads amber__policy, with its f32 constants. */
+struct qrule {
+  int mode, budget, lead, qmax;
+  double abs, rel, cap;
+  float a, b;         /* threshold: the step a + b*|r|, a = f32(0.5*ABS), b = f32(0.5*REL) */
+  float abs_f, rel_f; /* (float)ABS, (float)REL, for +lead */
+  float cap_f;        /* (float)CAP */
+};
+
+/* src/half.h's amber__f32_to_bf16: to nearest, ties to even; NaN stays a quiet NaN. */
+__device__ __forceinline__ uint32_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > EXP32) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* src/half.h's amber__f32_to_f16. */
+__device__ __forceinline__ uint32_t f32_to_f16(float f) {
+  uint32_t u = __float_as_uint(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > EXP32) return sign | 0x7e00u | ((a >> 13) & 0x3ffu);
+  if (a >= 0x477ff000u) return sign | 0x7c00u;
+  if (a < 0x38800000u) /* a subnormal f16 in units of 2^-24 (exact scaling), or zero */
+    return sign | (uint32_t)rintf(__fmul_rn(__uint_as_float(a), 16777216.0f));
+  uint32_t r = a - 0x38000000u;
+  r += 0xfffu + ((r >> 13) & 1u);
+  return sign | (r >> 13);
+}
+
+/* One element widened: live, reference, their change (quant.c's load()). */
+struct qel {
+  double x, r, d;
+};
+
+template <int M, typename T> __device__ __forceinline__ qel qload(T xv, T rv) {
+  qel e;
+  if (M == M_F64) {
+    e.x = __longlong_as_double((long long)xv);
+    e.r = __longlong_as_double((long long)rv);
+    e.d = __dsub_rn(e.x, e.r);
+    return e;
+  }
+  float x = widen<M>((uint32_t)xv), r = widen<M>((uint32_t)rv);
+  e.x = x;
+  e.r = r;
+  e.d = __fsub_rn(x, r); /* the f32 change, as the codes see it */
+  return e;
+}
+
+/* codec.h's amber__dequant_f32 / amber__dequant_f64. */
+__device__ __forceinline__ float dequant_f32(float r, float a, float b, int32_t code) {
+  float s = __fadd_rn(a, __fmul_rn(b, fabsf(r)));
+  return __fadd_rn(r, __fmul_rn(__int2float_rn(code), s));
+}
+
+__device__ __forceinline__ double dequant_f64(double r, float a, float b, int32_t code) {
+  double s = __dadd_rn((double)a, __dmul_rn((double)b, fabs(r)));
+  return __dadd_rn(r, __dmul_rn((double)code, s));
+}
+
+/* restore(): the restored value under (a, b, code) or the bf16 delta bf, its bits
+ * (the dtype's) in *out, its value widened returned. */
+template <int M>
+__device__ __forceinline__ double qrestore(int mode, double r, float a, float b, int32_t code,
+                                           uint32_t bf, uint64_t *out) {
+  if (M == M_F64) {
+    double v = mode == QV_BF16 ? __dadd_rn(r, (double)__uint_as_float(bf << 16))
+                               : dequant_f64(r, a, b, code);
+    *out = (uint64_t)__double_as_longlong(v);
+    return v;
+  }
+  float rf = __double2float_rn(r); /* exact: r is a widened f32 */
+  float v = mode == QV_BF16 ? __fadd_rn(rf, __uint_as_float(bf << 16))
+                            : dequant_f32(rf, a, b, code);
+  if (M == M_F32) {
+    *out = __float_as_uint(v);
+    return v;
+  }
+  uint32_t h = M == M_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+  *out = h;
+  return widen<M>(h);
+}
+
+/* within(): v is finite and within the policy's bound of x (threshold: ABS + REL*|v|;
+ * budget: CAP), in f64. */
+__device__ __forceinline__ bool qwithin(const qrule &q, double x, double v) {
+  double bound = q.budget ? q.cap : __dadd_rn(q.abs, __dmul_rn(q.rel, fabs(v)));
+  return isfinite(v) && fabs(__dsub_rn(x, v)) <= bound;
+}
+
+/* step_of(): a + b*|r| in the restore's arithmetic. */
+template <int M> __device__ __forceinline__ double qstep(double r, float a, float b) {
+  if (M == M_F64) return __dadd_rn((double)a, __dmul_rn((double)b, fabs(r)));
+  return __fadd_rn(a, __fmul_rn(b, fabsf(__double2float_rn(r))));
+}
+
+/* code_of(): the nearest code of d in steps of s, or QNONE. */
+template <int M> __device__ __forceinline__ int32_t qcode(double d, double s, int32_t qmax) {
+  double t = M == M_F64 ? __ddiv_rn(d, s)
+                        : (double)__fdiv_rn(__double2float_rn(d), __double2float_rn(s));
+  if (!(fabs(t) <= (double)qmax + 0.5)) return QNONE; /* NaN fails too */
+  int32_t c = (int32_t)rint(t);                      /* ties to even */
+  return c < -qmax || c > qmax ? QNONE : c;
+}
+
+/* lead_code(): from the farthest code in the change's direction that the bound could
+ * allow back towards c, the first of at most 4 that restores within the bound (a
+ * budget's: within its cut too); c when none does. A step that makes the farthest
+ * code NaN (an infinite step) tries none. */
+template <int M>
+__device__ __forceinline__ int32_t qlead(const qrule &q, const qel &e, float a, float b,
+                                         float cut, double s, int32_t c) {
+  int32_t sgn = e.d > 0 ? 1 : -1;
+  double far;
+  if (M == M_F64) {
+    double ef = q.budget ? (double)cut : __dadd_rn(q.abs, __dmul_rn(q.rel, fabs(e.r)));
+    far = __ddiv_rn(__dadd_rn(fabs(e.d), ef), s);
+  } else {
+    float ef = q.budget ? cut : __fadd_rn(q.abs_f, __fmul_rn(q.rel_f, fabsf((float)e.r)));
+    far = __fdiv_rn(__fadd_rn(fabsf((float)e.d), ef), (float)s);
+  }
+  int32_t f = far >= (double)q.qmax ? q.qmax : far >= 0 ? (int32_t)far : -1;
+  uint64_t bits;
+  for (int tries = 0; tries < 4 && f > sgn * c; tries++, f--) {
+    double v = qrestore<M>(q.mode, e.r, a, b, f * sgn, 0, &bits);
+    if (qwithin(q, e.x, v) && (!q.budget || fabs(__dsub_rn(e.x, v)) <= (double)cut))
+      return f * sgn;
+  }
+  return c;
+}
+
+/* The arguments of the quantizer's kernels. */
+struct qjob {
+  amber_cuda_qargs a;
+  qrule q;
+};
+
+__device__ __forceinline__ uint32_t *qrange_of(const qjob &j) {
+  return (uint32_t *)j.a.scratch; /* per chunk: EXP32 - least |d| bits, largest |d| bits */
+}
+
+__device__ __forceinline__ float *qcut_of(const qjob &j) {
+  return (float *)j.a.scratch + 2 * j.a.nchunks; /* per chunk: the budget's cut */
+}
+
+/* budget_step(), first half: each chunk's least and largest finite |change| (f32),
+ * gathered with atomic maxima (non-negative floats order as their bits). */
+template <typename T, int M> __global__ void __launch_bounds__(THREADS) qrange_kernel(qjob j) {
+  const T *live = (const T *)j.a.vals, *old = (const T *)j.a.olds;
+  uint32_t *range = qrange_of(j);
+  for (uint64_t i = (uint64_t)blockIdx.x * THREADS + threadIdx.x; i < j.a.k;
+       i += (uint64_t)gridDim.x * THREADS) {
+    qel e = qload<M, T>(live[i], old[i]);
+    float ad = __double2float_rn(fabs(e.d));
+    if (!isfinite(e.x) || !isfinite(e.r) || !isfinite(ad)) continue;
+    uint64_t c = (uint64_t)j.a.idx[i] / j.a.chunk_elems;
+    atomicMax(&range[2 * c], EXP32 - __float_as_uint(ad));
+    atomicMax(&range[2 * c + 1], __float_as_uint(ad));
+  }
+}
+
+/* Each chunk's step (budget_step()'s second half for a budget; a for a threshold). */
+__global__ void __launch_bounds__(THREADS) qstep_kernel(qjob j) {
+  for (uint64_t c = (uint64_t)blockIdx.x * THREADS + threadIdx.x; c < j.a.nchunks;
+       c += (uint64_t)gridDim.x * THREADS) {
+    if (!j.q.budget) {
+      j.a.steps[c] = j.q.a;
+      continue;
+    }
+    const uint32_t *range = qrange_of(j);
+    float lo = __uint_as_float(EXP32 - range[2 * c]), hi = __uint_as_float(range[2 * c + 1]);
+    if (!isfinite(lo)) lo = 0.0f; /* nothing finite: every element is an escape */
+    float s = __fmul_rn(0.5f, lo), m = __fdiv_rn(hi, (float)j.q.qmax);
+    s = m > s ? m : s;
+    if (s > j.q.cap_f) s = j.q.cap_f;
+    j.a.steps[c] = s;
+    qcut_of(j)[c] = lo;
+  }
+}
+
+/* The loop of amber__quantize over the elements, one thread each. */
+template <typename T, int M> __global__ void __launch_bounds__(THREADS) quant_kernel(qjob j) {
+  const qrule &q = j.q;
+  const T *live = (const T *)j.a.vals, *old = (const T *)j.a.olds;
+  T *news = (T *)j.a.news, *ref = (T *)j.a.ref;
+  for (uint64_t i = (uint64_t)blockIdx.x * THREADS + threadIdx.x; i < j.a.k;
+       i += (uint64_t)gridDim.x * THREADS) {
+    qel e = qload<M, T>(live[i], old[i]);
+    bool ok = isfinite(e.x) && isfinite(e.r) && isfinite(e.d);
+    uint64_t bits = 0;
+    if (q.mode == QV_BF16) {
+      uint32_t c = f32_to_bf16(__double2float_rn(e.d));
+      ok = ok && qwithin(q, e.x, qrestore<M>(q.mode, e.r, 0, 0, 0, c, &bits));
+      ((uint16_t *)j.a.codes)[i] = (uint16_t)(ok ? c : 0);
+    } else {
+      uint64_t ch = (uint64_t)j.a.idx[i] / j.a.chunk_elems;
+      float a = j.a.steps[ch], b = q.budget ? 0.0f : q.b, cut = q.budget ? qcut_of(j)[ch] : 0;
+      double s = qstep<M>(e.r, a, b);
+      int32_t c = ok ? qcode<M>(e.d, s, q.qmax) : QNONE;
+      if (c != QNONE && q.lead) c = qlead<M>(q, e, a, b, cut, s, c);
+      ok = c != QNONE && qwithin(q, e.x, qrestore<M>(q.mode, e.r, a, b, c, 0, &bits));
+      ((int8_t *)j.a.codes)[i] = (int8_t)(ok ? c : 0);
+    }
+    T v = ok ? (T)bits : live[i]; /* an escape: stored whole, the reference takes it */
+    j.a.esc[i] = ok ? 0 : 1;
+    news[i] = v;
+    if (ref) ref[j.a.idx[i]] = v;
+  }
+}
+
 /* ---- the C entry points ---- */
 
 static int check(cudaError_t e) {
@@ -373,6 +620,42 @@ static int launch(const amber_cuda_args *a, uint64_t tiles, cudaStream_t s) {
   emu_launch(select_kernel<T, M>, (unsigned)tiles, *a);
 #else
   select_kernel<T, M><<<(unsigned)tiles, THREADS, 0, s>>>(*a);
+#endif
+  return check(cudaGetLastError());
+}
+
+static unsigned qgrid(uint64_t n) {
+  uint64_t g = (n + THREADS - 1) / THREADS;
+  return (unsigned)(g < 4096 ? (g ? g : 1) : 4096); /* grid-stride loops do the rest */
+}
+
+/* Bytes of a budget's scratch for nchunks chunks: each chunk's range and cut. */
+static uint64_t qscratch_bytes(uint64_t nchunks) {
+  return 12 * nchunks;
+}
+
+template <typename T, int M> static int qlaunch(const qjob &j, cudaStream_t s) {
+  const amber_cuda_qargs *a = &j.a;
+  if (a->mode != QV_BF16 && a->budget) {
+    int rc = check(cudaMemsetAsync(a->scratch, 0, qscratch_bytes(a->nchunks), s));
+    if (rc) return rc;
+#ifdef AMBER_CUDA_EMULATOR
+    emu_launch(qrange_kernel<T, M>, qgrid(a->k), j);
+#else
+    qrange_kernel<T, M><<<qgrid(a->k), THREADS, 0, s>>>(j);
+#endif
+  }
+  if (a->mode != QV_BF16) {
+#ifdef AMBER_CUDA_EMULATOR
+    emu_launch(qstep_kernel, qgrid(a->nchunks), j);
+#else
+    qstep_kernel<<<qgrid(a->nchunks), THREADS, 0, s>>>(j);
+#endif
+  }
+#ifdef AMBER_CUDA_EMULATOR
+  emu_launch(quant_kernel<T, M>, qgrid(a->k), j);
+#else
+  quant_kernel<T, M><<<qgrid(a->k), THREADS, 0, s>>>(j);
 #endif
   return check(cudaGetLastError());
 }
@@ -433,6 +716,58 @@ int amber_cuda_select(const amber_cuda_args *a, void *stream) {
   case DT_E4M3: return launch<uint8_t, M_E4M3>(a, tiles, s);
   case DT_E5M2: return launch<uint8_t, M_E5M2>(a, tiles, s);
   default: return launch<uint64_t, M_F64>(a, tiles, s);
+  }
+}
+
+/* sizeof(amber_cuda_qargs), for a caller's mirror of it. */
+uint64_t amber_cuda_qargs_bytes(void) {
+  return sizeof(amber_cuda_qargs);
+}
+
+/* Bytes of scratch device memory that a budget's quantization of nchunks chunks
+ * needs (each chunk's range of changes and its cut). */
+uint64_t amber_cuda_qscratch_bytes(uint64_t nchunks) {
+  return qscratch_bytes(nchunks);
+}
+
+/* Quantizes a compacted selection as src/quant.c does (see "the quantizer" above),
+ * on `stream`: fills codes, esc, news and (Q8, Q4) steps, and with ref set moves the
+ * reference at the selected indices to news. Queues at most a memset and three
+ * kernels and returns at once: 0, AMBER_CUDA_EINVAL (1) for bad arguments (nothing
+ * queued), or minus the cudaError_t. */
+int amber_cuda_quantize(const amber_cuda_qargs *a, void *stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  if (!a || a->mode < QV_Q8 || a->mode > QV_BF16 || (a->lead && a->mode == QV_BF16))
+    return AMBER_CUDA_EINVAL;
+  if (a->dtype != DT_F32 && a->dtype != DT_F16 && a->dtype != DT_BF16 && a->dtype != DT_F64)
+    return AMBER_CUDA_EINVAL;
+  if (!a->k) return 0;
+  int q8 = a->mode != QV_BF16;
+  if (!a->idx || !a->vals || !a->olds || !a->codes || !a->esc || !a->news || !a->chunk_elems ||
+      !a->nchunks || (q8 && !a->steps) ||
+      (q8 && a->budget &&
+       (!a->scratch || a->scratch_bytes < qscratch_bytes(a->nchunks))))
+    return AMBER_CUDA_EINVAL;
+  qjob j;
+  j.a = *a;
+  qrule &q = j.q;
+  q.mode = a->mode;
+  q.budget = a->budget;
+  q.lead = a->lead;
+  q.qmax = a->mode == QV_Q4 ? 7 : 127;
+  q.abs = a->abs;
+  q.rel = a->rel;
+  q.cap = a->cap;
+  q.a = (float)(0.5 * a->abs); /* AMBER__QSTEP_SHARE */
+  q.b = (float)(0.5 * a->rel);
+  q.abs_f = (float)a->abs;
+  q.rel_f = (float)a->rel;
+  q.cap_f = (float)a->cap;
+  switch (a->dtype) {
+  case DT_F32: return qlaunch<uint32_t, M_F32>(j, s);
+  case DT_F16: return qlaunch<uint16_t, M_F16>(j, s);
+  case DT_BF16: return qlaunch<uint16_t, M_BF16>(j, s);
+  default: return qlaunch<uint64_t, M_F64>(j, s);
   }
 }
 

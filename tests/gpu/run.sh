@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU (tests/gpu/test_cuda_kernel.py is skipped elsewhere):
 # builds libamber and libamber_cuda (nvcc), checks the fused kernel (indices, values,
-# olds and the moved reference, every dtype and policy) against the portable path and
+# olds and the moved reference, every dtype and policy) and its quantizer (codes,
+# escapes, steps, restored values) against the portable path and
 # the device path on CUDA tensors against the CPU path (selecting in line and on a
 # thread), then runs bench/gpu_bench.py on GPT-2 small (torch operations, then
 # kernel + thread) and on 0.5B parameters (kernel + thread). Output goes to
@@ -48,7 +49,7 @@ $PY - <<'EOF' 2>&1 | tee "$OUT/kernel_speed.log" || status=1
 import time
 import torch
 import amber
-from amber import _cuda, device
+from amber import _cuda, _quant, device
 
 
 def timed(f, reps=5):
@@ -73,10 +74,16 @@ for dt, code in [(torch.float32, amber.F32), (torch.bfloat16, amber.BF16)]:
     tp = timed(lambda: device._candidates(x, r, a, 0.0, float("inf"), False)[0])
     tb = timed(lambda: _cuda.indices(x, r, "budget", code, 0.01, float("inf"), 1 << 20, n >> 20))
     ts = timed(lambda: _cuda.select(x, r.clone(), "threshold:1e-3", code, 1 << 20, n >> 20))
+    idx, vals, olds = _cuda.select(x, r.clone(), "threshold:1e-3", code, 1 << 20, n >> 20)
+    rl = _quant.rule("threshold", 1e-3, 0.0, "threshold:1e-3@q8", dt)
+    tq = timed(lambda: _cuda.quantize(rl, code, vals, olds, idx, 1 << 20, n >> 20))
+    tt = timed(lambda: _quant.quantize(rl, vals.view(dt), olds.view(dt), idx >> 20, n >> 20))
     gb = 2 * n * x.element_size() / 1e9
     print(f"{dt} n=2^28: kernel threshold {tk * 1e3:.2f} ms ({gb / tk:.0f} GB/s), portable "
           f"{tp * 1e3:.2f} ms ({gb / tp:.0f} GB/s), kernel budget:0.01 {tb * 1e3:.2f} ms, "
-          f"select with the reference moved (and a clone) {ts * 1e3:.2f} ms")
+          f"select with the reference moved (and a clone) {ts * 1e3:.2f} ms; "
+          f"@q8 of its {idx.numel()} selected: kernel {tq * 1e3:.2f} ms, torch "
+          f"{tt * 1e3:.2f} ms")
     del x, r
 EOF
 if [ "${BENCH:-1}" = 1 ]; then

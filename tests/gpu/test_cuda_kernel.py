@@ -10,14 +10,21 @@ tests/gpu/run.sh on a GPU machine; the CUDA tests are skipped without one).
   without clusters of equal changes; and it returns the selected elements' live
   values and the reference's old ones, and moves the reference by exactly them (also
   after an output overflow that makes it run again).
+- The kernel's quantizer (amber_cuda_quantize) returns, for a selection under every
+  quantized policy (threshold with ABS, ABS and REL, REL only; budget with and
+  without CAP; Q8, Q4, BF16; +lead) of f32, f16, bf16 and f64 tensors with NaN, Inf,
+  overflowing and large changes (escapes), the codes, escapes, steps and restored
+  values of the torch quantizer (amber._quant, which tests/python/test_device_path.py
+  holds to the C path), and moves the reference by exactly them.
 - A trajectory of CUDA tensors saved through the device path (kernel on and off)
   restores at every step exactly what the same trajectory of CPU tensors saved through
-  the CPU path restores.
+  the CPU path restores, quantized policies included.
 - Everywhere, also without a GPU: amber._cuda's glue (budget's per-chunk plan, the
   cut, the band fill, the reference's move, the overflow's second run, whole chunks,
-  the kernel branch of device._Tensor._select_indices in whole trajectories) over a
-  model of the kernel on CPU memory (Model, written from the contract in
-  src/cuda/select.cu) selects what the portable path selects."""
+  the quantizer's arguments and outputs, the kernel branches of amber.device in whole
+  trajectories) over a model of the kernel on CPU memory (Model, written from the
+  contract in src/cuda/select.cu) selects and quantizes what the portable path does;
+  with AMBER_CUDA_EMU the same tests run the kernel's own source on a CPU emulator."""
 import ctypes
 import os
 
@@ -25,7 +32,7 @@ import pytest
 import torch
 
 import amber
-from amber import _cuda, device
+from amber import _cuda, _quant, device
 from amber.torch import Checkpointer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,6 +65,10 @@ SPECIAL = {
 }
 POLICIES = ["exact", "threshold:1e-3", "threshold:1e-4:1e-2"]
 BUDGETS = ["budget:0.05", "budget:0.05:1e-2", "budget:0.001:0.1", "budget:0.5"]
+QUANTIZED = ["threshold:1e-3@q8", "threshold:1e-4:1e-2@q4+lead", "threshold:0:0.3@q4+lead",
+             "threshold:2e-3:5e-2@bf16", "budget:0.05:1e-2@q8", "budget:0.5@q4",
+             "budget:0.2:2e-2@q8+lead", "budget:0.05:1e-3@bf16"]
+QFLOATS = list(_quant.DTYPES)
 
 
 def bits(t):
@@ -174,6 +185,31 @@ def check_overflow(x, r, spec, dev):
     assert torch.equal(bits(rg).cpu(), moved)
 
 
+def check_quant(x, r, spec, chunk, dev):
+    """The kernel's quantizer over the portable path's selection of (x, r) under `spec`
+    returns what amber._quant.quantize returns, and moves the reference at the
+    selection to exactly its `new` values, on device `dev`."""
+    idx = want_indices(x, r, spec, chunk)
+    nchunks = chunks_of(x.numel(), chunk)
+    kind, a, b = device._parse(spec)
+    rl = _quant.rule(kind, a, b, spec, x.dtype)
+    want = _quant.quantize(rl, x[idx], r[idx], idx // chunk, nchunks)
+    label = f"{x.dtype} n={x.numel()} {spec} chunk={chunk} k={idx.numel()}"
+    assert 0 < int(want.esc.sum()) < idx.numel(), f"{label}: no escapes, or only escapes"
+    rg = r.to(dev, copy=True)
+    got = _cuda.quantize(rl, CODES[x.dtype], bits(x)[idx].to(dev), bits(r)[idx].to(dev),
+                         idx.to(dev), chunk, nchunks, bits(rg))
+    for part in ("codes", "esc", "new", "steps"):
+        w, g = getattr(want, part), getattr(got, part)
+        assert (w is None) == (g is None), f"{label}: {part}"
+        if w is not None:
+            assert torch.equal(g.cpu().view(w.dtype), w), f"{label}: {part}"
+    assert got.rel_step == want.rel_step, label
+    moved = bits(r).clone()
+    moved[idx] = want.new
+    assert torch.equal(bits(rg).cpu(), moved), f"{label}: the reference"
+
+
 # ---- with the library, a GPU or not -------------------------------------------------
 
 @lib
@@ -196,6 +232,22 @@ def test_glue_the_library_refuses_bad_arguments_before_any_cuda_call():
                 dict(scratch=None), dict(scratch_bytes=8), dict(live=None), dict(idx=None),
                 dict(kind=2), dict(chunk_abs=p, chunk_elems=0), dict(kind=0, width=5)]:
         assert lb.amber_cuda_select(ctypes.byref(args(**bad)), None) == _cuda.EINVAL, bad
+
+    def qargs(**kw):
+        a = _cuda.QArgs(dtype=amber.F32, mode=_quant.Q8, budget=1, abs=0.0, rel=0.0, cap=1.0,
+                        k=n, idx=p, vals=p, olds=p, chunk_elems=n, nchunks=1, codes=p, esc=p,
+                        news=p, steps=p, scratch=p, scratch_bytes=lb.amber_cuda_qscratch_bytes(1))
+        for k, v in kw.items():
+            setattr(a, k, v)
+        return a
+
+    for bad in [dict(dtype=amber.F8_E4M3), dict(dtype=amber.I32), dict(mode=0), dict(mode=4),
+                dict(mode=_quant.BF16, lead=1), dict(idx=None), dict(vals=None), dict(olds=None),
+                dict(codes=None), dict(esc=None), dict(news=None), dict(steps=None),
+                dict(chunk_elems=0), dict(nchunks=0), dict(scratch=None), dict(scratch_bytes=11)]:
+        assert lb.amber_cuda_quantize(ctypes.byref(qargs(**bad)), None) == _cuda.EINVAL, bad
+    # a threshold needs no scratch, bf16 codes no steps: refused only for what is bad
+    assert lb.amber_cuda_quantize(ctypes.byref(qargs(k=0)), None) == 0
 
 
 @lib
@@ -274,6 +326,16 @@ def test_the_current_stream_is_used():
     assert torch.equal(got, want)
 
 
+@cuda
+@lib
+@pytest.mark.parametrize("dtype", QFLOATS)
+@pytest.mark.parametrize("n", [TILE + 1, 100_003, 3 << 20])
+@pytest.mark.parametrize("spec", QUANTIZED)
+def test_the_quantizer_quantizes_as_the_portable_path(dtype, n, spec):
+    x, r = pair(n, dtype, n + 3)
+    check_quant(x, r, spec, 65536, "cuda")
+
+
 def run(path, dev, policy, monkeypatch, kernel):
     monkeypatch.setenv("AMBER_CUDA_KERNEL", "1" if kernel else "0")
     g = torch.Generator().manual_seed(1)
@@ -299,7 +361,9 @@ def run(path, dev, policy, monkeypatch, kernel):
 
 @cuda
 @pytest.mark.parametrize("kernel", [False, True])
-@pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy"])
+@pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy",
+                                    "threshold:1e-3:1e-2@q4+lead", "budget:0.05:1e-2@q8",
+                                    "threshold:0:0.3@bf16"])
 def test_cuda_tensors_restore_what_the_cpu_path_restores(tmp_path, monkeypatch, kernel, policy):
     if kernel and device._cuda_lib() is None:
         pytest.skip("libamber_cuda was not built")
@@ -380,20 +444,37 @@ class Model:
                 rb[idx] = xb[idx]
         return 0
 
+    def amber_cuda_qscratch_bytes(self, nchunks):
+        return 12 * nchunks
+
+    def amber_cuda_quantize(self, ref, stream):
+        """The quantizer's contract: amber._quant.quantize's outputs written to the
+        caller's buffers, the reference moved by them."""
+        a = ref._obj
+        assert stream is None
+        ft = FLOAT_OF[a.dtype]
+        bt = _cuda._BITS[torch.empty(0, dtype=ft).element_size()]
+        k, kind = a.k, "budget" if a.budget else "threshold"
+        rl = _quant.Rule(kind, a.abs, a.rel, a.cap, a.mode, bool(a.lead))
+        idx = _mem(a.idx, k, torch.int64)
+        out = _quant.quantize(rl, _mem(a.vals, k, bt).view(ft), _mem(a.olds, k, bt).view(ft),
+                              idx // a.chunk_elems, a.nchunks)
+        _mem(a.codes, k, out.codes.dtype).copy_(out.codes)
+        _mem(a.esc, k, torch.bool).copy_(out.esc)
+        _mem(a.news, k, bt).copy_(out.new)
+        if out.steps is not None:
+            _mem(a.steps, a.nchunks, torch.float32).copy_(out.steps)
+        if a.ref:
+            rb = _mem(a.ref, int(idx.max()) + 1 if k else 0, bt)
+            rb[idx] = out.new
+        return 0
+
 
 def _emulated(path):
     """libamber_cuda's real source built for the CPU emulator (tests/gpu/emu/build.sh),
     with the signatures amber._cuda gives the real library."""
     emu = ctypes.CDLL(path)
-    for name, res, args in [("amber_cuda_tile", ctypes.c_uint64, []),
-                            ("amber_cuda_scratch_bytes", ctypes.c_uint64, [ctypes.c_uint64]),
-                            ("amber_cuda_args_bytes", ctypes.c_uint64, []),
-                            ("amber_cuda_supports", ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
-                            ("amber_cuda_select", ctypes.c_int,
-                             [ctypes.POINTER(_cuda.Args), ctypes.c_void_p])]:
-        getattr(emu, name).restype = res
-        getattr(emu, name).argtypes = args
-    assert emu.amber_cuda_args_bytes() == ctypes.sizeof(_cuda.Args)
+    assert _cuda.declare(emu)  # every entry point, laid out as amber._cuda's mirrors
     assert emu.amber_cuda_tile() == TILE
     return emu
 
@@ -427,6 +508,14 @@ def test_glue_runs_again_after_an_overflow(model, dtype, spec):
     check_overflow(x, r, spec, "cpu")
 
 
+@pytest.mark.parametrize("dtype", QFLOATS)
+@pytest.mark.parametrize("n,chunk", [(TILE + 1, 1000), (100_003, 65536)])
+@pytest.mark.parametrize("spec", QUANTIZED)
+def test_glue_quantizes_as_the_portable_path(model, dtype, n, chunk, spec):
+    x, r = pair(n, dtype, n + 3)
+    check_quant(x, r, spec, chunk, "cpu")
+
+
 def test_glue_budget_fills_from_a_cluster(model):
     """A strict chunk that the pass leaves short takes the rest from its band."""
     x, r = pair(100_003, torch.float32, 9, cluster=True)
@@ -435,19 +524,21 @@ def test_glue_budget_fills_from_a_cluster(model):
     check(x, r, "budget:0.05", 65536, "cpu")
 
 
-def same_as_cpu_path_through(tmp_path, monkeypatch, policy, entry):
+def same_as_cpu_path_through(tmp_path, monkeypatch, policy, *entries):
     """run()'s trajectory on CPU tensors through the device path, the kernel branch
-    forced and amber._cuda.`entry` (over the model) counted, restores at every step
+    forced and amber._cuda's `entries` (over the model) counted, restores at every step
     what the CPU path restores."""
     monkeypatch.setenv("AMBER_DEVICE_PATH", "0")  # (AMBER_DEVICE_REFERENCE is then unused)
     want = run(str(tmp_path / "cpu"), "cpu", policy, monkeypatch, False)
     monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
     monkeypatch.setattr(device, "_kernel_wanted", lambda x: True)
-    calls = []
-    real = getattr(_cuda, entry)
-    monkeypatch.setattr(_cuda, entry, lambda *a: calls.append(1) or real(*a))
+    calls = {}
+    for entry in entries:
+        real = getattr(_cuda, entry)
+        monkeypatch.setattr(_cuda, entry, lambda *a, entry=entry, real=real: calls.update(
+            {entry: 1}) or real(*a))
     got = run(str(tmp_path / "dev"), "cpu", policy, monkeypatch, False)
-    assert calls, f"amber._cuda.{entry} was not used"
+    assert sorted(calls) == sorted(entries), f"amber._cuda: only {sorted(calls)} were used"
     for step, (a, b) in enumerate(zip(want, got), 1):
         for name in a:
             assert a[name] == b[name], f"step {step}: {name} differs"
@@ -461,6 +552,15 @@ def test_glue_with_the_reference_on_the_host_restores_what_the_cpu_path_restores
     tensors) restores at every step what the CPU path restores."""
     monkeypatch.setenv("AMBER_DEVICE_REFERENCE", "host")
     same_as_cpu_path_through(tmp_path, monkeypatch, policy, "indices")
+
+
+@pytest.mark.parametrize("policy", ["threshold:1e-3:1e-2@q4+lead", "budget:0.05:1e-2@q8"])
+def test_glue_quantized_deltas_through_the_kernels_restore_what_the_cpu_path_restores(
+        model, tmp_path, monkeypatch, policy):
+    """amber.device under a quantized policy with the fused select and the kernel's
+    quantizer (here over the model, or the emulated source; CPU tensors made to take
+    them): every step restores as through the CPU path."""
+    same_as_cpu_path_through(tmp_path, monkeypatch, policy, "select", "quantize")
 
 
 @pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:1e-2", "lossy"])

@@ -9,6 +9,14 @@ torch operations, so only the selection crosses to the host.
   and a Checkpointer reopened halfway (its device reference is read from the store);
   and over every other dtype (f8, bool, u16, u64), a scalar, a transposed view and
   an empty tensor.
+- Under policies with a value code (@q8, @q4, @bf16, +lead: quantized deltas) the
+  device path quantizes on the device as src/quant.c does: threshold (ABS, REL, REL
+  only) and budget (with and without CAP) rules restore bit for bit what the CPU
+  path restores, over the same tensors (several chunks, NaN and back, changes large
+  enough that codes cannot carry them: escapes), store the same chunk encodings
+  (QSPARSE, RAW for whole chunks; f8 tensors plain SPARSE, as the CPU path stores
+  them), keep the bound, and do so with the reference in host memory, through the
+  ring, and after a failed save.
 - Only the selection crosses: a sparse delta copies a small share of the state.
 - A failed save puts the device reference back as it was (error feedback stays exact).
 - Full saves stream each reference out through a ring of one reused buffer per worker
@@ -24,13 +32,16 @@ torch operations, so only the selection crosses to the host.
 The whole PyTorch suite also runs a second time with AMBER_DEVICE_PATH=1
 (scripts/run-tests)."""
 import os
+import struct
 
 import pytest
 import torch
 
 import amber
-from amber import device
+from amber import _quant, device
 from amber.torch import Checkpointer
+
+QSPARSE, SPARSE, RAW = 5, 3, 0  # chunk encodings (docs/FORMAT.md, "Encodings")
 
 
 class Net(torch.nn.Module):
@@ -52,9 +63,42 @@ def restored(path):
         return {t.name: bytes(r.read(t.index)) for t in r.tensors()}
 
 
+def check_references(ck, path):
+    """The device path's references hold exactly what the latest step restores
+    (under a quantized policy: what the codes decode to, not the live values)."""
+    want = restored(path)
+    for name, dt in ck._dev.tensors.items():
+        got = dt.ref.contiguous().view(torch.uint8).numpy().tobytes()
+        assert got == want[name], f"{name}: the device reference is not the restore"
+
+
+def encodings(path, step):
+    """{tensor name: its chunks' encodings} in the index of checkpoint `step`
+    (docs/FORMAT.md: the footer locates the index; tensor entries, then chunk
+    entries of 40 bytes with the encoding at offset 24)."""
+    with open(os.path.join(path, f"ckpt-{step:020d}.amber"), "rb") as f:
+        data = f.read()
+    off, size = struct.unpack_from("<QQ", data, len(data) - 56)
+    ix = data[off:off + size]
+    assert ix[:4] == b"AIDX"
+    (ntensors,) = struct.unpack_from("<Q", ix, 8)
+    p, tensors = 32, []
+    for _ in range(ntensors):
+        (nlen,), ndim = struct.unpack_from("<H", ix, p), ix[p + 3]
+        first, nchunks = struct.unpack_from("<QQ", ix, p + 16)
+        p += 32 + 8 * ndim
+        name = ix[p:p + nlen].decode()
+        p += nlen
+        p += 2 + struct.unpack_from("<H", ix, p)[0]  # the policy
+        tensors.append((name, first, nchunks))
+    return {name: [ix[p + 40 * (first + j) + 24] for j in range(nchunks)]
+            for name, first, nchunks in tensors}
+
+
 def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7, full_every=100):
     """Saves one seeded AdamW trajectory; returns per step the restored bytes
-    of every tensor, the kinds of the checkpoints and the bytes copied out."""
+    of every tensor, the kinds of the checkpoints and the bytes copied out. Through
+    the device path, checks after each step that the references are the restore."""
     monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
     torch.manual_seed(0)
     net = Net()
@@ -79,6 +123,8 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7, full_every=
         ck.wait()
         copied.append(ck._dev.copied if ck._dev is not None else None)
         out.append(restored(path))
+        if on:
+            check_references(ck, path)
         live_a.append(net.a.weight.detach().clone())
     kinds = [i.kind for i in ck.steps()]
     assert ck._dev.host_ref == (os.environ.get("AMBER_DEVICE_REFERENCE") == "host")
@@ -112,6 +158,142 @@ def test_budget_with_cap_keeps_its_bound_through_the_device_path(tmp_path, monke
             assert not torch.equal(got, live)  # a lossy delta: something was deferred
 
 
+QUANTIZED = ["threshold:1e-3@q8", "threshold:1e-3:1e-2@q4+lead", "threshold:0:0.3@q4+lead",
+             "threshold:2e-3:5e-2@bf16", "budget:0.05:2e-2@q8", "budget:0.1@q4",
+             "budget:0.2:1e-2@q8+lead", "budget:0.05:1e-3@bf16"]
+
+
+def counting_escapes(monkeypatch):
+    """Wraps amber._quant.quantize to count (quantized elements, escapes, dtypes)."""
+    seen = {"k": 0, "esc": 0, "dtypes": set()}
+    real = _quant.quantize
+
+    def counted(rl, x, r, cid, nchunks):
+        out = real(rl, x, r, cid, nchunks)
+        seen["k"] += x.numel()
+        seen["esc"] += int(out.esc.sum())
+        seen["dtypes"].add(x.dtype)
+        return out
+    monkeypatch.setattr(_quant, "quantize", counted)
+    return seen
+
+
+@pytest.mark.parametrize("policy", QUANTIZED)
+def test_quantized_deltas_restore_what_the_cpu_path_restores(tmp_path, monkeypatch, policy):
+    """f32 (4 chunks), bf16 (3 chunks), f16, f64 and int64 tensors of an AdamW
+    trajectory, a weight set to NaN and back, a Checkpointer reopened halfway: the
+    device path quantizes (escapes included: AdamW's steps are far above these
+    bounds) and every step restores as through the CPU path, chunk encodings alike."""
+    cpu, kinds_cpu, _, live_cpu = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    seen = counting_escapes(monkeypatch)
+    dev, kinds_dev, _, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    assert kinds_dev == kinds_cpu and kinds_dev.count("delta") >= 5
+    assert seen["dtypes"] == set(_quant.DTYPES) and 0 < seen["esc"] < seen["k"], seen
+    qsparse = 0
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+        enc = encodings(str(tmp_path / "dev"), step)
+        assert enc == encodings(str(tmp_path / "cpu"), step), f"{policy}: step {step}"
+        qsparse += sum(e == QSPARSE for es in enc.values() for e in es)
+        assert {n for n, es in enc.items() if SPARSE in es} <= {"net/count"}  # int64: exact
+    assert qsparse >= 10
+    kind, abs_, rel = device._parse(policy)
+    if kind == "threshold":  # the bound, on the f32 weight
+        for step, (got, live) in enumerate(zip(dev, live_cpu), 1):
+            v = torch.frombuffer(bytearray(got["net/a.weight"]), dtype=torch.float32).double()
+            x = live.reshape(-1).double()
+            nan = torch.isnan(x)  # the weight set to NaN at step 4 restores as NaN
+            assert torch.equal(nan, torch.isnan(v)), f"{policy}: step {step}"
+            err = (v - x).abs()[~nan]
+            assert (err <= abs_ + rel * v[~nan].abs()).all(), f"{policy}: step {step}"
+
+
+# bit patterns: NaNs (quiet, payload, negative), Infs, subnormals, signed zeros, the
+# largest finite (changes that overflow), 1
+SPECIAL = {
+    torch.float32: [0x7FC00000, 0xFFC00001, 0x7F800000, 0xFF800000, 0x00000001, 0x80000001,
+                    0x00000000, 0x80000000, 0x007FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000],
+    torch.float16: [0x7E00, 0xFE01, 0x7C00, 0xFC00, 0x0001, 0x8001, 0x0000, 0x8000, 0x03FF,
+                    0x7BFF, 0xFBFF, 0x3C00],
+    torch.bfloat16: [0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x0000, 0x8000, 0x007F,
+                     0x7F7F, 0xFF7F, 0x3F80],
+    torch.float64: [0x7FF8000000000000, 0xFFF8000000000001, 0x7FF0000000000000,
+                    0xFFF0000000000000, 1, 0x8000000000000001, 0, 0x8000000000000000,
+                    0x000FFFFFFFFFFFFF, 0x7FEFFFFFFFFFFFFF, 0xFFEFFFFFFFFFFFFF,
+                    0x3FF0000000000000],
+}
+
+
+def special_trajectory(path, policy, monkeypatch, on, steps=4):
+    """Per quantized dtype one tensor whose first elements go through every pair of
+    SPECIAL patterns from step to step, the rest random with small changes and a
+    share of large ones; the restored bytes per step (the device path's references
+    checked to be the restore)."""
+    monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+    g = torch.Generator().manual_seed(7)
+    base = {dt: torch.randn(3000, generator=g, dtype=torch.float64) * 0.1 for dt in SPECIAL}
+    live = {str(dt).split(".")[1]: torch.zeros(3000, dtype=dt) for dt in SPECIAL}
+    out = []
+    with Checkpointer(path, policy=policy, chunk_elems=1000, rng=False, full_every=100) as ck:
+        for step in range(steps):
+            for (dt, pats), t in zip(SPECIAL.items(), live.values()):
+                d = torch.randn(3000, generator=g, dtype=torch.float64) * 1e-3
+                d[torch.rand(3000, generator=g) < 0.05] *= 100
+                base[dt] += d
+                t.copy_(base[dt].to(dt))
+                m = len(pats)
+                p = torch.arange(m * m)
+                pick = [p // m, p % m, (p // m + p % m) % m, (p // m + 2 * (p % m)) % m][step]
+                bt = device._bits(t)
+                top = 1 << (8 * t.element_size() - 1)
+                bt[:m * m] = torch.tensor([v - 2 * top if v >= top else v for v in pats])[pick]
+            ck.save(step + 1, {"x": live})
+            ck.wait()
+            out.append(restored(path))
+            if on:
+                check_references(ck, path)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["threshold:1e-3@q8", "threshold:0:0.3@q4+lead",
+                                    "budget:0.5@q4", "budget:1@q4", "budget:0.2:1e-2@q8+lead",
+                                    "threshold:2e-3:5e-2@bf16", "budget:0.05:1e-3@bf16"])
+def test_quantized_special_values_restore_what_the_cpu_path_restores(tmp_path, monkeypatch,
+                                                                     policy):
+    cpu = special_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
+    dev = special_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
+    for step, (a, b) in enumerate(zip(cpu, dev), 1):
+        for name in a:
+            assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+@pytest.mark.parametrize("policy", ["budget:0.05:1.0009765625", "budget:0.05:1.0009765625@q8"])
+def test_a_cluster_at_a_budgets_cap_restores_the_same(tmp_path, monkeypatch, policy):
+    """A cluster of changes of 1 (the band's top 1 + 2^-10 is CAP) and a few changes
+    on the band's top, forced by CAP: the fill from the band takes none of them twice,
+    through either path (the C path once wrote duplicate indices under a quantized
+    policy: a delta that did not decode)."""
+    out = []
+    for on in (False, True):
+        monkeypatch.setenv("AMBER_DEVICE_PATH", "1" if on else "0")
+        path = str(tmp_path / str(on))
+        ts = {str(dt): torch.zeros(4096, dtype=dt) for dt in (torch.float16, torch.float32)}
+        with Checkpointer(path, policy=policy, chunk_elems=4096, rng=False) as ck:
+            ck.save(1, {"x": ts})
+            ck.wait()
+            for t in ts.values():
+                t.fill_(1.0)
+                t[:4] = 1.0 + 2.0 ** -10
+            ck.save(2, {"x": ts})
+            ck.wait()
+        out.append(restored(path))
+    assert out[0] == out[1]
+    for name, got in out[0].items():
+        n = 4096 * (2 if "16" in name else 4)
+        assert len(got) == n and sum(got) > 0, name
+
+
 def test_only_the_selection_crosses_to_the_host(tmp_path, monkeypatch):
     monkeypatch.setenv("AMBER_DEVICE_PATH", "1")
     p = torch.nn.Parameter(torch.zeros(1 << 20))
@@ -129,15 +311,16 @@ def test_only_the_selection_crosses_to_the_host(tmp_path, monkeypatch):
         assert 0 < ck._dev.copied <= 0.01 * p.numel() * 4
 
 
+@pytest.mark.parametrize("policy", ["threshold:0.5", "threshold:0.5@q8"])
 @pytest.mark.parametrize("host_ref", [False, True])
-def test_a_failed_save_puts_the_device_reference_back(tmp_path, host_ref):
+def test_a_failed_save_puts_the_device_reference_back(tmp_path, host_ref, policy):
     path = str(tmp_path / "s")
     x = torch.arange(5000, dtype=torch.float32)
     with amber.Store(path) as st:
         w = st.writer(chunk_elems=2048)
         dp = device.DevicePath(host_ref=host_ref)
         dp.declare(w, "x", amber.F32, x)
-        w.add_policy("threshold:0.5")
+        w.add_policy(policy)
         flags = dp.before_begin(w, st, 1, 0, {"x": x}, amber.SAVE_FULL)
         w.begin(1)
         w.wait()
@@ -169,7 +352,8 @@ def test_a_failed_save_puts_the_device_reference_back(tmp_path, host_ref):
         w.close()
 
 
-@pytest.mark.parametrize("policy", ["threshold:1e-3:1e-2", "budget:0.05:2e-2"])
+@pytest.mark.parametrize("policy", ["threshold:1e-3:1e-2", "budget:0.05:2e-2",
+                                    "threshold:1e-3:1e-2@q4+lead", "budget:0.05:2e-2@q8"])
 def test_a_reference_in_host_memory_restores_the_same(tmp_path, monkeypatch, policy):
     """AMBER_DEVICE_REFERENCE=host: the references in (pinned) host memory, each
     chunk's copied in for the comparison, moved from the host copies of the selection."""
@@ -214,13 +398,32 @@ def every_dtype_trajectory(path, policy, monkeypatch, on):
     return out
 
 
-@pytest.mark.parametrize("policy", ["exact", "threshold:0.02:0.01", "budget:0.05:0.1"])
+@pytest.mark.parametrize("policy", ["exact", "threshold:0.02:0.01", "budget:0.05:0.1",
+                                    "threshold:0.02:0.01@q8", "budget:0.05:0.1@q4+lead",
+                                    "threshold:0.02@bf16"])
 def test_every_dtype_restores_as_through_the_cpu_path(tmp_path, monkeypatch, policy):
     cpu = every_dtype_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
     dev = every_dtype_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
     for step, (a, b) in enumerate(zip(cpu, dev), 1):
         for name in a:
             assert a[name] == b[name], f"{policy}: step {step}, tensor {name} differs"
+
+
+def test_quantized_rules_store_qsparse_through_the_device_path(tmp_path, monkeypatch):
+    """The device path's deltas under a quantized rule: QSPARSE chunks (never SPARSE)
+    for f16 and f32 tensors, and for f8 tensors, which have no quantized encoding,
+    SPARSE (plain values) as the CPU path stores them; a scalar goes whole (RAW)."""
+    path = str(tmp_path / "dev")
+    every_dtype_trajectory(path, "threshold:0.02:0.01@q8", monkeypatch, True)
+    seen = {}
+    for step in range(2, 9):
+        for name, es in encodings(path, step).items():
+            seen.setdefault(name, set()).update(es)
+    for name in ("x/h", "x/t"):
+        assert QSPARSE in seen[name] and SPARSE not in seen[name], (name, seen[name])
+    for name in ("x/e4", "x/e5"):
+        assert SPARSE in seen[name] and QSPARSE not in seen[name], (name, seen[name])
+    assert seen["x/s"] == {RAW}
 
 
 def overlapped_trajectory(path, monkeypatch, on, asynchronous):
@@ -280,7 +483,7 @@ def test_selecting_on_a_thread_keeps_the_errors_and_the_gate(tmp_path, monkeypat
         assert ck.load({"p": q}, strict=False) == 3 and torch.equal(q, p.detach())
 
 
-@pytest.mark.parametrize("policy", ["exact", "budget:0.05:2e-2"])
+@pytest.mark.parametrize("policy", ["exact", "budget:0.05:2e-2", "threshold:1e-3:1e-2@q8+lead"])
 def test_saves_through_the_ring_restore_the_same(tmp_path, monkeypatch, policy):
     """As CUDA tensors go (forced here on CPU tensors): full saves stream through the
     ring, deltas' copies are made after the selection and handed over by the source."""

@@ -31,6 +31,7 @@ struct emu_co { ucontext_t ctx; emu_dim tid; int done; unsigned xgen; char *stac
 struct emu_warp { int arrived; unsigned gen; uint64_t buf[2][32]; };
 enum { EMU_THREADS = 256, EMU_STACK = 1 << 16 };
 static thread_local emu_co *emu_cur_p;
+static thread_local emu_dim emu_block; /* the block this OS thread runs */
 static thread_local ucontext_t emu_sched;
 static thread_local emu_warp emu_warps[EMU_THREADS / 32];
 static thread_local int emu_blk_arrived;
@@ -38,6 +39,7 @@ static thread_local unsigned emu_blk_gen;
 static thread_local unsigned long emu_yields;
 static emu_dim emu_grid;
 #define threadIdx (emu_cur_p->tid)
+#define blockIdx emu_block
 #define gridDim emu_grid
 
 static inline void emu_yield() {
@@ -82,6 +84,12 @@ static inline int __popc(unsigned v) { return __builtin_popcount(v); }
 static inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 static inline unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned long long atomicExch(unsigned long long *p, unsigned long long v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicMax(unsigned *p, unsigned v) {
+  unsigned old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (old < v &&
+         !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+  return old;
+}
 static inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline long long __double_as_longlong(double d) { long long u; memcpy(&u, &d, 8); return u; }
@@ -91,6 +99,9 @@ static inline float __uint2float_rn(unsigned u) { return (float)u; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __int2float_rn(int i) { return (float)i; }
+static inline double __ddiv_rn(double a, double b) { return a / b; }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dsub_rn(double a, double b) { return a - b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }
@@ -116,6 +127,7 @@ template <class A> static void emu_launch(void (*fn)(A), unsigned grid, A a) {
       std::vector<emu_co> cos(EMU_THREADS);
       for (auto &c : cos) c.stack = (char *)malloc(EMU_STACK);
       for (unsigned b; (b = next.fetch_add(1)) < grid;) {
+        emu_block = {b, 0, 0};
         for (int t = 0; t < EMU_THREADS; t++) {
           emu_co &c = cos[t];
           c.tid = {(unsigned)t, 0, 0}; c.done = 0; c.xgen = 0;
