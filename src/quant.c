@@ -134,6 +134,7 @@ static int32_t lead_code(const amber__policy *p, int dtype, int mode, const qel 
     float ef = thr ? (float)p->abs + (float)p->rel * fabsf((float)e->r) : cut;
     far = (double)((fabsf((float)e->d) + ef) / (float)s);
   }
+  if (far != far) return c; /* an infinite step: no lead (the element escapes) */
   int32_t f = far >= (double)qmax ? qmax : (int32_t)far;
   for (int tries = 0; tries < 4 && f > sgn * c; tries++, f--) {
     double v = restore(dtype, mode, e->r, a, b, f * sgn, 0, tmp);
@@ -202,12 +203,13 @@ static size_t quant_f32(const amber__policy *p, float *ref, const uint32_t *idx,
     memcpy(&x, vals + i, 4);
     float d = x - r, s = a + b * fabsf(r), t = d / s;
     int ok = fabsf(t) <= qlim && isfinite(x) && isfinite(r);
-    float c = ok ? round_code(t) : 0;
+    float c = ok ? round_code(t) + 0.0f : 0; /* + 0: a code of -0 is 0, as an integer */
     ok = ok && fabsf(c) <= (float)qmax; /* 127.5 rounds to 128 */
     float v = r + c * s;
     if (ok && lead) {
       float ef = thr ? absf + relf * fabsf(r) : cut, far = (fabsf(d) + ef) / s, sg = d > 0 ? 1 : -1;
-      int32_t f = far >= (float)qmax ? qmax : (int32_t)far, ca = (int32_t)fabsf(c);
+      int32_t f = far != far ? 0 : far >= (float)qmax ? qmax : (int32_t)far;
+      int32_t ca = (int32_t)fabsf(c);
       for (int tries = 0; tries < 4 && f > ca; tries++, f--) {
         float w = r + ((float)f * sg) * s;
         if (f32_within(thr, absb, relb, cap, x, w) &&

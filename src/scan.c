@@ -448,7 +448,9 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512_q(const amber__
     if (!sel) continue;
     __m512 s = _mm512_add_ps(va, _mm512_mul_ps(vb, ar));
     __m512 t = _mm512_div_ps(ds, s);
-    __m512 c = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* + 0: a code of -0 is 0, as the integer codes of quant.c (r + -0*s keeps r = -0) */
+    __m512 c = _mm512_add_ps(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                             zero);
     __m512 tabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(t), absm));
     __m512 cabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), absm));
     __mmask16 ok = sel & xfin & rfin & _mm512_cmp_ps_mask(tabs, vqlim, _CMP_LE_OQ) &

@@ -26,6 +26,38 @@ TRIALS = int(os.environ.get("AMBER_TRIALS", "3"))
 SEED = int(os.environ.get("AMBER_SEED", str(int(time.time()) % 100000)))
 
 
+def spec_bound(spec, unit=0.0):
+    """(ABS, REL) of the bound a policy SPEC keeps, as the library reads it: a value
+    code ("@q8+lead") does not change it; "Nu" is N * unit, and a rule with units on
+    a tensor without one (unit 0) is exact; a budget's bound is its CAP."""
+    import math
+    spec = spec.partition("@")[0]
+    kind, *args = spec.split(":")
+    has_units = any(a.endswith("u") for a in args)
+    if kind == "exact" or (has_units and not unit):
+        return 0.0, 0.0
+
+    def num(a):
+        return float(a[:-1]) * unit if a.endswith("u") else float(a)
+    if kind == "threshold":
+        return num(args[0]), float(args[1]) if len(args) > 1 else 0.0
+    if kind == "budget":
+        return (num(args[1]) if len(args) > 1 else math.inf), 0.0
+    raise ValueError(f"unknown policy {spec!r}")
+
+
+def rules_bound(rules, name, unit=0.0):
+    """The (ABS, REL) bound of tensor `name` under a list of rules: the last one whose
+    pattern matches."""
+    import fnmatch
+    bound = (0.0, 0.0)
+    for rule in rules:
+        pattern, _, spec = rule.rpartition("=")
+        if not pattern or fnmatch.fnmatchcase(name, pattern):
+            bound = spec_bound(spec, unit)
+    return bound
+
+
 def run_python(*args, check=True, timeout=120, env=None):
     """Runs this interpreter on ARGS in a fresh process (same installed amber)."""
     p = subprocess.run([PYTHON, *args], env=env, capture_output=True, text=True, timeout=timeout)

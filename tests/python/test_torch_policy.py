@@ -2,12 +2,13 @@
 of a threshold or budget policy at every step of a delta chain; rules apply to the
 tensor names by pattern; the "lossy" presets keep their bounds; optimizer step
 counters stay exact whatever the rules say."""
-import fnmatch
 
 import pytest
 import torch
 
+import amber
 from amber.torch import PRESETS, Checkpointer
+from conftest import rules_bound, spec_bound
 
 
 def within(restored, true, abs_bound, rel_bound):
@@ -76,40 +77,37 @@ def test_rules_by_pattern_and_their_bounds(store):
             assert torch.equal(s["step"], osd[n]["step"])
 
 
-def preset_bound(name, preset="lossy"):
+def preset_bound(name, preset="lossy", unit=0.0):
     """(ABS, REL) bound of tensor `name` under a preset: the last matching rule's."""
-    bound = (0.0, 0.0)
-    for rule in PRESETS[preset]:
-        pattern, _, spec = rule.rpartition("=")
-        if pattern and not fnmatch.fnmatchcase(name, pattern):
-            continue
-        kind, *args = spec.split(":")
-        if kind == "threshold":
-            bound = (float(args[0]), float(args[1]) if len(args) > 1 else 0.0)
-        elif kind == "budget":
-            bound = (float(args[1]) if len(args) > 1 else float("inf"), 0.0)
-        else:
-            bound = (0.0, 0.0)
-    return bound
+    return rules_bound(PRESETS[preset], name, unit)
 
 
 @pytest.mark.parametrize("preset", ["lossy", "lossy-frequent", "lossy-compact"])
 def test_lossy_presets_keep_their_bounds_and_exact_step_counters(store, preset):
     # full_share off: a chain of deltas even where the preset's deltas are dense
-    _, _, truth, kinds = run(store, preset, lr=1e-3, full_share=-1)
+    # the presets' weight rule is in units of the learning rate (constant here)
+    lr = 1e-3
+    _, _, truth, kinds = run(store, preset, lr=lr, full_share=-1)
     assert kinds.count("delta") >= 5
-    for step in (4, 12):
-        model, opt = restored(store, step)
-        msd, osd = truth[step]
-        for k, v in model.state_dict().items():
-            assert within(v, msd[k], *preset_bound(f"model/{k}", preset))[0], (step, k)
-        for n, p in model.named_parameters():
-            for k, v in opt.state[p].items():
-                if k == "step":
-                    assert torch.equal(v, osd[n][k])
-                else:
-                    assert within(v, osd[n][k], *preset_bound(f"optim/{n}/{k}", preset))[0], \
-                        (step, n, k)
+    with amber.Store(store, readonly=True) as st:
+        for step in (4, 12):
+            model, opt = restored(store, step)
+            msd, osd = truth[step]
+            # what each file records is the preset's bound, units written out
+            with st.reader(step) as r:
+                recorded = {t.name: t.policy for t in r.tensors()}
+            for name, spec in recorded.items():
+                want = preset_bound(name, preset, lr) if "/step" not in name else (0.0, 0.0)
+                assert spec_bound(spec) == pytest.approx(want, rel=1e-12), (step, name, spec)
+            for k, v in model.state_dict().items():
+                assert within(v, msd[k], *preset_bound(f"model/{k}", preset, lr))[0], (step, k)
+            for n, p in model.named_parameters():
+                for k, v in opt.state[p].items():
+                    if k == "step":
+                        assert torch.equal(v, osd[n][k])
+                    else:
+                        assert within(v, osd[n][k],
+                                      *preset_bound(f"optim/{n}/{k}", preset, lr))[0], (step, n, k)
 
 
 def test_step_counters_stay_exact_under_a_loose_global_rule(store):
