@@ -319,12 +319,14 @@ class _Names:
         self.modules = [(k, v) for k, v in state.items() if isinstance(v, torch.nn.Module)]
         self.single = len(self.modules) == 1
         self.by_id = {}  # id(parameter) -> name ("<FQN>" or "<module key>/<FQN>")
+        self.aliases = {}  # id(parameter) -> every name (tied weights have several)
         self.plain = {}  # id(module) -> _plain(module)
         for key, mod in self.modules:
             plain = self.plain[id(mod)] = _plain(mod)
             for pname, p in mod.named_parameters(remove_duplicate=False):
+                fqn = _plain_fqn(pname) if plain else _fqn(mod, pname)
+                self.aliases.setdefault(id(p), []).append(fqn if self.single else f"{key}/{fqn}")
                 if id(p) not in self.by_id:
-                    fqn = _plain_fqn(pname) if plain else _fqn(mod, pname)
                     self.by_id[id(p)] = fqn if self.single else f"{key}/{fqn}"
 
     def optimizer_params(self, opt):
@@ -527,10 +529,8 @@ def _units(flat, state):
                     continue
                 unit = float(g["lr"])
                 lr[f"{okey}/{pname}"] = unit  # its state: "<optim key>/<param>/<key>"
-                if names.single:  # the parameter: "<module key>/<FQN>"
-                    lr[f"{names.modules[0][0]}/{pname}"] = unit
-                else:
-                    lr[pname] = unit
+                for alias in names.aliases[id(p)]:  # the parameter, under each of its names
+                    lr[f"{names.modules[0][0]}/{alias}" if names.single else alias] = unit
     out = []
     for name, _ in flat.tensors:
         head, _, _ = name.rpartition("/")

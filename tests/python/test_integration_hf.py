@@ -9,7 +9,6 @@ then resumed with resume_from_checkpoint=True, while examples/hf_trainer.py runs
 written with a few steps. Every process is bounded in time and killed if the test
 leaves early.
 """
-import fnmatch
 import os
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 import amber
 from amber.torch import LOSSY
+from conftest import rules_bound, spec_bound
 from hf_procs import HERE, PYTHON, Proc, procs
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "hf_trainer.py")
@@ -101,28 +101,30 @@ def test_sigkill_after_the_epochs_last_save_then_resume_is_bit_identical(runs):
     _resumed_bit_identical(runs, "edge", 12, 12)
 
 
-def _bound(spec, restored):
-    """How far the true value may be from `restored` under policy rule `spec`."""
-    kind, *args = spec.split(":")
-    if kind == "exact":
-        return torch.zeros_like(restored)
-    if kind == "budget":
-        return torch.full_like(restored, float(args[1]))
-    if kind == "threshold":
-        rel = float(args[1]) if len(args) > 1 else 0.0
-        return float(args[0]) + rel * restored.abs()
-    raise ValueError(spec)
-
-
-def _rule(name, rules):
-    spec = None
-    for r in rules:  # the last matching rule wins; a bare spec matches every name
-        pattern, _, s = r.rpartition("=")
-        if not pattern or fnmatch.fnmatchcase(name, pattern):
-            spec = s
-    if name.startswith("optim/") and name.endswith("/step"):
-        spec = "exact"  # optimizer step counters are always exact
-    return spec
+def _recorded_bounds(store, step):
+    """{tensor name: (ABS, REL)} as the delta of `step` records them (units written
+    out: the weight rule's "1u" is the learning rate of that step), after checking each
+    against the preset's rules: units only where the preset has them, one unit for
+    every parameter under each of its names (one param group; a tied weight's second
+    name too; buffers have none: exact), optimizer step counters exact."""
+    with amber.Store(store, readonly=True) as st, st.reader(step) as r:
+        recorded = {t.name: spec_bound(t.policy) for t in r.tensors()}
+    units = set()
+    for name, got in recorded.items():
+        if name.startswith("optim/") and name.endswith("/step"):
+            assert got == (0.0, 0.0), (name, got)
+            continue
+        rule = rules_bound(LOSSY, name, unit=1.0)
+        if rules_bound(LOSSY, name, unit=2.0) != rule:  # a rule in units of the LR
+            if got == (0.0, 0.0):  # no unit: a buffer (exact)
+                continue
+            assert got[0] > 0 and got[1] == rule[1], (name, got)
+            units.add(got[0] / rule[0])
+        else:
+            assert got == pytest.approx(rule, rel=1e-12), (name, got)
+    assert len(units) == 1 and 0 < units.pop() <= 3e-3, "one unit: the step's LR"
+    assert recorded["model/lm_head.weight"][0] > 0, "the tied weight's second name has a unit"
+    return recorded
 
 
 def test_lossy_resume_restores_every_element_within_the_presets_bound(runs):
@@ -132,6 +134,7 @@ def test_lossy_resume_restores_every_element_within_the_presets_bound(runs):
     assert 2 <= step <= 6, step
     with amber.Store(os.path.join(run_dir, "amber"), readonly=True) as st:
         assert {c.step: c.kind for c in st.list()}[step] == "delta"
+    bounds = _recorded_bounds(os.path.join(run_dir, "amber"), step)
     saved = load_file(os.path.join(ref_dir, f"snap-{step}.safetensors"))
     restored = load_file(os.path.join(run_dir, "restored.safetensors"))
     assert sorted(saved) == sorted(restored)
@@ -139,9 +142,10 @@ def test_lossy_resume_restores_every_element_within_the_presets_bound(runs):
     for name, true in saved.items():
         r = restored[name].double()
         err = (true.double() - r).abs()
-        bound = _bound(_rule(name, LOSSY), r).double()
+        abs_, rel = bounds[name]
+        bound = abs_ + rel * r.abs()
         worst = (err - bound * (1 + 1e-6)).max().item()
-        assert worst <= 1e-12, f"{name}: {worst} past the bound of {_rule(name, LOSSY)}"
+        assert worst <= 1e-12, f"{name}: {worst} past the bound {bounds[name]}"
         off += int((err > 0).sum())
     assert off > 0, "nothing was left out: the lossy preset was not in effect"
     assert got["global_step"] == STEPS
