@@ -90,6 +90,10 @@ POLICIES = {
     "lossy": (W_lr(1.0, lead=True), M_bud(0.08), V_rel(0.3, lead=True)),
     "lossy-frequent": (W_lr(0.7, lead=True), M_bud(0.15), V_rel(0.2, lead=True)),
     "lossy-compact": (W_lr(1.5, lead=True), M_bud(0.05), V_rel(0.3, lead=True)),
+    # tighter than lossy-frequent, for resumes every 10 steps
+    "f-W0.5-M20": (W_lr(0.5, lead=True), M_bud(0.20), V_rel(0.2, lead=True)),
+    "f-W0.7-M25": (W_lr(0.7, lead=True), M_bud(0.25), V_rel(0.2, lead=True)),
+    "f-W0.5-M25-V0.15": (W_lr(0.5, lead=True), M_bud(0.25), V_rel(0.15, lead=True)),
 }
 
 
