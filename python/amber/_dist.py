@@ -32,7 +32,6 @@ stays at the last global commit.
 """
 
 import base64
-import ctypes
 import json
 import os
 import random
@@ -154,6 +153,25 @@ class TorchComm:
         return out
 
 
+class SoloComm:
+    """amber's collectives for a job of one process without a process group (a
+    Checkpointer or amber.dcp.Writer at world size 1 on a multi-rank store): every
+    collective is this process's own data."""
+    rank, size = 0, 1
+
+    def allgather(self, data):
+        return bytes(data)
+
+    def broadcast(self, data, root):
+        return bytes(data)
+
+    def barrier(self):
+        pass
+
+    def gather_objects(self, obj):
+        return [obj]
+
+
 def cpu_group(process_group, own=False):
     """A group with a CPU backend over the ranks of `process_group` (None: the world):
     the group itself when it has gloo (unless `own`), else a new gloo group, made by
@@ -247,51 +265,40 @@ def _rng_plan(meta, step):
 class _Boxes:
     """A GlobalReader as amber.torch's _Load reads: tensors() by global shape,
     read_many of (index, address, size[, (offsets, shape)]): a whole global tensor,
-    or this rank's box of it."""
+    or this rank's box of it, all in one call of the library (every chunk of every
+    overlapping shard in parallel, decoded straight into the live tensors)."""
 
     def __init__(self, reader):
         self.g = reader
+
+    def _item(self, index, address, size, box=None):
+        if box is None:
+            shape = self.g.tensors()[index].shape
+            box = ((0,) * len(shape), shape)
+        return (index, box[0], box[1], address, size)
 
     def tensors(self):
         return self.g.tensors()
 
     def read_into(self, index, address, size, box=None):
-        if box is None:
-            shape = self.g.tensors()[index].shape
-            box = ((0,) * len(shape), shape)
-        self.g.read_into(index, box[0], box[1], address, size)
+        self.g.read_many([self._item(index, address, size, box)])
 
     def read_many(self, items):
-        for it in items:
-            self.read_into(*it)
+        self.g.read_many([self._item(*it) for it in items])
 
 
-class _WholeBoxes:
-    """A single-process store's Reader as _Load reads with boxes: a box is cut out of
-    the whole tensor, read once per call."""
+class _WholeBoxes(_Boxes):
+    """A single-process store's Reader as _Load reads with boxes: each box is read
+    out of its whole tensor by the library (only the chunks that hold part of it)."""
 
     def __init__(self, reader):
-        self.r = reader
-
-    def tensors(self):
-        return self.r.tensors()
+        self.g = reader
 
     def read_into(self, index, address, size, box=None):
-        if box is None:
-            return self.r.read_into(index, address, size)
-        info = self.r.tensors()[index]
-        whole = torch.empty(info.shape, dtype=_at._TORCH[info.dtype])
-        self.r.read_into(index, whole.data_ptr() if whole.numel() else 0, info.nbytes)
-        part = whole
-        for dim, (o, n) in enumerate(zip(*box)):
-            part = part.narrow(dim, o, n)
-        if size:
-            dst = torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=torch.uint8)
-            dst.copy_(part.contiguous().view(-1).view(torch.uint8))
+        self.g.read_boxes([self._item(index, address, size, box)])
 
     def read_many(self, items):
-        for it in items:
-            self.read_into(*it)
+        self.g.read_boxes([self._item(*it) for it in items])
 
 
 class _DistLoad(_at._Load):
@@ -331,10 +338,6 @@ class DistCheckpointer(_at.Checkpointer):
                  process_group=None):
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
-        if readonly:
-            raise NotImplementedError("readonly is not supported by the distributed "
-                                      "Checkpointer; any rank may read a step with "
-                                      "amber.GlobalReader")
         self._rules = _at._rules(policy)
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
@@ -342,9 +345,12 @@ class DistCheckpointer(_at.Checkpointer):
             self._wopts["keep_last"] = keep_last
         self._prune_msg = None
         self.rng = rng
-        self.readonly = False
+        self.readonly = bool(readonly)  # loads only: no writer is ever opened
         self.process_group = process_group
-        self._comm = TorchComm(cpu_group(process_group))
+        # one process (torch.distributed not initialized, or a world of one) on a
+        # multi-rank store: amber.torch.Checkpointer routes it here, with no group
+        self._comm = TorchComm(cpu_group(process_group)) if _at._distributed(process_group) \
+            else SoloComm()
         self.rank, self.world_size = self._comm.rank, self._comm.size
         self.path = str(path)
         self.store = None
@@ -369,7 +375,9 @@ class DistCheckpointer(_at.Checkpointer):
     def _open_writer(self):
         if self.rank == 0:
             os.makedirs(self.path, exist_ok=True)
-        self._gw = GlobalWriter(self.path, self._comm, **self._wopts)
+        # a job of one: the library's own communicator (no Python in its collectives)
+        self._gw = GlobalWriter(self.path, self._comm if self._comm.size > 1 else None,
+                                **self._wopts)
         try:
             for r in self._rules:
                 self._gw.add_policy(r)
@@ -397,6 +405,9 @@ class DistCheckpointer(_at.Checkpointer):
         scan has started; the global commit completes in the next wait(), save(),
         load() or close() (all collective)."""
         self._open()
+        if self.readonly:
+            raise AmberError(_amber.EREADONLY, f"store {self.path} is open read-only",
+                             name="AMBER_EREADONLY")
         t0 = time.perf_counter()
         self.wait()
         err, decl = None, None

@@ -1012,7 +1012,11 @@ class Checkpointer:
     "fence" (the wait for the scan), "wait" (the last wait for durability)."""
 
     def __new__(cls, *args, process_group=None, **kwargs):
-        if cls is Checkpointer and _distributed(process_group):
+        path = args[0] if args else kwargs.get("path")
+        if cls is Checkpointer and (_distributed(process_group) or
+                                    (path is not None and _amber.is_global_store(path))):
+            # many ranks; or one process on a store that many ranks wrote (it loads and
+            # saves that store at world size 1, as amber._dist does at any other)
             from amber._dist import DistCheckpointer
             return super().__new__(DistCheckpointer)
         return super().__new__(cls)
