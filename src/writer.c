@@ -70,6 +70,7 @@ typedef struct decls {
   char *meta;
   size_t meta_len;
   int frozen;
+  size_t resolved; /* rules.n when each tensor's rule was last resolved; 0: not yet */
 } decls;
 
 /* The assembly of a checkpoint file: the chunk table and the workers' scratch,
@@ -437,8 +438,13 @@ static int ensure_scratch(amber_writer *w, int prefault) {
   return 0;
 }
 
-/* Resolves each tensor's rule; rules may have changed since the last save. */
+/* Resolves each tensor's rule; rules may have changed since the last save (rules
+ * are only ever added, and the declarations are fixed once frozen: unchanged rules
+ * keep every tensor's rule, and the glob matching, thousands of fnmatch calls for a
+ * model's tensors, is not redone at every save). */
 static void resolve_policies(amber_writer *w) {
+  if (w->dc.frozen && w->dc.resolved == w->dc.rules.n + 1) return;
+  w->dc.resolved = w->dc.frozen ? w->dc.rules.n + 1 : 0;
   for (size_t i = 0; i < w->dc.n; i++) {
     amber__tensor *t = &w->dc.d[i].t;
     w->dc.d[i].rule = amber__rules_match(&w->dc.rules, t->name, t->dtype);

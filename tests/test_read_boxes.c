@@ -14,6 +14,7 @@
 #include "amber.h"
 #include "comm_threads.h"
 #include "format.h"
+#include "io.h"
 #include "store.h"
 #include "testutil.h"
 
@@ -121,7 +122,7 @@ static int global_boxes(void *h, size_t n, const size_t *idx, const int64_t *off
   return amber_global_reader_read_many(h, n, idx, off, shape, bufs, sizes);
 }
 
-static void test_single_store_boxes_of_a_chain(void) {
+static void single_store_boxes_of_a_chain(void) {
   const char *dir = tu_tmpdir();
   char path[4200];
   snprintf(path, sizeof path, "%s/s", dir);
@@ -208,6 +209,82 @@ static void test_single_store_boxes_of_a_chain(void) {
   amber_reader_close(r);
   amber_store_close(st);
   for (int t = 0; t < NT; t++) free(data[t]), free(bufs[t]);
+}
+
+static void test_single_store_boxes_of_a_chain(void) {
+  single_store_boxes_of_a_chain();
+}
+
+/* The same where O_DIRECT is refused: every payload read buffered, the same results
+ * and the same error for the damaged chunk. */
+static void test_single_store_boxes_of_a_chain_without_o_direct(void) {
+  amber__io_direct_reads(0);
+  single_store_boxes_of_a_chain();
+  amber__io_direct_reads(1);
+}
+
+/* Payloads of 4 MiB (a full checkpoint's raw chunks): read with O_DIRECT where the
+ * file system allows it, buffered when it is refused; boxes across chunk edges and a
+ * damaged chunk read the same either way. */
+static void large_chunks(int direct) {
+  amber__io_direct_reads(direct);
+  char path[4200];
+  snprintf(path, sizeof path, "%s/large%d", tu_tmpdir(), direct);
+  const int64_t rows = 3000, cols = 1000; /* 3M f32: chunks of 1M elements, 1000-element rows */
+  float *x = malloc((size_t)(rows * cols) * sizeof *x);
+  for (int64_t i = 0; i < rows * cols; i++) x[i] = (float)i;
+  amber_store *st;
+  amber_writer *w;
+  int64_t shape[2] = {rows, cols};
+  CHECK_OK(amber_store_open(&st, path, NULL));
+  CHECK_OK(amber_writer_open(&w, st, NULL));
+  CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 2, shape, x, NULL));
+  CHECK_OK(amber_writer_save(w, 1, AMBER_SAVE_FULL));
+  amber_writer_close(w);
+  amber_reader *r;
+  CHECK_OK(amber_reader_open(&r, st, 1, NULL));
+  size_t xi = 0;
+  /* rows 1040..1060 (across the first chunk edge at element 1048576) */
+  int64_t off[AMBER_MAX_DIMS] = {1040, 0}, n[AMBER_MAX_DIMS] = {20, 1000};
+  float *got = malloc(20 * 1000 * sizeof *got);
+  void *gp = got;
+  uint64_t sz = 20 * 1000 * sizeof *got;
+  CHECK_OK(amber_reader_read_boxes(r, 1, &xi, off, n, &gp, &sz));
+  CHECK(memcmp(got, x + 1040 * 1000, sz) == 0);
+  float *all = malloc((size_t)(rows * cols) * sizeof *all);
+  uint64_t asz = (uint64_t)(rows * cols) * sizeof *all;
+  CHECK_OK(amber_reader_read(r, xi, all, asz));
+  CHECK(memcmp(all, x, asz) == 0);
+  uint64_t at = amber__reader_index(r)->chunks[1].offset; /* chunk 1: elements 1M..2M */
+  amber_reader_close(r);
+  amber_store_close(st);
+  char file[4300];
+  snprintf(file, sizeof file, "%s/ckpt-%020d.amber", path, 1);
+  CHECK(tu_flip_byte(file, (long)at + 4096 * 3 + 17, 0x08) == 0);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY;
+  CHECK_OK(amber_store_open(&st, path, &so));
+  CHECK_OK(amber_reader_open(&r, st, 1, NULL));
+  CHECK_RC(amber_reader_read(r, xi, all, asz), AMBER_ECORRUPT);
+  CHECK(strstr(amber_last_error(r), "checksum mismatch") != NULL);
+  CHECK_RC(amber_reader_read_boxes(r, 1, &xi, off, n, &gp, &sz), AMBER_ECORRUPT);
+  off[0] = 0; /* rows of chunk 0 only: intact */
+  CHECK_OK(amber_reader_read_boxes(r, 1, &xi, off, n, &gp, &sz));
+  CHECK(memcmp(got, x, sz) == 0);
+  CHECK_RC(amber_reader_verify(r), AMBER_ECORRUPT);
+  amber_reader_close(r);
+  amber_store_close(st);
+  free(x), free(got), free(all);
+  amber__io_direct_reads(1);
+}
+
+static void test_large_chunks_with_o_direct(void) {
+  large_chunks(1);
+}
+
+static void test_large_chunks_buffered(void) {
+  large_chunks(0);
 }
 
 /* ---- a global store: "mat" split by rows, "cube" by dim 1, "four" by dim 2 over 3
@@ -333,6 +410,9 @@ static void test_global_boxes_across_shards_in_one_call(void) {
 
 int main(void) {
   TEST_RUN(test_single_store_boxes_of_a_chain);
+  TEST_RUN(test_single_store_boxes_of_a_chain_without_o_direct);
+  TEST_RUN(test_large_chunks_with_o_direct);
+  TEST_RUN(test_large_chunks_buffered);
   TEST_RUN(test_global_boxes_across_shards_in_one_call);
   return tu_finish();
 }

@@ -367,6 +367,9 @@ class DistCheckpointer(_at.Checkpointer):
         self._gated = False
         self._busy = False   # a step begun and not yet waited for (its commit is collective)
         self._hooks = {}
+        self._plan = None     # (the single-process save plan: not used with many ranks)
+        self._seeding = None  # (the single-process background seed: not used here)
+        self._global_hook = _at._fence_before_any_step(self)
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
         self.skipped = 0
         self.seeded = False
@@ -508,6 +511,7 @@ class DistCheckpointer(_at.Checkpointer):
         as amber.torch does; the others are read in place until the fence. Those
         that amber.device selects on their device (address None) are neither."""
         owned = _at._owned_storages(state)
+        buffers = _at._buffer_storages(state)
         out = []
         with torch.no_grad():
             for name, t in flat.tensors:
@@ -530,9 +534,7 @@ class DistCheckpointer(_at.Checkpointer):
                                 local, True, False, t))
                     continue
                 nbytes = local.numel() * local.element_size()
-                inplace = (local.device.type == "cpu" and local.is_contiguous() and
-                           not local.is_conj() and not local.is_neg() and
-                           nbytes > _at.CAPTURE_BYTES and _at._storage_key(local) in owned)
+                inplace = _at._in_place(local, nbytes, owned, buffers)
                 if inplace:
                     src = local
                 else:
@@ -650,6 +652,7 @@ class DistCheckpointer(_at.Checkpointer):
         for _, undo in self._hooks.values():
             undo()
         self._hooks.clear()
+        self._global_hook.remove()
         if self._gw is not None:
             self._gw.close()
             self._gw = None
