@@ -367,7 +367,6 @@ class DistCheckpointer(_at.Checkpointer):
         self._gated = False
         self._busy = False   # a step begun and not yet waited for (its commit is collective)
         self._hooks = {}
-        self._plan = None     # (the single-process save plan: not used with many ranks)
         self._seeding = None  # (the single-process background seed: not used here)
         self._global_hook = _at._fence_before_any_step(self)
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}

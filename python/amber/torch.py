@@ -1369,7 +1369,7 @@ class Checkpointer:
         self._versions = None  # [(name, tensor, version at save())] checked at the fence
         self._gated = False  # the save in progress waits for confirm()
         self._hooks = {}     # id(optimizer) -> (weakref(optimizer), undo)
-        self._plan = None    # _Plan: what the last save learned of its state's structure
+        self._saveplan = None    # _Plan: what the last save learned of its state's structure
         self._seeding = None  # the background seed after a load: (thread, _Versions, outcome)
         self._global_hook = _fence_before_any_step(self)
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
@@ -1417,7 +1417,7 @@ class Checkpointer:
         """save() through the plan of the previous save (_Plan): only what changes
         from save to save is encoded, copied and checked; the cached tensors' copies
         are one call. False (nothing done) when the state's structure changed."""
-        plan, w = self._plan, self._writer
+        plan, w = self._saveplan, self._writer
         if plan is None or w is None or os.environ.get("AMBER_DEVICE_PATH") == "1":
             return False
         tensors = plan.check(state)
@@ -1506,7 +1506,7 @@ class Checkpointer:
         return True
 
     def _unplan(self):
-        self._plan = None
+        self._saveplan = None
         return False
 
     def _staged(self, name, t):
@@ -1521,7 +1521,7 @@ class Checkpointer:
     def _save_unplanned(self, step, state, full):
         """save() the whole way: names, encodes and places every tensor; then plans
         the next save (_Plan)."""
-        self._plan = None
+        self._saveplan = None
         spans = {}
         flat, meta = _flatten(state, self.rng, spans=spans)
         meta["step"] = step
@@ -1576,9 +1576,9 @@ class Checkpointer:
             raise
         if not devs:
             try:
-                self._plan = _plan_of(state, flat, meta, spans, how, self._stage, self.rng)
+                self._saveplan = _plan_of(state, flat, meta, spans, how, self._stage, self.rng)
             except Exception:  # a state the plan does not understand: every save the whole way
-                self._plan = None
+                self._saveplan = None
 
     def _prepare(self, flat, state):
         """Declares the tensors (a new writer when the set changed), copies those
@@ -1745,7 +1745,7 @@ class Checkpointer:
                 self._writer = None
             self.store.close()
             self.store = None
-            self._pinned = self._versions = self._plan = None
+            self._pinned = self._versions = self._saveplan = None
             self._stage = {}
 
     def __del__(self):
@@ -1869,7 +1869,7 @@ class Checkpointer:
             # a tensor changed while it was copied: the reference may not be the
             # loaded state; a new writer reads its reference from the store
             self.seeded = False
-            self._plan = None
+            self._saveplan = None
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None

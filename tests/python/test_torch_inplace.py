@@ -163,7 +163,7 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
             ck.save(step, {"model": model, "optim": opt, "sched": sched,
                            "extra": {"step": step, "t": torch.full((2,), float(step))}})
             ck.wait()
-            plans.append(ck._plan)
+            plans.append(ck._saveplan)
             got = stored(store, step)
             same(got, want)
             assert torch.equal(got["extra/t"], torch.full((2,), float(step)))
