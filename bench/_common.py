@@ -306,7 +306,8 @@ def amber_deltas(ck, state, step, n, grads, opt_step, barrier=None, calls=None):
     after the next gradients: the training thread's stall). Each is preceded by
     grads() and opt_step(), and barrier() where given. Returns (last step, [durable
     seconds], [stall seconds]); `calls`, when given, gets the overlapped saves' save()
-    call alone (seconds)."""
+    call alone: (seconds, seconds of the calling thread's CPU time: the work save()
+    does, whether or not other processes took the core meanwhile)."""
     dur, stall = [], []
     for i in range(n):
         grads()
@@ -314,9 +315,9 @@ def amber_deltas(ck, state, step, n, grads, opt_step, barrier=None, calls=None):
         step += 1
         if barrier:
             barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         ck.save(step, state)
-        t_call = time.perf_counter() - t0
+        t_call, c_call = time.perf_counter() - t0, time.thread_time() - c0
         if i % 2 == 0:
             ck.wait()
             dur.append(time.perf_counter() - t0)
@@ -326,7 +327,7 @@ def amber_deltas(ck, state, step, n, grads, opt_step, barrier=None, calls=None):
             ck.fence()
             stall.append(t_call + ck.timings["fence"])
             if calls is not None:
-                calls.append(t_call)
+                calls.append((t_call, c_call))
             ck.wait()
     return step, dur, stall
 

@@ -211,7 +211,8 @@ def amber_round(tr, out, r, policy, deltas):
     dbytes = [infos[s].bytes for s in infos if s > full_step]
     f["amber_full_bytes"] = infos[full_step].bytes
     f.update(delta_figures(dur, stall, dbytes))
-    f["amber_delta_call"] = statistics.median(calls)
+    f["amber_delta_call"] = statistics.median(c for c, _ in calls)
+    f["amber_delta_call_cpu"] = statistics.median(c for _, c in calls)
 
     # the floor of a load of the latest step: its chain's files (the full checkpoint and
     # the deltas after it) read cold at the disk's pace
@@ -315,7 +316,8 @@ def plain_round(out, r, policy, deltas, nbytes=int(0.58e9), parts=48):
     shutil.rmtree(store)
     del W, M, V, G, state
     gc.collect()
-    return {"plain_stall": statistics.median(stalls), "plain_call": statistics.median(calls)}
+    return {"plain_stall": statistics.median(stalls), "plain_call": statistics.median(calls),
+            "plain_bytes": 3 * parts * n * 4}
 
 
 def ratios(f):
@@ -327,6 +329,7 @@ def ratios(f):
         "stall_vs_dcp_async": f["dcp_async_stall"] / f["amber_delta_stall"],
         "full_vs_fastest_peer": fastest_peer / f["amber_full"],
         "save_call_ms": 1e3 * f["amber_delta_call"],
+        "save_cpu_ms": 1e3 * f["amber_delta_call_cpu"],
         "plain_stall_ms": 1e3 * f["plain_stall"],
         "load_vs_dcp_load": f["dcp_load"] / f["amber_load"],
         "load_ro_vs_dcp_load": f["dcp_load"] / f["amber_load_ro"],
@@ -342,7 +345,7 @@ def ratios(f):
 TARGETS = [
     ("delta_vs_dcp_save", 20.0, True, "delta save-to-durable >= 20x faster than dcp.save"),
     ("stall_vs_dcp_async", 50.0, True, "stall >= 50x smaller than dcp.async_save's"),
-    ("save_call_ms", 1.0, False, "a delta's save() call (its Python) <= 1 ms"),
+    ("save_cpu_ms", 1.0, False, "a delta's save() call: <= 1 ms of Python (its thread's CPU time)"),
     ("plain_stall_ms", 2.0, False, "stall of 0.58 GB of plain tensors (no optimizer) < 2 ms"),
     ("full_vs_fastest_peer", 1.0, True, "full save at least as fast as the fastest peer"),
     ("load_vs_dcp_load", 1.5, True, "load of the latest step >= 1.5x faster than dcp.load"),
@@ -374,7 +377,8 @@ def report(res, markdown):
                 (f"amber delta save ({res['config']['policy']})", "amber_delta", "amber_delta_bytes"),
                 ("amber delta: stall", "amber_delta_stall", None),
                 ("amber delta: its save() call", "amber_delta_call", None),
-                ("amber delta of 0.58 GB of plain tensors: stall", "plain_stall", None),
+                ("amber delta: its save() call, CPU time of its thread", "amber_delta_call_cpu", None),
+                ("amber delta of plain tensors, no optimizer: stall", "plain_stall", "plain_bytes"),
                 ("amber first delta after a load", "first_after_load", None),
                 ("amber first delta after a load: stall", "first_after_load_stall", None),
                 ("delta floor (read live + reference, write delta at O_DIRECT pace)", "delta_floor", None)]

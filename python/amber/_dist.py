@@ -2,8 +2,11 @@
 global checkpoint per step (docs/DESIGN.md, "Many ranks").
 
 amber.torch.Checkpointer becomes this class when torch.distributed is initialized
-with more than one rank (or when process_group= is given). Every rank constructs it
-on the same store and calls save() and load() collectively with its local state:
+with more than one rank (or when process_group= is given), and when its path holds a
+multi-rank store: one process without a process group (or in a world of one) then
+loads any global step of it, whatever world size wrote it, and saves global steps of
+world size 1 into it. Every rank constructs it on the same store and calls save()
+and load() collectively with its local state:
 
   - A DTensor (FSDP2's parameters and optimizer states, tensor-parallel slices) is
     saved as its shard of the global tensor: the box that
@@ -14,7 +17,10 @@ on the same store and calls save() and load() collectively with its local state:
   - Non-tensor state (entries, param_groups, counters) and the RNG states are each
     rank's own: they go into that rank's metadata, so a rank gets its own back.
   - load() reads, for every live tensor, the box this rank holds now from the
-    shards that overlap it: a step loads at another world size or sharding. The
+    shards that overlap it: a step loads at another world size or sharding. Every
+    box of every tensor is one call of the library (amber_global_reader_read_many),
+    which restores all their chunks in parallel, each straight into the live tensor
+    where it lies inside a contiguous run of the box (a row-sharded shard's rows). The
     RNG states of ranks that exist in both jobs come back; a rank that did not
     exist keeps its own, with a warning.
 
