@@ -622,6 +622,9 @@ def _in_place(t, nbytes, owned, buffers):
     return nbytes > CAPTURE_BYTES and key not in buffers
 
 
+_version = attrgetter("_version")
+
+
 class _Versions:
     """The version counters of the tensors a save reads in place, taken at save() and
     compared at the fence (one list each way: no per-tensor objects)."""
@@ -629,14 +632,14 @@ class _Versions:
 
     def __init__(self, names, tensors):
         self.names, self.tensors = names, tensors
-        self.seen = [t._version for t in tensors]
+        self.seen = list(map(_version, tensors))
 
     def __bool__(self):
         return bool(self.tensors)
 
     def changed(self):
         """The first tensor whose counter moved, or None."""
-        now = [t._version for t in self.tensors]
+        now = list(map(_version, self.tensors))
         if now == self.seen:
             return None
         return next(n for n, a, b in zip(self.names, now, self.seen) if a != b)
@@ -722,6 +725,44 @@ def _plain_equal(a, b):
     return False
 
 
+def _tree(x):
+    """(spec, leaves) of a value that is a tensor, or dicts (string keys) of dicts and
+    tensors: what save() encodes the same way at every save while the same tensors sit
+    at the same keys; (None, None) for anything else."""
+    if isinstance(x, torch.Tensor):
+        return _LEAF, [x]
+    if type(x) is not dict or not all(isinstance(k, str) and k and not k.startswith("$")
+                                      for k in x):
+        return None, None
+    if all(isinstance(v, torch.Tensor) for v in x.values()):
+        return ("L", tuple(x)), list(x.values())
+    specs, leaves = [], []
+    for v in x.values():
+        spec, sub = _tree(v)
+        if spec is None:
+            return None, None
+        specs.append(spec)
+        leaves += sub
+    return ("D", tuple(x), specs), leaves
+
+
+_LEAF = ("T",)
+
+
+def _tree_now(x, spec, out):
+    """Appends to `out` what sits now where spec's leaves sat; False when the shape of
+    the tree changed."""
+    if spec is _LEAF:
+        out.append(x)
+        return True
+    if type(x) is not dict or tuple(x) != spec[1]:
+        return False
+    if spec[0] == "L":
+        out += x.values()
+        return True
+    return all(_tree_now(v, sp, out) for v, sp in zip(x.values(), spec[2]))
+
+
 class _Plan:
     """What save() learns once about a state whose structure stays the same from save
     to save (the same modules with the same parameters and buffers, the same
@@ -739,6 +780,8 @@ class _Plan:
         self.held = []       # (position in mods, dict name) of each non-empty dict of theirs
         self.expect = []     # weakref of each value those dicts hold, in that order
         self.opts = []       # (weakref(optimizer), data) of the optimizer entries
+        self.trees = []      # (key, spec) of the entries of tensors in dicts (_tree)
+        self.leaves = []     # weakref of each of their tensors, in order
         self.static = []     # where each cached tensor is among the slots check() compares
         self.ptrs = []       # their data_ptr at planning
         self.copy_at, self.copy_dst = [], []  # positions in static copied at save(), stages
@@ -784,6 +827,10 @@ class _Plan:
             cur += chain.from_iterable(map(dict.values, opt.state.values()))
             expect += map(call, data["pkeys"])
             expect += map(call, data["pvals"])
+        for key, spec in self.trees:
+            if not _tree_now(state[key], spec, cur):
+                return None
+        expect += map(call, self.leaves)
         if len(cur) != len(expect) or not all(map(is_, cur, expect)):
             return None
         tensors = list(map(cur.__getitem__, self.static))  # they are among those slots
@@ -822,8 +869,8 @@ def _plan_of(state, flat, meta, spans, how, stage, rng):
                 plan.mods.append(ref)
             plan.expect += expect
             kind = "module"
-            data = {"json": json.dumps(key) + ":" + json.dumps(entry, allow_nan=False,
-                                                              separators=_SEP)}
+            data = {"json": (json.dumps(key) + ":" + json.dumps(entry, allow_nan=False,
+                                                               separators=_SEP)).encode()}
         elif isinstance(value, torch.optim.Optimizer):
             mod = names.owner(value)
             if type(value).state_dict is not torch.optim.Optimizer.state_dict or \
@@ -851,9 +898,10 @@ def _plan_of(state, flat, meta, spans, how, stage, rng):
             for i, t in enumerate(vals):
                 owners[a + i] = t
             n_static = len(vals)
-            head = json.dumps(key) + ':{"type":"optimizer","class":' + \
-                json.dumps(type(value).__name__) + ',"state":' + \
-                json.dumps(entry["state"], allow_nan=False, separators=_SEP) + ',"param_groups":'
+            head = (json.dumps(key) + ':{"type":"optimizer","class":' +
+                    json.dumps(type(value).__name__) + ',"state":' +
+                    json.dumps(entry["state"], allow_nan=False, separators=_SEP) +
+                    ',"param_groups":').encode()
             data = {"head": head, "n": n_static, "fields": None, "text": None,
                     "groups": [[weakref.ref(p) for p in g["params"]] for g in value.param_groups],
                     "gnames": [list(e["params"]) for e in entry["param_groups"]],
@@ -861,6 +909,16 @@ def _plan_of(state, flat, meta, spans, how, stage, rng):
             plan.opts.append((weakref.ref(value), data))
             kind = "optimizer"
             b = a + n_static  # the param_groups' tensors, if any, are encoded at every save
+        elif not (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
+            spec, leaves = _tree(value)
+            if spec is not None and len(leaves) == b - a:
+                for i, t in enumerate(leaves):
+                    owners[a + i] = t
+                plan.trees.append((key, spec))
+                plan.leaves += [weakref.ref(t) for t in leaves]
+                kind = "tree"
+                data = {"json": (json.dumps(key) + ":" + json.dumps(
+                    entry, allow_nan=False, separators=_SEP)).encode(), "n": b - a}
         if kind != "dynamic":
             for i in range(a, b):
                 t, (name, det) = owners[i], flat.tensors[i]
@@ -870,7 +928,8 @@ def _plan_of(state, flat, meta, spans, how, stage, rng):
                 static.add(i)
             if kind == "module":
                 data["n"] = b - a
-        plan.layout.append((key, None if kind == "dynamic" else weakref.ref(value), kind, data))
+        plan.layout.append((key, None if kind in ("dynamic", "tree") else weakref.ref(value),
+                            kind, data))
     for i, (name, t) in enumerate(flat.tensors):
         if how[i] is None:  # the device path
             return None
@@ -894,6 +953,7 @@ def _plan_of(state, flat, meta, spans, how, stage, rng):
             seq += [r() for r in params]
         seq += [r() for r in data["pkeys"]]
         seq += [r() for r in data["pvals"]]
+    seq += [r() for r in plan.leaves]
     at = {}
     for i, o in enumerate(seq):
         at.setdefault(id(o), i)
@@ -1460,8 +1520,8 @@ class Checkpointer:
         parts, dyn, at = [], [], 0
         for key, _, kind, data in plan.layout:
             first = len(flat.tensors)
-            if kind == "module":
-                parts.append(data["json"])
+            if kind in ("module", "tree"):
+                parts.append(data["json"])  # bytes: the metadata is sent as bytes
                 at += data["n"]
             elif kind == "optimizer":
                 at += data["n"]
@@ -1473,7 +1533,7 @@ class Checkpointer:
                         e = flat.enc(f, f"{key}/param_groups")
                         e["params"] = gn
                         groups.append(e)
-                    text = json.dumps(groups, allow_nan=False, separators=_SEP) + "}"
+                    text = (json.dumps(groups, allow_nan=False, separators=_SEP) + "}").encode()
                     # the same fields (no lr schedule, or a constant stretch of one)
                     # give the same text: kept while they stay equal
                     data["fields"], data["text"] = (fields, text) if len(flat.tensors) == \
@@ -1483,8 +1543,9 @@ class Checkpointer:
                 parts.append(data["head"] + text)
             else:
                 _check_key(key, self.rng)
-                parts.append(json.dumps(key) + ":" + json.dumps(
-                    _entry(flat, None, key, state[key]), allow_nan=False, separators=_SEP))
+                parts.append((json.dumps(key) + ":" + json.dumps(
+                    _entry(flat, None, key, state[key]), allow_nan=False,
+                    separators=_SEP)).encode())
             for name, t in flat.tensors[first:]:
                 dyn.append((at, name, t))
                 at += 1
@@ -1520,10 +1581,11 @@ class Checkpointer:
                 if ptr != self._ptrs[i]:
                     w.set_data(i, ptr)
                     self._ptrs[i] = ptr
-        meta = '{"format":' + json.dumps(_FORMAT) + ',"entries":{' + ",".join(parts) + "}"
+        tail = ',"step":' + str(step) + "}"
         if rng is not None:
-            meta += ',"rng":' + json.dumps(rng, allow_nan=False, separators=_SEP)
-        w.set_meta(meta + ',"step":' + str(step) + "}")
+            tail = ',"rng":' + json.dumps(rng, allow_nan=False, separators=_SEP) + tail
+        w.set_meta(b'{"format":"' + _FORMAT.encode() + b'","entries":{' + b",".join(parts) +
+                   b"}" + tail.encode())
         self._inplace = bool(scanned) or bool(own)
         self._pinned = scanned + [t for _, _, t in own]
         self._versions = _Versions(names, scanned)

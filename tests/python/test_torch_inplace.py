@@ -151,8 +151,11 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
         lambda: (model.append(torch.nn.Linear(8, 4)),  # a new layer, in a new group
                  opt.add_param_group({"params": list(model[3].parameters()), "lr": 1e-3})),
         lambda: delattr(model, "1"),  # a submodule removed without any hook
+        lambda: tree["b"].__setitem__("c", torch.full((3,), 5.0)),  # a tensor in a dict
+        lambda: tree.__setitem__("d", torch.ones(2)),  # a new key
         None,
     ]
+    tree = {"a": torch.randn(BIG), "b": {"c": torch.zeros(3)}}  # tensors in dicts only
     plans = []
     with Checkpointer(store, rng=True) as ck:
         for step, change in enumerate(changes, start=1):
@@ -160,7 +163,12 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
             if change is not None:
                 change()
             want = live(model, opt)
-            ck.save(step, {"model": model, "optim": opt, "sched": sched,
+            with torch.no_grad():
+                tree["a"].add_(1.0)  # changes between saves, as training does
+            want.update({"tree/a": tree["a"].clone(), "tree/b/c": tree["b"]["c"].clone()})
+            if "d" in tree:
+                want["tree/d"] = tree["d"].clone()
+            ck.save(step, {"model": model, "optim": opt, "sched": sched, "tree": tree,
                            "extra": {"step": step, "t": torch.full((2,), float(step))}})
             ck.wait()
             plans.append(ck._saveplan)
@@ -176,7 +184,7 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
     # the latest step loads into the model as it is now (lr schedule included)
     lr = [g["lr"] for g in opt.param_groups]
     with Checkpointer(store, rng=True) as ck:
-        assert ck.load({"model": model, "optim": opt, "sched": sched,
+        assert ck.load({"model": model, "optim": opt, "sched": sched, "tree": tree,
                         "extra": {}}) == len(changes)
     assert [g["lr"] for g in opt.param_groups] == lr
 
@@ -209,3 +217,26 @@ def test_the_seed_after_a_load_runs_until_the_fence_and_a_change_before_it_drops
             kinds = {c.step: c.kind for c in ck.steps()}
         assert kinds[step] == "delta"  # seeded, or its reference read from the store
         same(stored(store, step), want)
+
+
+def test_a_planned_save_writes_the_metadata_the_whole_path_writes(store):
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt, "tree": {"w": torch.randn(BIG)},
+             "extra": {"note": "x", "pos": 7}}
+    metas = []
+    with Checkpointer(store, rng=True) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state)
+            ck.wait()
+            if not DEVICE_PATH:
+                assert ck._saveplan is not None  # made by step 1, used by 2 and 3
+            with amber.Store(store, readonly=True) as st, st.reader(step) as r:
+                metas.append(__import__("json").loads(r.meta()))
+    for m in metas:
+        m.pop("step")
+        m.pop("rng")
+    assert metas[0] == metas[1] == metas[2]  # step 1 the whole way, 2 and 3 planned
