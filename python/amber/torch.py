@@ -680,6 +680,7 @@ _vars = attrgetter("__dict__")
 _sd_hooks = itemgetter("_state_dict_hooks")
 _sd_pre_hooks = itemgetter("_state_dict_pre_hooks")
 _data_ptr = torch.Tensor.data_ptr
+_contiguous = torch.Tensor.is_contiguous
 
 
 def _module_slots(mod, mods, expect, prefix=""):
@@ -834,7 +835,10 @@ class _Plan:
         if len(cur) != len(expect) or not all(map(is_, cur, expect)):
             return None
         tensors = list(map(cur.__getitem__, self.static))  # they are among those slots
-        if list(map(_data_ptr, tensors)) != self.ptrs:
+        # the same memory, laid out the same way (`.data = x` swaps both without a trace;
+        # a transposed view of a square matrix keeps the address)
+        if list(map(_data_ptr, tensors)) != self.ptrs or \
+                not all(map(_contiguous, map(tensors.__getitem__, self.inplace_at))):
             return None
         return tensors
 

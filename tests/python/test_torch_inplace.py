@@ -146,6 +146,7 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
         None, None,  # the plan is made, then reused
         replace_weight,
         lambda: setattr(model[2].weight, "data", torch.randn(8, 300)),  # new storage
+        lambda: setattr(square, "data", square.data.t()),  # same address, transposed
         lambda: opt.state[model[2].bias].__setitem__("exp_avg", torch.full((8,), 7.0)),
         lambda: model[2].register_buffer("scale", torch.full((3,), 2.0)),
         lambda: (model.append(torch.nn.Linear(8, 4)),  # a new layer, in a new group
@@ -156,6 +157,8 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
         None,
     ]
     tree = {"a": torch.randn(BIG), "b": {"c": torch.zeros(3)}}  # tensors in dicts only
+    square = torch.randn(512, 512)  # read in place (above CAPTURE_BYTES)
+    tree["sq"] = square
     plans = []
     with Checkpointer(store, rng=True) as ck:
         for step, change in enumerate(changes, start=1):
@@ -165,7 +168,8 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
             want = live(model, opt)
             with torch.no_grad():
                 tree["a"].add_(1.0)  # changes between saves, as training does
-            want.update({"tree/a": tree["a"].clone(), "tree/b/c": tree["b"]["c"].clone()})
+            want.update({"tree/a": tree["a"].clone(), "tree/b/c": tree["b"]["c"].clone(),
+                         "tree/sq": square.clone()})
             if "d" in tree:
                 want["tree/d"] = tree["d"].clone()
             ck.save(step, {"model": model, "optim": opt, "sched": sched, "tree": tree,
@@ -175,7 +179,7 @@ def test_the_plan_is_reused_and_every_change_of_structure_between_saves_is_seen(
             got = stored(store, step)
             same(got, want)
             assert torch.equal(got["extra/t"], torch.full((2,), float(step)))
-            assert ("model/2.scale" in got) == (step >= 6)
+            assert ("model/2.scale" in got) == (step >= 7)  # registered at step 7
         if not DEVICE_PATH:
             assert plans[0] is not None and plans[1] is plans[0]  # reused, not remade
             for i, change in enumerate(changes[2:-1], start=2):  # each change: a new plan
