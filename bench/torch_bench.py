@@ -291,7 +291,7 @@ def plain_round(out, r, policy, deltas, nbytes=int(0.58e9), parts=48):
     store = os.path.join(out, "plain")
     shutil.rmtree(store, ignore_errors=True)
     log(f"round {r}: amber on {parts * 3} plain tensors ({nbytes / 1e9:.2f} GB), {deltas} deltas")
-    stalls, calls = [], []
+    stalls, calls, cpu = [], [], []
     with Checkpointer(store, policy=policy, full_every=1000, full_share=-1) as ck:
         grads()
         update()
@@ -300,15 +300,16 @@ def plain_round(out, r, policy, deltas, nbytes=int(0.58e9), parts=48):
         for step in range(2, 3 + deltas):
             grads()
             update()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             ck.save(step, state)
-            t_call = time.perf_counter() - t0
+            t_call, c_call = time.perf_counter() - t0, time.thread_time() - c0
             grads()  # the next forward and backward pass
             ck.timings["fence"] = 0.0
             ck.fence()
             if step > 2:  # the first delta after the full one makes the save plan
                 stalls.append(t_call + ck.timings["fence"])
                 calls.append(t_call)
+                cpu.append(c_call)
             ck.wait()
         kinds = [c.kind for c in ck.steps()[1:]]
     if any(k != "delta" for k in kinds):
@@ -317,7 +318,7 @@ def plain_round(out, r, policy, deltas, nbytes=int(0.58e9), parts=48):
     del W, M, V, G, state
     gc.collect()
     return {"plain_stall": statistics.median(stalls), "plain_call": statistics.median(calls),
-            "plain_bytes": 3 * parts * n * 4}
+            "plain_call_cpu": statistics.median(cpu), "plain_bytes": 3 * parts * n * 4}
 
 
 def ratios(f):
@@ -379,6 +380,8 @@ def report(res, markdown):
                 ("amber delta: its save() call", "amber_delta_call", None),
                 ("amber delta: its save() call, CPU time of its thread", "amber_delta_call_cpu", None),
                 ("amber delta of plain tensors, no optimizer: stall", "plain_stall", "plain_bytes"),
+                ("amber delta of plain tensors: its save() call, CPU time of its thread",
+                 "plain_call_cpu", None),
                 ("amber first delta after a load", "first_after_load", None),
                 ("amber first delta after a load: stall", "first_after_load_stall", None),
                 ("delta floor (read live + reference, write delta at O_DIRECT pace)", "delta_floor", None)]
