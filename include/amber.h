@@ -168,7 +168,9 @@ typedef struct amber_store_opts {
 AMBER_API void amber_store_opts_init(amber_store_opts *opts);
 
 /* Opens the store at directory `path`, creating it (not its parents) if missing,
- * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE.
+ * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE. A multi-rank store's
+ * directory (it holds GLOBAL or rank-00000/) is refused with AMBER_EINVAL: read it
+ * with amber_global_reader_open, write it with amber_global_writer_open.
  * A writable open takes an exclusive lock on the store (AMBER_ELOCKED if another
  * process or handle holds it) and removes temporary files and uncommitted
  * checkpoint files that a crashed writer left behind.
@@ -697,7 +699,8 @@ typedef struct amber_global_writer amber_global_writer;
  * the share makes the whole step full), its keep_last to the global steps
  * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
- * usable until amber_global_writer_close. */
+ * usable until amber_global_writer_close. A directory that holds a single-rank store
+ * (LATEST) is refused with AMBER_EINVAL, on every rank. */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);

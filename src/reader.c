@@ -557,13 +557,15 @@ static void run_job(void *arg, int worker, size_t i) {
   pthread_mutex_lock(&p->mu);
   if (!p->rc) {
     const amber__part *pt = jb->part;
+    int n = 0; /* a long message is cut at the buffer's end: that is all truncation does */
     if (pt && pt->name && pt->rank >= 0)
-      snprintf(p->err.msg, sizeof p->err.msg, "tensor '%s': rank %lld: %s", pt->name,
-               (long long)pt->rank, x->err.msg);
+      n = snprintf(p->err.msg, sizeof p->err.msg, "tensor '%s': rank %lld: %s", pt->name,
+                   (long long)pt->rank, x->err.msg);
     else if (pt && pt->name)
-      snprintf(p->err.msg, sizeof p->err.msg, "tensor '%s': %s", pt->name, x->err.msg);
+      n = snprintf(p->err.msg, sizeof p->err.msg, "tensor '%s': %s", pt->name, x->err.msg);
     else
       memcpy(p->err.msg, x->err.msg, sizeof p->err.msg);
+    if (n < 0) memcpy(p->err.msg, x->err.msg, sizeof p->err.msg);
     __atomic_store_n(&p->rc, rc, __ATOMIC_RELAXED);
   }
   pthread_mutex_unlock(&p->mu);
