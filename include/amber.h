@@ -169,7 +169,9 @@ typedef struct amber_store_opts {
 AMBER_API void amber_store_opts_init(amber_store_opts *opts);
 
 /* Opens the store at directory `path`, creating it (not its parents) if missing,
- * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE.
+ * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE. A multi-rank store's
+ * directory (it holds GLOBAL or rank-00000/) is refused with AMBER_EINVAL: read it
+ * with amber_global_reader_open, write it with amber_global_writer_open.
  * A writable open takes an exclusive lock on the store (AMBER_ELOCKED if another
  * process or handle holds it) and removes temporary files and uncommitted
  * checkpoint files that a crashed writer left behind.
@@ -673,6 +675,17 @@ AMBER_API int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64
  * the buffers are unspecified. */
 AMBER_API int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
                                      void *const *bufs, const uint64_t *sizes);
+/* Restores `count` boxes at once: the box of tensor indices[i] at offsets
+ * offsets[i*AMBER_MAX_DIMS ..] of shape shapes[i*AMBER_MAX_DIMS ..] (the tensor's
+ * ndim entries of each are used) into bufs[i], row-major, sizes[i] bytes exactly
+ * (AMBER_ERANGE for a box outside the tensor, AMBER_EINVAL for a wrong size). Only
+ * the chunks that hold part of a box are read, all of every box in one parallel
+ * loop; a chunk inside one contiguous run of its box (e.g. rows of a row-major
+ * tensor) is decoded straight into its place in the buffer, the others aside and
+ * their share copied. Otherwise as amber_reader_read_many. */
+AMBER_API int amber_reader_read_boxes(amber_reader *r, size_t count, const size_t *indices,
+                                      const int64_t *offsets, const int64_t *shapes,
+                                      void *const *bufs, const uint64_t *sizes);
 
 /* The checkpoint's metadata JSON (see amber_writer_set_meta). `*json` is owned by
  * the reader and not NUL-terminated when len is 0; NULL/0 when there is none. */
@@ -736,7 +749,8 @@ typedef struct amber_global_writer amber_global_writer;
  * the share makes the whole step full), its keep_last to the global steps
  * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
- * usable until amber_global_writer_close. */
+ * usable until amber_global_writer_close. A directory that holds a single-rank store
+ * (LATEST) is refused with AMBER_EINVAL, on every rank. */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);
@@ -974,6 +988,19 @@ AMBER_API int amber_global_reader_find(const amber_global_reader *g, const char 
 AMBER_API int amber_global_reader_read(amber_global_reader *g, size_t index,
                                        const int64_t *offsets, const int64_t *shape,
                                        void *buf, uint64_t size);
+/* Reads `count` boxes at once, as amber_global_reader_read does one: box i is the
+ * region of tensor indices[i] at offsets[i*AMBER_MAX_DIMS ..] of shape
+ * shapes[i*AMBER_MAX_DIMS ..] into bufs[i] (sizes[i] bytes). Every box is checked
+ * (range, size, that the shards tile it) before anything is read; then every chunk
+ * of every overlapping shard of every box is restored in one parallel loop, each
+ * chunk that lies inside one contiguous run of its box (a shard's rows of a
+ * row-sharded tensor: all but its first and last) straight into its place in the
+ * buffer: no copy of a shard is ever held. The buffers must not overlap. On
+ * failure the buffers' contents are unspecified. */
+AMBER_API int amber_global_reader_read_many(amber_global_reader *g, size_t count,
+                                            const size_t *indices, const int64_t *offsets,
+                                            const int64_t *shapes, void *const *bufs,
+                                            const uint64_t *sizes);
 /* Rank `rank`'s metadata of the step (amber_global_writer_set_meta): *json (owned
  * by the reader, valid until it closes) and *len; NULL/0 when that rank stored
  * none. AMBER_ERANGE when the step's world size has no such rank. */

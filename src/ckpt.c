@@ -209,7 +209,8 @@ int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt 
     amber__ckpt_close(c);
     return rc;
   }
-  c->dfd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT); /* -1 where unsupported */
+  /* -1 where unsupported: every payload is then read buffered */
+  c->dfd = amber__io_direct_reads_on() ? open(path, O_RDONLY | O_CLOEXEC | O_DIRECT) : -1;
   return 0;
 }
 

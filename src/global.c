@@ -216,6 +216,15 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   gw->keep_last = gw->opts.keep_last;
   gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
   amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
+  char single[4200];
+  struct stat sb;
+  snprintf(single, sizeof single, "%s/LATEST", path);
+  if (stat(single, &sb) == 0) { /* every rank sees it: every rank fails here */
+    rc = amber__fail(&gw->err, AMBER_EINVAL,
+                     "%s holds a store written by one process (LATEST): a multi-rank store "
+                     "needs a directory of its own", path);
+    goto fail;
+  }
   if (mkdir_p(gw->rankdir) < 0) {
     rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
                      strerror(errno));

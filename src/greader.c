@@ -19,6 +19,9 @@ struct amber_global_reader {
   amber__manifest m;
   amber_store **st;   /* per rank, opened on first use */
   amber_reader **rd;
+  amber__rpool *rp;   /* the workers of every read, made by the first */
+  amber__part *parts; /* a read's (box, shard) pairs, kept between reads */
+  size_t parts_cap;
 };
 
 int amber_global_is_store(const char *path) {
@@ -69,6 +72,8 @@ void amber_global_reader_close(amber_global_reader *g) {
   }
   free(g->rd);
   free(g->st);
+  amber__rpool_destroy(g->rp);
+  free(g->parts);
   amber__manifest_free(&g->m);
   free(g->path);
   free(g);
@@ -139,66 +144,10 @@ static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
   return *out = g->rd[r], 0;
 }
 
-/* Copies the box `n` (at `so` in a source of shape `ss`) to `dst` at `doff` in a
- * destination of shape `ds`: row by row of the last dimension. */
-static void copy_box(uint8_t *dst, const int64_t *ds, const int64_t *doff, const uint8_t *src,
-                     const int64_t *ss, const int64_t *so, const int64_t *n, uint32_t ndim,
-                     size_t esz) {
-  if (ndim == 0) {
-    memcpy(dst, src, esz);
-    return;
-  }
-  int64_t idx[AMBER_MAX_DIMS] = {0};
-  size_t row = (size_t)n[ndim - 1] * esz;
-  for (uint32_t d = 0; d < ndim; d++)
-    if (n[d] == 0) return;
-  for (;;) {
-    uint64_t di = 0, si = 0;
-    for (uint32_t d = 0; d < ndim; d++) {
-      di = di * (uint64_t)ds[d] + (uint64_t)(doff[d] + idx[d]);
-      si = si * (uint64_t)ss[d] + (uint64_t)(so[d] + idx[d]);
-    }
-    memcpy(dst + di * esz, src + si * esz, row);
-    int d = (int)ndim - 2;
-    for (; d >= 0; d--) {
-      if (++idx[d] < n[d]) break;
-      idx[d] = 0;
-    }
-    if (d < 0) return;
-  }
-}
-
-/* Marks in `want` the chunks (of `ce` elements, in row-major order) of a tensor of
- * shape `ss` that hold part of the box `n` at `so`: row by row of the last
- * dimension, each row a contiguous run of elements. */
-static void mark_chunks(uint8_t *want, uint64_t ce, uint64_t nchunks, const int64_t *ss,
-                        const int64_t *so, const int64_t *n, uint32_t ndim) {
-  if (!nchunks) return;
-  if (ndim == 0 || !ce) {
-    memset(want, 1, (size_t)nchunks);
-    return;
-  }
-  int64_t idx[AMBER_MAX_DIMS] = {0};
-  uint64_t stride[AMBER_MAX_DIMS];
-  stride[ndim - 1] = 1;
-  for (int d = (int)ndim - 2; d >= 0; d--) stride[d] = stride[d + 1] * (uint64_t)ss[d + 1];
-  uint64_t len = (uint64_t)n[ndim - 1];
-  for (;;) {
-    uint64_t start = (uint64_t)so[ndim - 1];
-    for (uint32_t d = 0; d + 1 < ndim; d++) start += (uint64_t)(so[d] + idx[d]) * stride[d];
-    uint64_t last = (start + len - 1) / ce;
-    for (uint64_t c = start / ce; c <= last && c < nchunks; c++) want[c] = 1;
-    int d = (int)ndim - 2;
-    for (; d >= 0; d--) {
-      if (++idx[d] < n[d]) break;
-      idx[d] = 0;
-    }
-    if (d < 0) return;
-  }
-}
-
-int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t *offsets,
-                             const int64_t *shape, void *buf, uint64_t size) {
+/* Box `i` of a read: checked (region, size, that the shards tile it), and one part
+ * per shard that overlaps it appended to g->parts[*np ..]. */
+static int plan_box(amber_global_reader *g, size_t index, const int64_t *offsets,
+                    const int64_t *shape, void *buf, uint64_t size, size_t *np) {
   if (index >= g->m.ntensors)
     return amber__fail(&g->err, AMBER_ERANGE, "tensor index %zu out of range", index);
   const amber__mtensor *t = &g->m.tensors[index];
@@ -214,19 +163,25 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
   if (size != want * esz)
     return amber__fail(&g->err, AMBER_EINVAL, "tensor '%s': region is %llu bytes, buffer %llu",
                        t->name, (unsigned long long)(want * esz), (unsigned long long)size);
+  if (size && !buf)
+    return amber__fail(&g->err, AMBER_EINVAL, "tensor '%s': NULL buffer", t->name);
   uint64_t have = 0;
   for (uint32_t s = 0; s < t->nshards; s++) {
     const amber__mshard *sh = &t->shards[s];
-    int64_t lo[AMBER_MAX_DIMS], n[AMBER_MAX_DIMS], so[AMBER_MAX_DIMS], doff[AMBER_MAX_DIMS];
+    amber__part pt;
+    memset(&pt, 0, sizeof pt);
     uint64_t cnt = 1;
     for (uint32_t d = 0; d < t->ndim; d++) {
-      lo[d] = offsets[d] > sh->off[d] ? offsets[d] : sh->off[d];
+      int64_t lo = offsets[d] > sh->off[d] ? offsets[d] : sh->off[d];
       int64_t a = offsets[d] + shape[d], b = sh->off[d] + sh->shape[d];
-      n[d] = (a < b ? a : b) - lo[d];
-      if (n[d] < 0) n[d] = 0;
-      so[d] = lo[d] - sh->off[d];
-      doff[d] = lo[d] - offsets[d];
-      cnt *= (uint64_t)n[d];
+      int64_t n = (a < b ? a : b) - lo;
+      if (n < 0) n = 0;
+      pt.ss[d] = sh->shape[d];
+      pt.so[d] = lo - sh->off[d];
+      pt.n[d] = n;
+      pt.ds[d] = shape[d];
+      pt.doff[d] = lo - offsets[d];
+      cnt *= (uint64_t)n;
     }
     if (!cnt) continue;
     amber_reader *r;
@@ -245,27 +200,20 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
       return amber__fail(&g->err, AMBER_ECORRUPT,
                          "tensor '%s': rank %u's file holds another shape than its manifest",
                          t->name, sh->rank);
-    /* Only the chunks that hold part of the region are restored (each with its
-     * chain, checksums checked): a column of a row-major shard, or a few rows of
-     * it, reads a fraction of its bytes. The rest of tmp is never touched, so a
-     * large malloc (mmap'd) costs no page faults for it. */
-    const amber__tensor *lt = &amber__reader_index(r)->tensors[li];
-    uint8_t *need = calloc(lt->n_chunks ? (size_t)lt->n_chunks : 1, 1);
-    uint8_t *tmp = malloc(ti.nbytes ? (size_t)ti.nbytes : 1);
-    if (!tmp || !need) {
-      free(tmp), free(need);
-      return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+    pt.r = r;
+    pt.tensor = li;
+    pt.ndim = t->ndim;
+    pt.dst = buf;
+    pt.name = t->name;
+    pt.rank = sh->rank;
+    if (*np == g->parts_cap) {
+      size_t cap = g->parts_cap ? 2 * g->parts_cap : 64;
+      amber__part *grown = realloc(g->parts, cap * sizeof *grown);
+      if (!grown) return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+      g->parts = grown;
+      g->parts_cap = cap;
     }
-    mark_chunks(need, lt->chunk_elems, lt->n_chunks, sh->shape, so, n, t->ndim);
-    rc = amber__reader_read_chunks(r, li, need, tmp, ti.nbytes);
-    free(need);
-    if (rc < 0) {
-      free(tmp);
-      return amber__fail(&g->err, rc, "tensor '%s': rank %u: %s", t->name, sh->rank,
-                         amber_last_error(r));
-    }
-    copy_box(buf, shape, doff, tmp, sh->shape, so, n, t->ndim, esz);
-    free(tmp);
+    g->parts[(*np)++] = pt;
     have += cnt;
   }
   if (have != want)
@@ -274,6 +222,36 @@ int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t
                        "(they do not tile the tensor)",
                        t->name, (unsigned long long)have, (unsigned long long)want);
   return 0;
+}
+
+int amber_global_reader_read_many(amber_global_reader *g, size_t count, const size_t *indices,
+                                  const int64_t *offsets, const int64_t *shapes,
+                                  void *const *bufs, const uint64_t *sizes) {
+  if (!g || (count && (!indices || !offsets || !shapes || !bufs || !sizes)))
+    return amber__fail(g ? &g->err : NULL, AMBER_EINVAL, "amber_global_reader_read_many: NULL");
+  size_t np = 0;
+  for (size_t i = 0; i < count; i++) {
+    int rc = plan_box(g, indices[i], offsets + i * AMBER_MAX_DIMS, shapes + i * AMBER_MAX_DIMS,
+                      bufs[i], sizes[i], &np);
+    if (rc) return rc;
+  }
+  if (!np) return 0;
+  if (!g->rp && amber__rpool_create(&g->rp, 0) != 0)
+    return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+  return amber__read_parts(g->rp, &g->err, g->parts, np);
+}
+
+int amber_global_reader_read(amber_global_reader *g, size_t index, const int64_t *offsets,
+                             const int64_t *shape, void *buf, uint64_t size) {
+  if (index >= g->m.ntensors)
+    return amber__fail(&g->err, AMBER_ERANGE, "tensor index %zu out of range", index);
+  int64_t o[AMBER_MAX_DIMS] = {0}, n[AMBER_MAX_DIMS] = {0};
+  uint32_t nd = g->m.tensors[index].ndim;
+  if (nd) {
+    memcpy(o, offsets, nd * sizeof *o);
+    memcpy(n, shape, nd * sizeof *n);
+  }
+  return amber_global_reader_read_many(g, 1, &index, o, n, &buf, &size);
 }
 
 int amber_global_reader_meta(amber_global_reader *g, uint32_t rank, const char **json,

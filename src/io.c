@@ -65,6 +65,16 @@ void amber__io_inject_failure(int after, int err) {
   __atomic_store_n(&inject_countdown, err ? after + 1 : 0, __ATOMIC_SEQ_CST);
 }
 
+static int direct_reads = 1;
+
+void amber__io_direct_reads(int on) {
+  __atomic_store_n(&direct_reads, on, __ATOMIC_SEQ_CST);
+}
+
+int amber__io_direct_reads_on(void) {
+  return __atomic_load_n(&direct_reads, __ATOMIC_SEQ_CST);
+}
+
 /* 0, or the injected errno when this write must fail. */
 static int injected(void) {
   int c = __atomic_load_n(&inject_countdown, __ATOMIC_SEQ_CST);

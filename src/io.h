@@ -41,6 +41,10 @@ void amber__wfile_abort(amber__wfile *f);
 /* Tests only: after `after` more successful writes, every write fails with errno
  * `err` until called again with err 0. */
 void amber__io_inject_failure(int after, int err);
+/* Tests only: 0 makes the checkpoint files opened from now on read without O_DIRECT
+ * (what a file system that refuses it gets); 1 (the default) allows it again. */
+void amber__io_direct_reads(int on);
+int amber__io_direct_reads_on(void);
 
 /* Large reused buffers: 4 KiB-aligned, huge pages requested when large. */
 void *amber__big_alloc(size_t n);

@@ -30,32 +30,43 @@ typedef struct rctx {
   uint8_t *scratch; /* decompressed payloads */
   size_t scratch_cap;
   void *dctx;
-  uint8_t *buf; /* verify: one restored chunk */
+  uint8_t *buf; /* one restored chunk: verify, and chunks copied in part */
   size_t buf_cap;
 } rctx;
+
+/* A job of a parallel restore: chunk `chunk` of tensor `tensor` of reader `r`,
+ * restored straight into `dst` (its exact place), or, with dst NULL, into the
+ * worker's buffer and then, with `part`, the part's share copied out of it (with
+ * neither: decoded and checked only, as verify does). */
+typedef struct rjob {
+  amber_reader *r;
+  size_t tensor;
+  uint64_t chunk;
+  uint8_t *dst;
+  const amber__part *part;
+} rjob;
+
+struct amber__rpool {
+  amber__pool *pool;
+  rctx *ctx; /* one per worker */
+  rjob *jobs;
+  size_t njobs, jobs_cap;
+  pthread_mutex_t mu;
+  int rc; /* first failure of the loop in progress */
+  amber__err err;
+};
 
 struct amber_reader {
   amber__err err;
   amber_store *st;
   amber__ckpt *chain; /* chain[0] is the full checkpoint, chain[n-1] the step read */
   size_t nchain;
-  amber__pool *pool;
-  rctx *ctx; /* one per pool worker */
-  pthread_mutex_t mu;
-  int rc; /* first failure of the parallel loop in progress */
-  /* the loop in progress */
-  size_t tensor;
-  uint8_t *dst;
+  amber__rpool *rp;   /* made by the first read or verify */
   size_t skipped; /* AMBER_READER_FALLBACK: damaged newer steps passed over */
   amber__names names; /* name -> position in the opened step */
   int advised;        /* the deltas' pages were asked for (readahead) */
-  /* amber_reader_read_many: job j is chunk jobs[j].chunk of tensor jobs[j].tensor */
-  struct job {
-    size_t tensor;
-    uint64_t chunk;
-    uint8_t *dst;
-  } *jobs;
-  size_t jobs_cap;
+  amber__part *parts; /* the boxes of a read, kept between reads */
+  size_t parts_cap;
 };
 
 static const amber__ckpt *target(const amber_reader *r) {
@@ -151,17 +162,6 @@ static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
   amber_reader *r = calloc(1, sizeof *r);
   if (!r) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   r->st = st;
-  pthread_mutex_init(&r->mu, NULL);
-  /* A restore mostly waits on the disk: with as many threads as cores, too few
-   * reads are in flight (torch_bench's load, 2 cores: 1.0-1.3 s with 2 threads,
-   * 0.55-0.9 s with 4, no better with 6 or 8). */
-  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  int threads = st->threads ? (int)st->threads : cpus < 4 ? 4 : cpus > 64 ? 64 : (int)cpus;
-  if (amber__pool_create(&r->pool, threads) != 0 ||
-      !(r->ctx = calloc((size_t)amber__pool_size(r->pool), sizeof *r->ctx))) {
-    amber_reader_close(r);
-    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
-  }
   uint64_t latest, latest_state;
   int rc = amber__store_state(st, &r->err, &latest, &latest_state);
   if (!rc && step == AMBER_LATEST) step = latest;
@@ -227,19 +227,55 @@ void amber_reader_close(amber_reader *r) {
   if (!r) return;
   for (size_t i = 0; i < r->nchain; i++) amber__ckpt_close(&r->chain[i]);
   free(r->chain);
-  free(r->jobs);
-  if (r->ctx)
-    for (int i = 0; i < amber__pool_size(r->pool); i++) {
-      amber__stage_free(&r->ctx[i].stage);
-      free(r->ctx[i].scratch);
-      free(r->ctx[i].buf);
-      amber__zstd_dctx_free(r->ctx[i].dctx);
-    }
-  free(r->ctx);
-  amber__pool_destroy(r->pool);
+  free(r->parts);
+  amber__rpool_destroy(r->rp);
   amber__names_free(&r->names);
-  pthread_mutex_destroy(&r->mu);
   free(r);
+}
+
+/* ---- the worker pool of restores ---- */
+
+int amber__rpool_create(amber__rpool **out, uint32_t threads) {
+  *out = NULL;
+  amber__rpool *p = calloc(1, sizeof *p);
+  if (!p) return AMBER_ENOMEM;
+  /* A restore mostly waits on the disk: with as many threads as cores, too few
+   * reads are in flight (torch_bench's load, 2 cores: 1.0-1.3 s with 2 threads,
+   * 0.55-0.9 s with 4, no better with 6 or 8). */
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  int n = threads ? (int)threads : cpus < 4 ? 4 : cpus > 64 ? 64 : (int)cpus;
+  pthread_mutex_init(&p->mu, NULL);
+  if (amber__pool_create(&p->pool, n) != 0 ||
+      !(p->ctx = calloc((size_t)amber__pool_size(p->pool), sizeof *p->ctx))) {
+    amber__rpool_destroy(p);
+    return AMBER_ENOMEM;
+  }
+  *out = p;
+  return 0;
+}
+
+void amber__rpool_destroy(amber__rpool *p) {
+  if (!p) return;
+  if (p->ctx)
+    for (int i = 0; i < amber__pool_size(p->pool); i++) {
+      amber__stage_free(&p->ctx[i].stage);
+      free(p->ctx[i].scratch);
+      free(p->ctx[i].buf);
+      amber__zstd_dctx_free(p->ctx[i].dctx);
+    }
+  free(p->ctx);
+  free(p->jobs);
+  amber__pool_destroy(p->pool);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+}
+
+/* The reader's own pool, made at its first read (a rank's reader inside a global
+ * reader never needs one: the global reader's pool runs its jobs). */
+static int own_pool(amber_reader *r) {
+  if (!r->rp && amber__rpool_create(&r->rp, r->st->threads) != 0)
+    return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+  return 0;
 }
 
 
@@ -386,56 +422,165 @@ static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t
                      c->path, c->hdr.step, t->name, j);
 }
 
-/* Restores chunk j of the current tensor: the full checkpoint's chunk, then every
- * delta's, while the chunk is in cache. */
-static void restore_chunk(amber_reader *r, int worker, size_t tensor, uint64_t j, uint8_t *dst);
+/* ---- the parallel restore ---- */
 
-static void restore_job(void *arg, int worker, size_t j) {
-  amber_reader *r = arg;
-  restore_chunk(r, worker, r->tensor, j, r->dst);
-}
-
-static void restore_many_job(void *arg, int worker, size_t j) {
-  amber_reader *r = arg;
-  restore_chunk(r, worker, r->jobs[j].tensor, r->jobs[j].chunk, r->jobs[j].dst);
-}
-
-/* Restores chunk j of tensor `tensor` of the target step into dst (the tensor's
- * buffer; NULL: decode and check only). */
-static void restore_chunk(amber_reader *r, int worker, size_t tensor, uint64_t j, uint8_t *dst) {
-  if (__atomic_load_n(&r->rc, __ATOMIC_RELAXED)) return;
-  rctx *x = &r->ctx[worker];
-  const amber__tensor *tt = &r->chain[r->nchain - 1].ix.tensors[tensor];
+/* Restores chunk j of tensor `tensor` of r's step into dst (its exact place), or,
+ * with dst NULL, into the worker's buffer: the full checkpoint's chunk, then every
+ * delta's, while the chunk is in cache. Sets *out to where it went. */
+static int restore_chunk(rctx *x, amber_reader *r, size_t tensor, uint64_t j, uint8_t *dst,
+                         uint8_t **out) {
+  const amber__tensor *tt = &target(r)->ix.tensors[tensor];
   size_t bytes = (size_t)amber__chunk_n(tt, j) * amber_dtype_size(tt->dtype);
-  if (!dst) { /* verify: decode into the worker's buffer */
+  if (!dst) {
     if (x->buf_cap < bytes) {
       free(x->buf);
       x->buf_cap = 0;
-      if (!(x->buf = malloc(bytes))) {
-        pthread_mutex_lock(&r->mu);
-        if (!r->rc) r->rc = amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
-        pthread_mutex_unlock(&r->mu);
-        return;
-      }
+      if (!(x->buf = malloc(bytes ? bytes : 1)))
+        return amber__fail(&x->err, AMBER_ENOMEM, "out of memory");
       x->buf_cap = bytes;
     }
     dst = x->buf;
-  } else {
-    dst += (size_t)(j * tt->chunk_elems) * amber_dtype_size(tt->dtype);
   }
+  *out = dst;
   for (size_t k = 0; k < r->nchain; k++) {
     amber__ckpt *c = &r->chain[k];
     int rc = apply_chunk(x, c, &c->ix.tensors[tensor], j, dst);
-    if (rc) {
-      pthread_mutex_lock(&r->mu);
-      if (!r->rc) {
-        memcpy(r->err.msg, x->err.msg, sizeof r->err.msg);
-        __atomic_store_n(&r->rc, rc, __ATOMIC_RELAXED);
-      }
-      pthread_mutex_unlock(&r->mu);
-      return;
-    }
+    if (rc) return rc;
   }
+  return 0;
+}
+
+/* The dimension from which a part's box is contiguous: dims k..ndim-1 of the box
+ * are one run of elements in the stored tensor and in the destination alike
+ * (every dim after k whole in both). Row-major strides into *ss_st and *ds_st. */
+static uint32_t run_dim(const amber__part *pt, uint64_t *ss_st, uint64_t *ds_st) {
+  uint32_t d = pt->ndim;
+  ss_st[d - 1] = ds_st[d - 1] = 1;
+  for (uint32_t i = d - 1; i > 0; i--) {
+    ss_st[i - 1] = ss_st[i] * (uint64_t)pt->ss[i];
+    ds_st[i - 1] = ds_st[i] * (uint64_t)pt->ds[i];
+  }
+  uint32_t k = d - 1;
+  while (k > 0 && pt->n[k] == pt->ss[k] && pt->ds[k] == pt->n[k]) k--;
+  return k;
+}
+
+/* Copies the share of part `pt` that chunk [c0, c1) of its stored tensor holds,
+ * restored in `buf`, to its places in the destination: run by run of the box. */
+static void scatter(const amber__part *pt, const uint8_t *buf, uint64_t c0, uint64_t c1,
+                    size_t esz) {
+  if (pt->ndim == 0) {
+    memcpy(pt->dst, buf, esz);
+    return;
+  }
+  uint64_t ss_st[AMBER_MAX_DIMS], ds_st[AMBER_MAX_DIMS];
+  uint32_t k = run_dim(pt, ss_st, ds_st);
+  uint64_t runlen = (uint64_t)pt->n[k] * ss_st[k];
+  uint64_t sr = k > 0 ? ss_st[k - 1] : (uint64_t)pt->ss[0] * ss_st[0]; /* a row of dims k.. */
+  if (!sr || !runlen) return;
+  for (uint64_t row = c0 / sr; row <= (c1 - 1) / sr; row++) {
+    uint64_t rem = row, t = (uint64_t)pt->doff[k] * ds_st[k];
+    int inside = 1;
+    for (uint32_t d = k; d-- > 0;) {
+      int64_t i = (int64_t)(rem % (uint64_t)pt->ss[d]);
+      rem /= (uint64_t)pt->ss[d];
+      if (i < pt->so[d] || i >= pt->so[d] + pt->n[d]) {
+        inside = 0;
+        break;
+      }
+      t += (uint64_t)(pt->doff[d] + i - pt->so[d]) * ds_st[d];
+    }
+    if (!inside) continue;
+    uint64_t a = row * sr + (uint64_t)pt->so[k] * ss_st[k], b = a + runlen;
+    uint64_t lo = a > c0 ? a : c0, hi = b < c1 ? b : c1;
+    if (lo < hi) memcpy(pt->dst + (t + lo - a) * esz, buf + (lo - c0) * esz, (hi - lo) * esz);
+  }
+}
+
+static int add_job(amber__rpool *p, amber__err *e, amber_reader *r, size_t tensor, uint64_t c,
+                   uint8_t *dst, const amber__part *pt) {
+  if (p->njobs == p->jobs_cap) {
+    size_t cap = p->jobs_cap ? 2 * p->jobs_cap : 256;
+    rjob *grown = realloc(p->jobs, cap * sizeof *grown);
+    if (!grown) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+    p->jobs = grown;
+    p->jobs_cap = cap;
+  }
+  p->jobs[p->njobs++] = (rjob){r, tensor, c, dst, pt};
+  return 0;
+}
+
+/* The jobs of part `pt`: each chunk that holds part of its box, straight into the
+ * destination when the chunk lies inside one run of the box, else restored aside
+ * and its share copied (once per chunk, whatever runs it touches). */
+static int plan_part(amber__rpool *p, amber__err *e, const amber__part *pt) {
+  const amber__tensor *tt = &target(pt->r)->ix.tensors[pt->tensor];
+  size_t esz = amber_dtype_size(tt->dtype);
+  if (pt->ndim == 0) return tt->n_chunks ? add_job(p, e, pt->r, pt->tensor, 0, pt->dst, pt) : 0;
+  for (uint32_t d = 0; d < pt->ndim; d++)
+    if (pt->n[d] <= 0) return 0;
+  uint64_t ss_st[AMBER_MAX_DIMS], ds_st[AMBER_MAX_DIMS];
+  uint32_t k = run_dim(pt, ss_st, ds_st);
+  uint64_t runlen = (uint64_t)pt->n[k] * ss_st[k], ce = tt->chunk_elems, nel = tt->nelems;
+  if (!ce || !tt->n_chunks) return 0;
+  uint8_t *aside = calloc((size_t)tt->n_chunks, 1);
+  if (!aside) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+  int64_t idx[AMBER_MAX_DIMS] = {0};
+  int rc = 0;
+  for (;;) { /* every run: the odometer over dims 0..k-1 of the box */
+    uint64_t s = (uint64_t)pt->so[k] * ss_st[k], t = (uint64_t)pt->doff[k] * ds_st[k];
+    for (uint32_t d = 0; d < k; d++) {
+      s += (uint64_t)(pt->so[d] + idx[d]) * ss_st[d];
+      t += (uint64_t)(pt->doff[d] + idx[d]) * ds_st[d];
+    }
+    for (uint64_t c = s / ce; !rc && c <= (s + runlen - 1) / ce && c < tt->n_chunks; c++) {
+      uint64_t c0 = c * ce, c1 = c0 + ce < nel ? c0 + ce : nel;
+      if (c0 >= s && c1 <= s + runlen)
+        rc = add_job(p, e, pt->r, pt->tensor, c, pt->dst + (t + c0 - s) * esz, pt);
+      else
+        aside[c] = 1;
+    }
+    int d = (int)k - 1;
+    for (; d >= 0; d--) {
+      if (++idx[d] < pt->n[d]) break;
+      idx[d] = 0;
+    }
+    if (d < 0 || rc) break;
+  }
+  for (uint64_t c = 0; !rc && c < tt->n_chunks; c++)
+    if (aside[c]) rc = add_job(p, e, pt->r, pt->tensor, c, NULL, pt);
+  free(aside);
+  return rc;
+}
+
+static void run_job(void *arg, int worker, size_t i) {
+  amber__rpool *p = arg;
+  if (__atomic_load_n(&p->rc, __ATOMIC_RELAXED)) return; /* a failure stops the rest */
+  const rjob *jb = &p->jobs[i];
+  rctx *x = &p->ctx[worker];
+  uint8_t *at = NULL;
+  int rc = restore_chunk(x, jb->r, jb->tensor, jb->chunk, jb->dst, &at);
+  if (!rc && !jb->dst && jb->part) {
+    const amber__tensor *tt = &target(jb->r)->ix.tensors[jb->tensor];
+    uint64_t c0 = jb->chunk * tt->chunk_elems;
+    scatter(jb->part, at, c0, c0 + amber__chunk_n(tt, jb->chunk), amber_dtype_size(tt->dtype));
+  }
+  if (!rc) return;
+  pthread_mutex_lock(&p->mu);
+  if (!p->rc) {
+    const amber__part *pt = jb->part;
+    int n = 0; /* a long message is cut at the buffer's end: that is all truncation does */
+    if (pt && pt->name && pt->rank >= 0)
+      n = snprintf(p->err.msg, sizeof p->err.msg, "tensor '%s': rank %lld: %s", pt->name,
+                   (long long)pt->rank, x->err.msg);
+    else if (pt && pt->name)
+      n = snprintf(p->err.msg, sizeof p->err.msg, "tensor '%s': %s", pt->name, x->err.msg);
+    else
+      memcpy(p->err.msg, x->err.msg, sizeof p->err.msg);
+    if (n < 0) memcpy(p->err.msg, x->err.msg, sizeof p->err.msg);
+    __atomic_store_n(&p->rc, rc, __ATOMIC_RELAXED);
+  }
+  pthread_mutex_unlock(&p->mu);
 }
 
 /* A restore reads every file of the chain chunk by chunk: the deltas' small
@@ -450,27 +595,32 @@ static void advise_deltas(amber_reader *r) {
 #endif
 }
 
+/* Runs the jobs planned into p: every worker of the pool and the caller. */
+static int run_jobs(amber__rpool *p, amber__err *e) {
+  p->rc = 0;
+  amber__pool_for(p->pool, p->njobs, run_job, p);
+  if (p->rc) return amber__fail(e, p->rc, "%s", p->err.msg); /* also the thread's message */
+  return 0;
+}
+
+int amber__read_parts(amber__rpool *p, amber__err *e, const amber__part *parts, size_t n) {
+  p->njobs = 0;
+  for (size_t i = 0; i < n; i++) {
+    advise_deltas(parts[i].r);
+    int rc = plan_part(p, e, &parts[i]);
+    if (rc) return rc;
+  }
+  return run_jobs(p, e);
+}
+
 /* Decodes and checks tensor `index` chunk by chunk into the workers' buffers (verify). */
 static int verify_tensor(amber_reader *r, size_t index) {
   advise_deltas(r);
-  r->rc = 0;
-  r->tensor = index;
-  r->dst = NULL;
-  amber__pool_for(r->pool, (size_t)r->chain[r->nchain - 1].ix.tensors[index].n_chunks,
-                  restore_job, r);
-  if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg); /* also the thread's message */
-  return r->rc;
-}
-
-/* The job table of a parallel restore, kept between reads. */
-static int ensure_jobs(amber_reader *r, size_t njobs) {
-  if (njobs <= r->jobs_cap) return 0;
-  free(r->jobs);
-  r->jobs_cap = 0;
-  if (!(r->jobs = malloc(njobs * sizeof *r->jobs)))
-    return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
-  r->jobs_cap = njobs;
-  return 0;
+  amber__rpool *p = r->rp;
+  p->njobs = 0;
+  for (uint64_t c = 0; c < target(r)->ix.tensors[index].n_chunks; c++)
+    if (add_job(p, &r->err, r, index, c, NULL, NULL)) return AMBER_ENOMEM;
+  return run_jobs(p, &r->err);
 }
 
 int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
@@ -478,67 +628,86 @@ int amber_reader_read(amber_reader *r, size_t index, void *buf, uint64_t size) {
   return amber_reader_read_many(r, 1, &index, &buf, &size);
 }
 
-int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
-                           void *const *bufs, const uint64_t *sizes) {
-  if (!r || (count && (!indices || !bufs || !sizes)))
-    return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read_many: NULL");
-  const amber__index *ix = &target(r)->ix;
-  size_t njobs = 0;
-  for (size_t i = 0; i < count; i++) {
-    if (indices[i] >= ix->n_tensors)
-      return amber__fail(&r->err, AMBER_EINVAL, "tensor index %zu out of range", indices[i]);
-    const amber__tensor *tt = &ix->tensors[indices[i]];
-    if (sizes[i] != tt->nbytes)
-      return amber__fail(&r->err, AMBER_EINVAL,
-                         "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64, tt->name,
-                         tt->nbytes, sizes[i]);
-    if (sizes[i] && !bufs[i])
-      return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s': NULL buffer", tt->name);
-    if (sizes[i]) njobs += (size_t)tt->n_chunks;
-  }
-  if (ensure_jobs(r, njobs)) return AMBER_ENOMEM;
-  size_t j = 0;
-  for (size_t i = 0; i < count; i++) {
-    if (!sizes[i]) continue;
-    for (uint64_t c = 0; c < ix->tensors[indices[i]].n_chunks; c++) {
-      r->jobs[j].tensor = indices[i];
-      r->jobs[j].chunk = c;
-      r->jobs[j].dst = bufs[i]; /* the tensor's start: restore_chunk adds the offset */
-      j++;
-    }
-  }
-  advise_deltas(r);
-  r->rc = 0;
-  amber__pool_for(r->pool, njobs, restore_many_job, r);
-  if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg);
-  return r->rc;
-}
-
-int amber__reader_read_chunks(amber_reader *r, size_t index, const uint8_t *want, void *buf,
-                              uint64_t size) {
+/* Checks box `i` of a read (offsets and shape within the tensor's shape, the
+ * buffer's size) and fills a part that reads it into a buffer of the box's shape. */
+static int box_part(amber_reader *r, size_t index, const int64_t *off, const int64_t *shape,
+                    void *buf, uint64_t size, amber__part *pt) {
   const amber__index *ix = &target(r)->ix;
   if (index >= ix->n_tensors)
     return amber__fail(&r->err, AMBER_EINVAL, "tensor index %zu out of range", index);
   const amber__tensor *tt = &ix->tensors[index];
-  if (size != tt->nbytes)
-    return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64,
-                       tt->name, tt->nbytes, size);
-  size_t njobs = 0;
-  for (uint64_t c = 0; c < tt->n_chunks; c++) njobs += want[c] != 0;
-  if (!njobs) return 0;
-  if (ensure_jobs(r, njobs)) return AMBER_ENOMEM;
-  size_t j = 0;
-  for (uint64_t c = 0; c < tt->n_chunks; c++)
-    if (want[c]) r->jobs[j++] = (struct job){index, c, buf};
-  advise_deltas(r);
-  r->rc = 0;
-  amber__pool_for(r->pool, njobs, restore_many_job, r);
-  if (r->rc) amber__fail(&r->err, r->rc, "%s", r->err.msg);
-  return r->rc;
+  size_t esz = amber_dtype_size(tt->dtype);
+  uint64_t want = 1;
+  memset(pt, 0, sizeof *pt);
+  pt->r = r;
+  pt->tensor = index;
+  pt->ndim = tt->ndim;
+  pt->rank = -1;
+  for (uint32_t d = 0; d < tt->ndim; d++) {
+    int64_t o = off ? off[d] : 0, n = shape ? shape[d] : (int64_t)tt->shape[d];
+    if (o < 0 || n < 0 || o > (int64_t)tt->shape[d] || n > (int64_t)tt->shape[d] - o)
+      return amber__fail(&r->err, AMBER_ERANGE,
+                         "tensor '%s': region outside its shape in dim %u", tt->name, d);
+    pt->ss[d] = (int64_t)tt->shape[d];
+    pt->so[d] = o;
+    pt->n[d] = pt->ds[d] = n;
+    want *= (uint64_t)n;
+  }
+  if (size != want * esz) {
+    if (!off && !shape)
+      return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s' has %" PRIu64 " bytes, the buffer %" PRIu64,
+                         tt->name, tt->nbytes, size);
+    return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s': region is %" PRIu64 " bytes, buffer %" PRIu64,
+                       tt->name, want * esz, size);
+  }
+  if (size && !buf)
+    return amber__fail(&r->err, AMBER_EINVAL, "tensor '%s': NULL buffer", tt->name);
+  pt->dst = buf;
+  return 0;
+}
+
+/* amber_reader_read_many and amber_reader_read_boxes: every box checked, then one
+ * parallel loop over all their chunks. */
+static int read_boxes(amber_reader *r, size_t count, const size_t *indices,
+                      const int64_t *offsets, const int64_t *shapes, void *const *bufs,
+                      const uint64_t *sizes) {
+  if (count > r->parts_cap) {
+    free(r->parts);
+    r->parts_cap = 0;
+    if (!(r->parts = malloc(count * sizeof *r->parts)))
+      return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
+    r->parts_cap = count;
+  }
+  size_t n = 0;
+  for (size_t i = 0; i < count; i++) {
+    int rc = box_part(r, indices[i], offsets ? offsets + i * AMBER_MAX_DIMS : NULL,
+                      shapes ? shapes + i * AMBER_MAX_DIMS : NULL, bufs[i], sizes[i], &r->parts[n]);
+    if (rc) return rc;
+    if (sizes[i]) n++;
+  }
+  if (!n) return 0;
+  if (own_pool(r)) return AMBER_ENOMEM;
+  return amber__read_parts(r->rp, &r->err, r->parts, n);
+}
+
+int amber_reader_read_many(amber_reader *r, size_t count, const size_t *indices,
+                           void *const *bufs, const uint64_t *sizes) {
+  if (!r || (count && (!indices || !bufs || !sizes)))
+    return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read_many: NULL");
+  return read_boxes(r, count, indices, NULL, NULL, bufs, sizes);
+}
+
+int amber_reader_read_boxes(amber_reader *r, size_t count, const size_t *indices,
+                            const int64_t *offsets, const int64_t *shapes, void *const *bufs,
+                            const uint64_t *sizes) {
+  if (!r || (count && (!indices || !offsets || !shapes || !bufs || !sizes)))
+    return amber__fail(NULL, AMBER_EINVAL, "amber_reader_read_boxes: NULL");
+  return read_boxes(r, count, indices, offsets, shapes, bufs, sizes);
 }
 
 int amber_reader_verify(amber_reader *r) {
   if (!r) return amber__fail(NULL, AMBER_EINVAL, "amber_reader_verify: NULL reader");
+  if (own_pool(r)) return AMBER_ENOMEM;
   /* Restoring every chunk into scratch memory exercises every check a restore
    * makes: checksums, frame sizes, decodability. */
   int rc = 0;

@@ -242,6 +242,18 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
     return amber__fail(NULL, amber__errno_code(err), "cannot open store %s: %s", path,
                        strerror(err));
   }
+  /* A multi-rank store's directory holds GLOBAL and rank-RRRRR/ (each of those a
+   * store of its own): opened as one store it would look empty, and a writer would
+   * mix a single-rank checkpoint into it. */
+  struct stat gs;
+  if (fstatat(st->dirfd, "GLOBAL", &gs, 0) == 0 ||
+      (fstatat(st->dirfd, "rank-00000", &gs, 0) == 0 && S_ISDIR(gs.st_mode))) {
+    amber_store_close(st);
+    return amber__fail(NULL, AMBER_EINVAL,
+                       "%s is a multi-rank store (it holds GLOBAL and rank-RRRRR/): read it "
+                       "with amber_global_reader_open, write it with amber_global_writer_open",
+                       path);
+  }
   if (!ro) {
     st->lockfd = openat(st->dirfd, ".lock", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (st->lockfd < 0) {

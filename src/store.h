@@ -47,11 +47,39 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
 
 /* The index of the step a reader opened (for compaction). */
 amber__index *amber__reader_index(amber_reader *r);
-/* Restores only the chunks of tensor `index` whose byte in `want` (one per chunk)
- * is set, each into its place in `buf` (the whole tensor's size); the other bytes
- * of buf are not touched. A region read of a shard needs no more than that. */
-int amber__reader_read_chunks(amber_reader *r, size_t index, const uint8_t *want, void *buf,
-                              uint64_t size);
+
+/* ---- restores of boxes (src/reader.c): the one load path of every reader ----
+ *
+ * A part is a box of one stored tensor (of reader `r`) and where it goes: the box
+ * `n` at `so` of the stored tensor (shape `ss`, the tensor's own) lands at `doff`
+ * in `dst`, a row-major buffer of shape `ds`. A part is planned into one job per
+ * chunk of the stored tensor that holds part of the box: a chunk that lies inside
+ * one contiguous run of the box (every chunk of a whole tensor, or of a shard's
+ * rows) is restored straight into its place in `dst`; the few others (a box's edge,
+ * a column slice) are restored into the worker's scratch and their part copied.
+ * Every job, of every part and every reader, runs in one parallel loop. */
+typedef struct amber__part {
+  amber_reader *r;
+  size_t tensor;  /* index in r's step */
+  uint32_t ndim;
+  int64_t ss[AMBER_MAX_DIMS], so[AMBER_MAX_DIMS], n[AMBER_MAX_DIMS];
+  uint8_t *dst;
+  int64_t ds[AMBER_MAX_DIMS], doff[AMBER_MAX_DIMS];
+  const char *name; /* for messages: the global tensor's name (NULL: none) */
+  int64_t rank;     /* for messages: the rank whose file holds it (-1: none) */
+} amber__part;
+
+/* Worker threads with their decode buffers, and the jobs of the loop in progress
+ * (reused from loop to loop). One per reader, and one per global reader. */
+typedef struct amber__rpool amber__rpool;
+/* threads: 0 for the default (the online CPUs, at least 4: a restore waits on the
+ * disk and wants more reads in flight than there are cores). */
+int amber__rpool_create(amber__rpool **out, uint32_t threads);
+void amber__rpool_destroy(amber__rpool *p);
+/* Restores the parts (their boxes are checked by the caller) in one parallel loop.
+ * On failure: the first failure's code, its message in `e` (prefixed by the part's
+ * name and rank); buffers may hold part of their data. */
+int amber__read_parts(amber__rpool *p, amber__err *e, const amber__part *parts, size_t n);
 /* The sizes of the files of a reader's chain: its full checkpoint's, and the
  * number and total size of the deltas after it (for the writer's cadence). */
 void amber__reader_chain_bytes(amber_reader *r, uint64_t *full_bytes, uint64_t *deltas,

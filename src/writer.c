@@ -74,6 +74,7 @@ typedef struct decls {
   char *meta;
   size_t meta_len;
   int frozen;
+  size_t resolved; /* rules.n when each tensor's rule was last resolved; 0: not yet */
 } decls;
 
 /* The assembly of a checkpoint file: the chunk table and the workers' scratch,
@@ -336,7 +337,11 @@ int amber_writer_set_units(amber_writer *w, const double *units, size_t n) {
     if (!(units[i] >= 0) || isinf(units[i]))
       return amber__fail(&w->err, AMBER_EINVAL, "tensor '%s': unit %g is not finite and >= 0",
                          w->dc.d[i].t.name, units[i]);
-  for (size_t i = 0; i < n; i++) w->dc.d[i].unit = units[i];
+  for (size_t i = 0; i < n; i++)
+    if (w->dc.d[i].unit != units[i]) {
+      w->dc.d[i].unit = units[i];
+      w->dc.resolved = 0; /* the rules in units resolve again */
+    }
   return 0;
 }
 
@@ -456,8 +461,14 @@ static int ensure_scratch(amber_writer *w, int prefault) {
 
 /* Resolves each tensor's rule; rules and units may have changed since the last
  * save. A rule with units applies to a tensor with a unit as its numbers times
- * that unit (the index records them written out); a tensor without one is exact. */
+ * that unit (the index records them written out); a tensor without one is exact.
+ * Rules are only ever added, and the declarations are fixed once frozen: unchanged
+ * rules and units keep every tensor's rule, and the glob matching, thousands of
+ * fnmatch calls for a model's tensors, is not redone at every save (set_units and
+ * add_rule make it run again). */
 static void resolve_policies(amber_writer *w) {
+  if (w->dc.frozen && w->dc.resolved == w->dc.rules.n + 1) return;
+  w->dc.resolved = w->dc.frozen ? w->dc.rules.n + 1 : 0;
   for (size_t i = 0; i < w->dc.n; i++) {
     decl *d = &w->dc.d[i];
     const amber__rule *m = amber__rules_match(&w->dc.rules, d->t.name, d->t.dtype), *r = m;

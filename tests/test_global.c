@@ -475,6 +475,43 @@ static void test_one_rank_through_amber_comm_self(void) {
   amber_free(info);
 }
 
+/* A multi-rank store is not a single-rank one, nor the reverse: opening one as the
+ * other fails with a message that says so, and changes nothing (a single-rank open
+ * used to find it empty, and a writer would have mixed a checkpoint into it). */
+static void test_single_and_multi_rank_stores_do_not_open_as_each_other(void) {
+  const char *p = tu_tmpdir();
+  self_main(p, 1);
+  amber_store *st = NULL;
+  CHECK_RC(amber_store_open(&st, p, NULL), AMBER_EINVAL);
+  CHECK(strstr(amber_last_error(NULL), "is a multi-rank store") != NULL);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY;
+  CHECK_RC(amber_store_open(&st, p, &so), AMBER_EINVAL);
+  char lock[4200];
+  snprintf(lock, sizeof lock, "%s/.lock", p);
+  CHECK(access(lock, F_OK) != 0); /* nothing created */
+  check_read(p, 1, 1, 1, 0, 0);
+  char single[4200];
+  snprintf(single, sizeof single, "%s/single", tu_tmpdir());
+  amber_writer *w;
+  float x[4] = {1, 2, 3, 4};
+  int64_t shape[1] = {4};
+  CHECK_OK(amber_store_open(&st, single, NULL));
+  CHECK_OK(amber_writer_open(&w, st, NULL));
+  CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 1, shape, x, NULL));
+  CHECK_OK(amber_writer_save(w, 1, 0));
+  amber_writer_close(w);
+  amber_store_close(st);
+  amber_global_writer *gw = NULL;
+  CHECK_RC(amber_global_writer_open(&gw, single, amber_comm_self(), NULL), AMBER_EINVAL);
+  CHECK(strstr(amber_last_error(NULL), "written by one process") != NULL);
+  char rank0[4300];
+  snprintf(rank0, sizeof rank0, "%s/rank-00000", single);
+  CHECK(access(rank0, F_OK) != 0);
+  CHECK(!amber_global_is_store(single));
+}
+
 static void test_missing_rank_file_names_the_rank_and_tensor(void) {
   const char *p = tu_tmpdir();
   run_job(p, 4, 0, 1, 1, -1, 0, NULL);
@@ -962,6 +999,7 @@ int main(void) {
   TEST_RUN(test_shards_that_do_not_tile_fail_the_step_on_every_rank);
   TEST_RUN(test_golden_multi_rank_stores_load);
   TEST_RUN(test_one_rank_through_amber_comm_self);
+  TEST_RUN(test_single_and_multi_rank_stores_do_not_open_as_each_other);
   TEST_RUN(test_save_stats_split_a_rank_part_from_the_global_commit);
   TEST_RUN(test_missing_rank_file_names_the_rank_and_tensor);
   TEST_RUN(test_prune_keeps_what_the_kept_steps_need);

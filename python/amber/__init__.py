@@ -207,6 +207,9 @@ _reader_find = _fn("amber_reader_find", c_int, _H, c_char_p, POINTER(c_size_t))
 _reader_read = _fn("amber_reader_read", c_int, _H, c_size_t, c_void_p, c_uint64)
 _reader_read_many = _fn("amber_reader_read_many", c_int, _H, c_size_t, POINTER(c_size_t),
                         POINTER(c_void_p), POINTER(c_uint64))
+_reader_read_boxes = _fn("amber_reader_read_boxes", c_int, _H, c_size_t, POINTER(c_size_t),
+                         POINTER(c_int64), POINTER(c_int64), POINTER(c_void_p),
+                         POINTER(c_uint64))
 _reader_meta = _fn("amber_reader_meta", c_int, _H, POINTER(c_void_p), POINTER(c_size_t))
 _reader_verify = _fn("amber_reader_verify", c_int, _H)
 
@@ -666,6 +669,18 @@ class Reader(_Handle):
         with self._lock:
             _check(_reader_read_many(self._handle(), n, idx, bufs, sizes), self._h)
 
+    def read_boxes(self, items):
+        """Restores several boxes of tensors in one call: `items` is a sequence of
+        (index, offsets, shape, address, size): the region of tensor `index` at
+        `offsets` of `shape` into `size` bytes at `address`, row-major. Only the
+        chunks that hold part of a box are read; all of them in parallel."""
+        items = list(items)
+        if not items:
+            return
+        arrays = _box_arrays(items)
+        with self._lock:
+            _check(_reader_read_boxes(self._handle(), len(items), *arrays), self._h)
+
     def read(self, index):
         """Restores tensor `index` into a new bytearray."""
         n = self.info(index).nbytes
@@ -757,6 +772,8 @@ _gr_tensor = _fn("amber_global_reader_tensor", c_int, _H, c_size_t, POINTER(_Glo
 _gr_find = _fn("amber_global_reader_find", c_int, _H, c_char_p, POINTER(c_size_t))
 _gr_read = _fn("amber_global_reader_read", c_int, _H, c_size_t, POINTER(c_int64),
                POINTER(c_int64), c_void_p, c_uint64)
+_gr_read_many = _fn("amber_global_reader_read_many", c_int, _H, c_size_t, POINTER(c_size_t),
+                    POINTER(c_int64), POINTER(c_int64), POINTER(c_void_p), POINTER(c_uint64))
 _gr_meta = _fn("amber_global_reader_meta", c_int, _H, c_uint32, POINTER(c_void_p),
                POINTER(c_size_t))
 _gr_verify = _fn("amber_global_reader_verify", c_int, _H)
@@ -765,6 +782,21 @@ _gr_verify = _fn("amber_global_reader_verify", c_int, _H)
 def _dims(values):
     values = tuple(int(d) for d in values)
     return (c_int64 * max(1, len(values)))(*values), len(values)
+
+
+def _box_arrays(items):
+    """The C arrays of a read of boxes: (index, offsets, shape, address, size) each;
+    offsets and shapes at a stride of MAX_DIMS."""
+    n = len(items)
+    idx, bufs, sizes = (c_size_t * n)(), (c_void_p * n)(), (c_uint64 * n)()
+    off, shp = (c_int64 * (n * MAX_DIMS))(), (c_int64 * (n * MAX_DIMS))()
+    for i, (index, o, s, address, size) in enumerate(items):
+        if len(o) > MAX_DIMS or len(s) != len(o):
+            raise ValueError(f"a box of {len(o)} offsets and {len(s)} sizes")
+        idx[i], bufs[i], sizes[i] = index, address or None, size
+        off[i * MAX_DIMS:i * MAX_DIMS + len(o)] = [int(x) for x in o]
+        shp[i * MAX_DIMS:i * MAX_DIMS + len(s)] = [int(x) for x in s]
+    return idx, off, shp, bufs, sizes
 
 
 class _CommBridge:
@@ -1110,6 +1142,18 @@ class GlobalReader(_Handle):
             o, n = _dims(offsets)
             s, _ = _dims(shape)
             _check(_gr_read(self._handle(), index, o, s, address or None, size), self._h)
+
+    def read_many(self, items):
+        """Reads several boxes in one call: `items` is a sequence of (index,
+        offsets, shape, address, size) as for read_into. Every chunk of every shard
+        that holds part of a box is restored in parallel, straight into the box's
+        memory where it maps to a contiguous run of it; boxes must not overlap."""
+        items = list(items)
+        if not items:
+            return
+        arrays = _box_arrays(items)
+        with self._lock:
+            _check(_gr_read_many(self._handle(), len(items), *arrays), self._h)
 
     def meta(self, rank):
         """Rank `rank`'s metadata as bytes, or None when it stored none."""

@@ -2,8 +2,11 @@
 global checkpoint per step (docs/DESIGN.md, "Many ranks").
 
 amber.torch.Checkpointer becomes this class when torch.distributed is initialized
-with more than one rank (or when process_group= is given). Every rank constructs it
-on the same store and calls save() and load() collectively with its local state:
+with more than one rank (or when process_group= is given), and when its path holds a
+multi-rank store: one process without a process group (or in a world of one) then
+loads any global step of it, whatever world size wrote it, and saves global steps of
+world size 1 into it. Every rank constructs it on the same store and calls save()
+and load() collectively with its local state:
 
   - A DTensor (FSDP2's parameters and optimizer states, tensor-parallel slices) is
     saved as its shard of the global tensor: the box that
@@ -14,7 +17,10 @@ on the same store and calls save() and load() collectively with its local state:
   - Non-tensor state (entries, param_groups, counters) and the RNG states are each
     rank's own: they go into that rank's metadata, so a rank gets its own back.
   - load() reads, for every live tensor, the box this rank holds now from the
-    shards that overlap it: a step loads at another world size or sharding. The
+    shards that overlap it: a step loads at another world size or sharding. Every
+    box of every tensor is one call of the library (amber_global_reader_read_many),
+    which restores all their chunks in parallel, each straight into the live tensor
+    where it lies inside a contiguous run of the box (a row-sharded shard's rows). The
     RNG states of ranks that exist in both jobs come back; a rank that did not
     exist keeps its own, with a warning.
 
@@ -32,7 +38,6 @@ stays at the last global commit.
 """
 
 import base64
-import ctypes
 import json
 import os
 import random
@@ -154,6 +159,25 @@ class TorchComm:
         return out
 
 
+class SoloComm:
+    """amber's collectives for a job of one process without a process group (a
+    Checkpointer or amber.dcp.Writer at world size 1 on a multi-rank store): every
+    collective is this process's own data."""
+    rank, size = 0, 1
+
+    def allgather(self, data):
+        return bytes(data)
+
+    def broadcast(self, data, root):
+        return bytes(data)
+
+    def barrier(self):
+        pass
+
+    def gather_objects(self, obj):
+        return [obj]
+
+
 def cpu_group(process_group, own=False):
     """A group with a CPU backend over the ranks of `process_group` (None: the world):
     the group itself when it has gloo (unless `own`), else a new gloo group, made by
@@ -247,51 +271,40 @@ def _rng_plan(meta, step):
 class _Boxes:
     """A GlobalReader as amber.torch's _Load reads: tensors() by global shape,
     read_many of (index, address, size[, (offsets, shape)]): a whole global tensor,
-    or this rank's box of it."""
+    or this rank's box of it, all in one call of the library (every chunk of every
+    overlapping shard in parallel, decoded straight into the live tensors)."""
 
     def __init__(self, reader):
         self.g = reader
+
+    def _item(self, index, address, size, box=None):
+        if box is None:
+            shape = self.g.tensors()[index].shape
+            box = ((0,) * len(shape), shape)
+        return (index, box[0], box[1], address, size)
 
     def tensors(self):
         return self.g.tensors()
 
     def read_into(self, index, address, size, box=None):
-        if box is None:
-            shape = self.g.tensors()[index].shape
-            box = ((0,) * len(shape), shape)
-        self.g.read_into(index, box[0], box[1], address, size)
+        self.g.read_many([self._item(index, address, size, box)])
 
     def read_many(self, items):
-        for it in items:
-            self.read_into(*it)
+        self.g.read_many([self._item(*it) for it in items])
 
 
-class _WholeBoxes:
-    """A single-process store's Reader as _Load reads with boxes: a box is cut out of
-    the whole tensor, read once per call."""
+class _WholeBoxes(_Boxes):
+    """A single-process store's Reader as _Load reads with boxes: each box is read
+    out of its whole tensor by the library (only the chunks that hold part of it)."""
 
     def __init__(self, reader):
-        self.r = reader
-
-    def tensors(self):
-        return self.r.tensors()
+        self.g = reader
 
     def read_into(self, index, address, size, box=None):
-        if box is None:
-            return self.r.read_into(index, address, size)
-        info = self.r.tensors()[index]
-        whole = torch.empty(info.shape, dtype=_at._TORCH[info.dtype])
-        self.r.read_into(index, whole.data_ptr() if whole.numel() else 0, info.nbytes)
-        part = whole
-        for dim, (o, n) in enumerate(zip(*box)):
-            part = part.narrow(dim, o, n)
-        if size:
-            dst = torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=torch.uint8)
-            dst.copy_(part.contiguous().view(-1).view(torch.uint8))
+        self.g.read_boxes([self._item(index, address, size, box)])
 
     def read_many(self, items):
-        for it in items:
-            self.read_into(*it)
+        self.g.read_boxes([self._item(*it) for it in items])
 
 
 class _DistLoad(_at._Load):
@@ -331,10 +344,6 @@ class DistCheckpointer(_at.Checkpointer):
                  process_group=None):
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
-        if readonly:
-            raise NotImplementedError("readonly is not supported by the distributed "
-                                      "Checkpointer; any rank may read a step with "
-                                      "amber.GlobalReader")
         self._rules = _at._rules(policy)
         self._has_units, self._units = _at._rules_have_units(self._rules), None
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
@@ -343,9 +352,12 @@ class DistCheckpointer(_at.Checkpointer):
             self._wopts["keep_last"] = keep_last
         self._prune_msg = None
         self.rng = rng
-        self.readonly = False
+        self.readonly = bool(readonly)  # loads only: no writer is ever opened
         self.process_group = process_group
-        self._comm = TorchComm(cpu_group(process_group))
+        # one process (torch.distributed not initialized, or a world of one) on a
+        # multi-rank store: amber.torch.Checkpointer routes it here, with no group
+        self._comm = TorchComm(cpu_group(process_group)) if _at._distributed(process_group) \
+            else SoloComm()
         self.rank, self.world_size = self._comm.rank, self._comm.size
         self.path = str(path)
         self.store = None
@@ -362,6 +374,8 @@ class DistCheckpointer(_at.Checkpointer):
         self._gated = False
         self._busy = False   # a step begun and not yet waited for (its commit is collective)
         self._hooks = {}
+        self._seeding = None  # (the single-process background seed: not used here)
+        self._global_hook = _at._fence_before_any_step(self)
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
         self.skipped = 0
         self.seeded = False
@@ -370,7 +384,9 @@ class DistCheckpointer(_at.Checkpointer):
     def _open_writer(self):
         if self.rank == 0:
             os.makedirs(self.path, exist_ok=True)
-        self._gw = GlobalWriter(self.path, self._comm, **self._wopts)
+        # a job of one: the library's own communicator (no Python in its collectives)
+        self._gw = GlobalWriter(self.path, self._comm if self._comm.size > 1 else None,
+                                **self._wopts)
         try:
             for r in self._rules:
                 self._gw.add_policy(r)
@@ -398,6 +414,9 @@ class DistCheckpointer(_at.Checkpointer):
         scan has started; the global commit completes in the next wait(), save(),
         load() or close() (all collective)."""
         self._open()
+        if self.readonly:
+            raise AmberError(_amber.EREADONLY, f"store {self.path} is open read-only",
+                             name="AMBER_EREADONLY")
         t0 = time.perf_counter()
         self.wait()
         err, decl = None, None
@@ -437,7 +456,7 @@ class DistCheckpointer(_at.Checkpointer):
         w = self._gw
         w.set_meta(meta_json)
         if self._has_units:
-            units = _at._units(flat, state)
+            units = _at._units(_at._unit_groups(flat, state), state)
             if units != self._units:
                 w.set_units(units)
                 self._units = units
@@ -503,6 +522,7 @@ class DistCheckpointer(_at.Checkpointer):
         as amber.torch does; the others are read in place until the fence. Those
         that amber.device selects on their device (address None) are neither."""
         owned = _at._owned_storages(state)
+        buffers = _at._buffer_storages(state)
         out = []
         with torch.no_grad():
             for name, t in flat.tensors:
@@ -525,9 +545,7 @@ class DistCheckpointer(_at.Checkpointer):
                                 local, True, False, t))
                     continue
                 nbytes = local.numel() * local.element_size()
-                inplace = (local.device.type == "cpu" and local.is_contiguous() and
-                           not local.is_conj() and not local.is_neg() and
-                           nbytes > _at.CAPTURE_BYTES and _at._storage_key(local) in owned)
+                inplace = _at._in_place(local, nbytes, owned, buffers)
                 if inplace:
                     src = local
                 else:
@@ -646,6 +664,7 @@ class DistCheckpointer(_at.Checkpointer):
         for _, undo in self._hooks.values():
             undo()
         self._hooks.clear()
+        self._global_hook.remove()
         if self._gw is not None:
             self._gw.close()
             self._gw = None

@@ -215,7 +215,9 @@ class Writer(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id=None):
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
         path, step = parse_checkpoint_id(cid)
-        if _world(self._pg) > 1:
+        if _world(self._pg) > 1 or _amber.is_global_store(path):
+            # many ranks; or one process saving into a store that many ranks wrote
+            # (a step of world size 1, which every world size loads)
             return self._reset_global(cid, path, step)
         if self._begun is not None:
             if self._target[0] != os.path.abspath(path) or \
@@ -481,7 +483,8 @@ class Writer(StorageWriter, AsyncStager):
             if self._comm is None:
                 # a gloo group of amber's own: async saves commit from DCP's thread while
                 # training uses the job's groups on its own (collective, every rank)
-                self._comm = _dist.TorchComm(_dist.cpu_group(self._pg, own=True))
+                self._comm = _dist.TorchComm(_dist.cpu_group(self._pg, own=True)) \
+                    if _world(self._pg) > 1 else _dist.SoloComm()
             self._open_global(path)
         if step is None:
             steps = _amber.global_steps(path)
@@ -489,7 +492,8 @@ class Writer(StorageWriter, AsyncStager):
         self._target = (path, step)
 
     def _open_global(self, path):
-        self._gw = _amber.GlobalWriter(path, self._comm, **self._wopts)
+        self._gw = _amber.GlobalWriter(path, self._comm if self._comm.size > 1 else None,
+                                       **self._wopts)
         self._sig = None
         for r in self._rules:
             self._gw.add_policy(r)
@@ -865,7 +869,7 @@ class Reader(StorageReader):
     def _read_global(self, plan):
         """Every region the plan asks for, read from the shards that overlap it (every
         checksum checked) before anything live changes; then the values."""
-        regions, values = {}, {}
+        regions, values, items = {}, {}, []
         with _amber.GlobalReader(self._path, self._step) as g:
             for req in plan.items:
                 name = self._storage[req.storage_index]
@@ -877,9 +881,10 @@ class Reader(StorageReader):
                                      f"tensor {name!r}", name="AMBER_EFORMAT")
                 info = g.tensors()[i]
                 t = torch.empty(tuple(req.lengths), dtype=_at._TORCH[info.dtype])
-                g.read_into(i, tuple(req.storage_offsets), tuple(req.lengths),
-                            t.data_ptr() if t.numel() else 0, t.numel() * t.element_size())
+                items.append((i, tuple(req.storage_offsets), tuple(req.lengths),
+                              t.data_ptr() if t.numel() else 0, t.numel() * t.element_size()))
                 regions[id(req)] = t
+            g.read_many(items)  # every region at once: all their chunks in parallel
             ld = _at._Load(_Boxless(), True, g.step)
             objects = self._meta["objects"]
             for req in plan.items:
@@ -911,21 +916,24 @@ class Reader(StorageReader):
             return fut
         objects = self._meta["objects"]
         with Store(self._path, readonly=True, create=False) as st, st.reader(self._step) as r:
-            # everything first (checksums checked), then into the live state
+            # everything first (checksums checked), then into the live state: each
+            # region the plan asks for, read out of its tensor (only the chunks that
+            # hold part of it), all in one call
             loaded, jobs = {}, []
             for req in plan.items:
                 name = self._storage[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO or name in loaded:
+                if req.type == LoadItemType.BYTE_IO:
                     continue
                 i = r.find(name)
                 if i is None:
                     raise AmberError(_amber.EFORMAT, f"step {r.step} of {self._path}: no "
                                      f"tensor {name!r}", name="AMBER_EFORMAT")
                 info = r.info(i)
-                t = torch.empty(tuple(info.shape), dtype=_at._TORCH[info.dtype])
-                loaded[name] = t
-                jobs.append((i, t.data_ptr() if t.numel() else 0, info.nbytes))
-            r.read_many(jobs)
+                t = torch.empty(tuple(req.lengths), dtype=_at._TORCH[info.dtype])
+                loaded[id(req)] = t
+                jobs.append((i, tuple(req.storage_offsets), tuple(req.lengths),
+                             t.data_ptr() if t.numel() else 0, t.numel() * t.element_size()))
+            r.read_boxes(jobs)
             ld = _at._Load(r, True, r.step)
             values = {}
             for req in plan.items:
@@ -943,11 +951,8 @@ class Reader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(req, buf)
                 continue
-            src = loaded[name]
-            for dim, (off, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                src = src.narrow(dim, off, n)
             dst = planner.resolve_tensor(req).detach()
-            dst.copy_(src)
+            dst.copy_(loaded[id(req)])
             planner.commit_tensor(req, dst)
         fut = torch.futures.Future()
         fut.set_result(None)

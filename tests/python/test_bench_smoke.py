@@ -20,14 +20,19 @@ def test_torch_bench_quick_reports_every_figure(tmp_path):
             "dcp_async_durable", "amber_full", "amber_full_stall", "amber_delta",
             "amber_delta_stall", "first_after_load", "first_after_load_stall", "torch_load",
             "st_load", "dcp_load", "amber_load", "amber_load_ro", "delta_floor", "load_floor",
-            "amber_full_bytes", "amber_delta_bytes"}
+            "amber_full_bytes", "amber_delta_bytes", "amber_delta_call", "plain_stall",
+            "load_bytes"}
     assert want <= set(res["figures"]), want - set(res["figures"])
     for k in want:
         v = res["figures"][k]["median"]
         assert math.isfinite(v) and v > 0, (k, v)
     # a lossy delta of a few steps is far smaller than a full checkpoint
     assert res["figures"]["amber_delta_bytes"]["median"] < 0.2 * res["figures"]["amber_full_bytes"]["median"]
-    assert len(res["targets"]) == 8 and all(isinstance(t["met"], bool) for t in res["targets"])
+    assert len(res["targets"]) == 11 and all(isinstance(t["met"], bool) for t in res["targets"])
+    # targets with a floor print the floor's own ratio next to them (the same-run bound)
+    bounds = {t["ratio"]: t.get("bound") for t in res["targets"]}
+    assert bounds["load_vs_dcp_load"] > 0 and bounds["delta_vs_dcp_save"] > 0
+    assert res["ratios"]["load_over_floor"]["median"] > 0
     assert "| target |" in p.stdout and "dcp.load" in p.stdout
     assert res["ratios"]["load_floor_vs_dcp_load"]["median"] > 0
     assert "no cold load" in p.stdout

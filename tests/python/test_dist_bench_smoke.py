@@ -20,7 +20,8 @@ def test_dist_bench_quick_reports_every_figure(tmp_path):
     want = {"dcp_save", "dcp_bytes", "dcp_async_stall", "dcp_async_durable", "amber_full",
             "amber_full_bytes", "amber_delta", "amber_delta_stall", "amber_delta_bytes",
             "amber_dcp_full", "amber_dcp_delta", "amber_dcp_delta_bytes_max", "dcp_load",
-            "amber_load", "amber_dcp_load", "read_floor", "delta_floor", "load_floor"}
+            "amber_load", "amber_dcp_load", "read_floor", "delta_floor", "load_floor",
+            "load_bytes"}
     assert want <= set(fig), want - set(fig)
     for k in want:
         v = fig[k]["median"]
