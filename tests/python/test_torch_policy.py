@@ -122,3 +122,47 @@ def test_exact_is_bit_exact(store):
         model, _ = restored(store, step)
         for k, v in model.state_dict().items():
             assert torch.equal(v, truth[step][0][k])
+
+
+def test_units_follow_the_learning_rate_schedule_at_every_save(store):
+    """A rule in units ("1u") is the param group's lr at each save: through the save
+    plan (the second and later saves of one state's structure), every lr of a
+    schedule is what that step's file records and what bounds its restore; two
+    param groups keep their own lr; a buffer (no lr) stays exact."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128),
+                                torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam([{"params": model[0].parameters(), "lr": 1e-2},
+                            {"params": list(model[1].parameters()) + list(model[2].parameters()),
+                             "lr": 3e-3}])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    truth, lrs = {}, {}
+    with Checkpointer(store, policy="threshold:1u", rng=False, full_share=-1) as ck:
+        for step in range(1, 9):
+            model(torch.randn(32, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(step, {"model": model, "optim": opt})
+            truth[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            lrs[step] = [g["lr"] for g in opt.param_groups]
+            sched.step()
+        ck.wait()
+    with amber.Store(store, readonly=True) as st:
+        for step in (2, 5, 8):
+            lr0, lr1 = lrs[step]
+            assert lr0 != lrs[1][0]
+            with st.reader(step) as r:
+                rec = {t.name: spec_bound(t.policy) for t in r.tensors()}
+            assert rec["model/0.weight"] == pytest.approx((lr0, 0.0), rel=1e-12), step
+            assert rec["optim/0.weight/exp_avg"] == pytest.approx((lr0, 0.0), rel=1e-12), step
+            assert rec["model/2.weight"] == pytest.approx((lr1, 0.0), rel=1e-12), step
+            assert rec["model/1.running_mean"] == (0.0, 0.0), step
+            assert rec["optim/0.weight/step"] == (0.0, 0.0), step
+            torch.manual_seed(1)
+            back = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128),
+                                       torch.nn.Linear(128, 8))
+            with Checkpointer(store, rng=False, readonly=True) as ck:
+                ck.load({"model": back}, step=step, strict=False)
+            for k, v in back.state_dict().items():
+                ok, worst = within(v, truth[step][k], *rec[f"model/{k}"])
+                assert ok, f"step {step} {k}: max error {worst}"
