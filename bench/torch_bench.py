@@ -29,7 +29,9 @@ Saves (durable = the file is fsynced and, for amber and DCP, committed):
   reference the load seeded).
   A state of plain tensors that no optimizer owns (0.58 GB: weights and two moments
   as dicts of tensors, updated in place after each fence as an optimizer would): the
-  stall of a delta save, save() + the fence after a stand-in forward/backward pass.
+  stall of a delta save, save() + the fence after a stand-in forward/backward pass
+  (under the policy's rules, or v1-lossy-compact's where they are in units of the
+  learning rate, which plain tensors do not have).
 Loads (cold: the files are dropped from the page cache first; into the live model
 and optimizer): torch.load + load_state_dict; safetensors load_file + copy into the
 live tensors; dcp.load + set_state_dict; amber's resuming load of the latest step
@@ -64,7 +66,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from safetensors.torch import load_file, save_file
 
 import amber
-from amber.torch import Checkpointer, PRESETS
+from amber.torch import Checkpointer, PRESETS, _rules, _rules_have_units
 
 # The presets before quantized deltas (format 1.2), to compare speed with: element
 # selection with values stored whole.
@@ -447,6 +449,10 @@ def main():
     add_run_args(ap)
     a = ap.parse_args()
     policy = policy_arg(a.policy)
+    # Plain tensors have no learning rate: a rule in units of it keeps them exact
+    # (every element, every delta); they are saved under the same rules with numbers
+    # instead (v1-lossy-compact's), as a user of such a state would write them.
+    plain_policy = list(V1["v1-lossy-compact"]) if _rules_have_units(_rules(policy)) else policy
     if a.repeat < 1 or a.deltas < 1:
         ap.error("--repeat and --deltas must be >= 1")
     torch.set_num_threads(os.cpu_count() or 2)
@@ -470,7 +476,7 @@ def main():
         for r in range(1, a.repeat + 1):
             f = peers(tr, a.out, r)
             f.update(amber_round(tr, a.out, r, policy, a.deltas))
-            f.update(plain_round(a.out, r, policy, a.deltas,
+            f.update(plain_round(a.out, r, plain_policy, a.deltas,
                                  nbytes=int(0.58e9) if not a.quick else 24 << 20))
             log(f"round {r}: bounds")
             f["read_floor"] = read_floor(state_tensors(model, opt))

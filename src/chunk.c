@@ -171,7 +171,11 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   a.defer = quant;
   if (quant) {
     amber__qbuf qb = qbuf_of(s);
-    if (amber__qfuse_init(&fuse, &rule->policy, src->dtype, &qb)) a.fuse = &fuse;
+    if (amber__qfuse_init(&fuse, &rule->policy, src->dtype, &qb)) {
+      fuse.xs = (float *)(void *)s->vals; /* n * 4 bytes each; free until the encoding */
+      fuse.rs = (float *)(void *)s->body;
+      a.fuse = &fuse;
+    }
   }
   double t0 = amber__now();
   size_t k = amber__scan(&a);

@@ -402,11 +402,15 @@ __attribute__((target("avx512f"))) static inline __mmask16 within16(__m512 vx, _
   return m & _mm512_cmpneq_epi32_mask(_mm512_and_si512(vi, expo), expo);
 }
 
-/* scan_f32_avx512 for a threshold with its quantization in the pass (a->fuse): each
- * selected element gets its code (src/quant.c's rules: step a + b|r|, nearest code,
- * +lead from the farthest code down, at most 4 tries, the bound checked at the
+/* scan_f32_avx512 for a threshold with its quantization in the pass (a->fuse), in
+ * two phases. The pass over the chunk selects, and packs each selected element's
+ * index, live value and reference value (q->xs, q->rs); the coding then runs over
+ * the packed elements, sixteen selected ones per step, instead of over every
+ * sixteen-lane block that holds one (at a few percent selected, most blocks hold
+ * one). Each element gets its code (src/quant.c's rules: step a + b|r|, nearest
+ * code, +lead from the farthest code down, at most 4 tries, the bound checked at the
  * restored value in f64) and the reference its restored value (the live one for an
- * escape) in the same masked store; the selected values are not gathered. */
+ * escape). Every decision is per element, so the packing changes no result. */
 __attribute__((target("avx512f"))) static size_t scan_f32_avx512_q(const amber__scan_args *a,
                                                                    float abs_, float rel) {
   amber__qfuse *q = a->fuse;
@@ -426,26 +430,52 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512_q(const amber__
   const __m512 bconst = _mm512_max_ps(_mm512_sub_ps(vabs, tiny), zero);
   const int use_rel = rel != 0;
   uint32_t *idx = a->idx;
+  float *xs = q->xs, *rs = q->rs;
+  /* 1: select and pack */
   for (size_t i = 0; i < n; i += 16) {
     const float *xp = (const float *)(const void *)(x + 4 * i);
-    float *rp = (float *)(void *)(r + 4 * i);
+    const float *rp = (const float *)(const void *)(r + 4 * i);
     __mmask16 in = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
     __m512 vx = _mm512_maskz_loadu_ps(in, xp), vr = _mm512_maskz_loadu_ps(in, rp);
+    __m512 d = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(vx, vr)), absm));
+    __m512 bnd =
+        use_rel ? _mm512_max_ps(
+                      _mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, _mm512_castsi512_ps(
+                                                                               _mm512_and_si512(
+                                                                                   _mm512_castps_si512(vr),
+                                                                                   absm)))),
+                                    tiny),
+                      zero)
+                : bconst;
+    __m512i xi = _mm512_castps_si512(vx), ri = _mm512_castps_si512(vr);
+    __mmask16 fin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(xi, expo), expo) &
+                    _mm512_cmpneq_epi32_mask(_mm512_and_si512(ri, expo), expo);
+    /* a change to or from NaN/Inf is forced (and an escape) */
+    __mmask16 sel = _mm512_cmp_ps_mask(d, bnd, _CMP_GT_OQ) |
+                    ((__mmask16)~fin & _mm512_cmpneq_epi32_mask(xi, ri));
+    sel &= in;
+    if (!sel) continue;
+    unsigned cnt = (unsigned)__builtin_popcount(sel);
+    __mmask16 pre = (__mmask16)((1u << cnt) - 1);
+    _mm512_mask_storeu_epi32(idx + k, pre,
+                             _mm512_maskz_compress_epi32(sel, _mm512_add_epi32(
+                                                                  lanes, _mm512_set1_epi32((int)i))));
+    _mm512_mask_storeu_ps(xs + k, pre, _mm512_maskz_compress_ps(sel, vx));
+    _mm512_mask_storeu_ps(rs + k, pre, _mm512_maskz_compress_ps(sel, vr));
+    k += cnt;
+  }
+  /* 2: code the packed elements */
+  float *ref = (float *)(void *)r;
+  for (size_t j = 0; j < k; j += 16) {
+    __mmask16 sel = k - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - j)) - 1);
+    __m512 vx = _mm512_maskz_loadu_ps(sel, xs + j), vr = _mm512_maskz_loadu_ps(sel, rs + j);
     __m512 ds = _mm512_sub_ps(vx, vr);
-    __m512i di = _mm512_and_si512(_mm512_castps_si512(ds), absm);
-    __m512 d = _mm512_castsi512_ps(di);
+    __m512 d = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(ds), absm));
     __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vr), absm));
-    __m512 bnd = use_rel ? _mm512_max_ps(_mm512_sub_ps(_mm512_add_ps(vabs, _mm512_mul_ps(vrel, ar)),
-                                                       tiny), zero)
-                         : bconst;
     __m512i xi = _mm512_castps_si512(vx), ri = _mm512_castps_si512(vr);
     __mmask16 xfin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(xi, expo), expo),
               rfin = _mm512_cmpneq_epi32_mask(_mm512_and_si512(ri, expo), expo);
-    /* a change to or from NaN/Inf is forced (and an escape) */
-    __mmask16 sel = _mm512_cmp_ps_mask(d, bnd, _CMP_GT_OQ) |
-                    ((__mmask16)~(xfin & rfin) & _mm512_cmpneq_epi32_mask(xi, ri));
-    sel &= in;
-    if (!sel) continue;
     __m512 s = _mm512_add_ps(va, _mm512_mul_ps(vb, ar));
     __m512 t = _mm512_div_ps(ds, s);
     /* + 0: a code of -0 is 0, as the integer codes of quant.c (r + -0*s keeps r = -0) */
@@ -478,22 +508,17 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512_q(const amber__
     }
     ok &= within16(vx, v, absb, relb);
     __mmask16 escape = sel & (__mmask16)~ok;
-    unsigned cnt = (unsigned)__builtin_popcount(sel);
-    __mmask16 pre = (__mmask16)((1u << cnt) - 1);
-    _mm512_mask_storeu_epi32(idx + k, pre,
-                             _mm512_maskz_compress_epi32(sel, _mm512_add_epi32(
-                                                                  lanes, _mm512_set1_epi32((int)i))));
     __m512i ci = _mm512_cvtps_epi32(_mm512_maskz_mov_ps(ok, c)); /* integral: exact */
-    _mm512_mask_cvtepi32_storeu_epi8(q->codes + k, pre, _mm512_maskz_compress_epi32(sel, ci));
-    _mm512_mask_storeu_ps(rp, sel, _mm512_mask_mov_ps(v, escape, vx));
+    _mm512_mask_cvtepi32_storeu_epi8(q->codes + j, sel, ci);
+    _mm512_mask_i32scatter_ps(ref, sel, _mm512_maskz_loadu_epi32(sel, idx + j),
+                              _mm512_mask_mov_ps(v, escape, vx), 4);
     while (escape) { /* rare: stored whole */
-      unsigned j = (unsigned)__builtin_ctz(escape);
+      unsigned l = (unsigned)__builtin_ctz(escape);
       escape &= (__mmask16)(escape - 1);
-      q->esc[nesc] = (uint32_t)(k + (size_t)__builtin_popcount(sel & ((1u << j) - 1)));
-      memcpy(q->esc_vals + 4 * nesc, xp + j, 4);
+      q->esc[nesc] = (uint32_t)(j + l);
+      memcpy(q->esc_vals + 4 * nesc, xs + j + l, 4);
       nesc++;
     }
-    k += cnt;
   }
   q->nesc = nesc;
   q->done = 1;
@@ -825,7 +850,8 @@ size_t amber__scan(const amber__scan_args *a) {
   int level = a->dtype == AMBER_F32 && a->kind != AMBER__SCAN_EXACT ? f32_simd_level() : 0;
   if (level > __atomic_load_n(&use_simd, __ATOMIC_RELAXED))
     level = __atomic_load_n(&use_simd, __ATOMIC_RELAXED);
-  if (level == 2 && a->fuse && a->defer && a->kind == AMBER__SCAN_THRESHOLD)
+  if (level == 2 && a->fuse && a->fuse->xs && a->fuse->rs && a->defer &&
+      a->kind == AMBER__SCAN_THRESHOLD)
     return scan_f32_avx512_q(a, abs_f, rel_f);
   if (level) {
     p.k = level == 2 ? scan_f32_avx512(a, abs_f, rel_f, cap_f, a->kind == AMBER__SCAN_BUDGET)

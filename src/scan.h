@@ -24,6 +24,8 @@ typedef struct amber__qfuse {
   int8_t *codes;      /* out: one per selected element (0 for an escape) */
   uint32_t *esc;      /* out: escaped ordinals */
   uint8_t *esc_vals;  /* out: their live values */
+  float *xs, *rs;     /* scratch: the selected elements' live and reference values,
+                         up to n each (neither may overlap esc_vals) */
   size_t nesc;        /* out */
   int done;           /* out: the pass quantized (else the caller quantizes) */
 } amber__qfuse;
