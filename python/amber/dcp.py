@@ -112,6 +112,39 @@ def _name(path):
     return "/".join(str(p) for p in path)
 
 
+def _units_of(names, objects):
+    """Each tensor's unit for rules in units ("threshold:1u"), as amber.torch gives
+    them: the learning rate of the param group of the parameter the tensor is or
+    belongs to, 0 (none) elsewhere. The groups are those of an optimizer state dict
+    in the state (get_optimizer_state_dict's, flattened: "<key>/param_groups/<i>/lr"
+    and ".../params", the parameters' FQNs); its state tensors are
+    "<key>/state/<FQN>/<name>", a parameter "<module key>/<FQN>" (or "<FQN>")."""
+    groups = {}
+    for name, v in objects.items():
+        head, _, field = name.rpartition("/")
+        pg, _, i = head.rpartition("/")
+        if field in ("lr", "params") and i.isdigit() and \
+                (pg == "param_groups" or pg.endswith("/param_groups")):
+            groups.setdefault((pg[:-len("param_groups")], i), {})[field] = v
+    state, params = {}, {}
+    for (prefix, _), g in groups.items():
+        lr, fqns = g.get("lr"), g.get("params")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or \
+                not isinstance(fqns, (list, tuple)):
+            continue
+        for fqn in fqns:
+            if isinstance(fqn, str):
+                state[f"{prefix}state/{fqn}"] = float(lr)
+                params[fqn] = float(lr)
+    out = []
+    for n in names:
+        u = state.get(n.rpartition("/")[0])
+        if u is None:
+            u = params.get(n, params.get(n.partition("/")[2], 0.0))
+        out.append(u)
+    return out
+
+
 def _async_save_args():
     """The checkpoint_id and async_checkpointer_type that dcp.async_save received:
     it calls stage() before it hands the id to the writer (reset())."""
@@ -149,6 +182,7 @@ class Writer(StorageWriter, AsyncStager):
         self._comm = None     # amber's collectives, on a gloo group of its own (many ranks)
         self._gw = None       # the global writer (many ranks)
         self._rules = _at._rules(policy) + ["*/state/*/step=exact"]
+        self._has_units, self._units = _at._rules_have_units(self._rules), None
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
                        "full_share": float(full_share or 0.0)}
         self._threads = threads
@@ -413,12 +447,18 @@ class Writer(StorageWriter, AsyncStager):
                 w.close()
                 raise
             self._w, self._sig, self._ptrs = w, sig, list(ptrs)
+            self._units = None  # the new writer has none yet
         else:
             for i, p in enumerate(ptrs):
                 if p is not None and p != self._ptrs[i]:
                     self._w.set_data(i, p)
                     self._ptrs[i] = p
         self._w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
+        if self._has_units:
+            units = _units_of([n for n, _ in flat.tensors], objects)
+            if units != self._units:
+                self._w.set_units(units)
+                self._units = units
         self._pinned = pinned
         step, flags = self._target[1], 0
         if self._dev.tensors:  # plan, select on the devices, hand the selections over
@@ -495,6 +535,7 @@ class Writer(StorageWriter, AsyncStager):
         self._gw = _amber.GlobalWriter(path, self._comm if self._comm.size > 1 else None,
                                        **self._wopts)
         self._sig = None
+        self._units = None
         for r in self._rules:
             self._gw.add_policy(r)
 
@@ -618,6 +659,11 @@ class Writer(StorageWriter, AsyncStager):
                     self._gw.set_data(i, r[6])
                     self._ptrs[i] = r[6]
         self._gw.set_meta(meta_json)
+        if self._has_units:
+            units = _units_of([r[0] for r in rows], objects)
+            if units != self._units:
+                self._gw.set_units(units)
+                self._units = units
         self._pinned = pinned
         step, flags = self._target[1], _amber.SAVE_CONFIRM
         try:

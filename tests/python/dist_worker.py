@@ -532,6 +532,37 @@ def scenario_dcptiny(rank, world, d):
         open(f"{d}/dcptiny.ok", "w").write(str(world))
 
 
+def scenario_dcpunits(rank, world, d):
+    """amber.dcp with a rule in units of the learning rate at many ranks: each rank's
+    shards get their param group's lr (the global writer's units), so the weights are
+    lossy within 1 lr (and not exact), the moments within the same bound, the step
+    counters exact."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    model, opt = build(0)
+    lr = opt.param_groups[0]["lr"]
+    with Writer(policy="threshold:1u", full_share=-1) as w:
+        for step in (1, 2, 3):
+            train_step(model, opt)
+            dcp.save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=f"{d}/u/step-{step}")
+    want = full_state(model, opt)
+    model, opt = build(3)
+    train_step(model, opt)
+    _dcp_load(model, opt, f"{d}/u")
+    got = full_state(model, opt)
+    lossy = False
+    for k, v in want.items():
+        err = (got[k].double() - v.double()).abs()
+        if k.endswith("/step"):
+            assert torch.equal(got[k], v), k
+            continue
+        assert bool((err <= lr * (1 + 1e-6)).all()), (k, float(err.max()))
+        lossy |= k.startswith("model/") and bool((err > 0).any())
+    assert lossy, "every weight exact: the units did not reach the global writer"
+    if rank == 0:
+        open(f"{d}/dcpunits.ok", "w").write(str(world))
+
+
 def scenario_dcpload(rank, world, d):
     """dcp.load, at this world size, of the store the dcp scenario wrote at another
     (DIR/x), and of those written by a single process (DIR/one, DIR/ck1)."""

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import amber  # noqa: E402
 from amber.dcp import Reader, Writer  # noqa: E402
-from conftest import rules_bound  # noqa: E402
+from conftest import rules_bound, spec_bound  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 AMBER = os.path.join(os.path.dirname(sys.executable), "amber")
@@ -131,15 +131,48 @@ def test_lossy_preset_restores_within_its_bound_and_writes_smaller_deltas(tmp_pa
     train(m2, opt2)
     load_into(m2, opt2, store)
     got = snapshot(m2, opt2)
-    # DCP's tensors have no learning rate for the rules' units: the preset's weight
-    # rule leaves them exact; the moments keep their own bounds
+    # the units of the preset's weight rule are each param group's lr, read from the
+    # optimizer state dict's param_groups (1e-2 here): weights are lossy within 1 lr
+    lossy = 0
     for k, v in truth.items():
         if k.endswith("/step"):
             assert torch.equal(got[k], v), k
             continue
-        a, rel = rules_bound(LOSSY, k)
+        a, rel = rules_bound(LOSSY, k, unit=1e-2)
         err = (got[k].double() - v.double()).abs()
         assert torch.all(err <= (a + rel * got[k].double().abs()) * (1 + 1e-6) + 1e-30), k
+        lossy += k.startswith("model/") and bool((err > 0).any())
+    assert lossy, "no weight was lossy: the units did not reach the writer"
+    with amber.Store(store, readonly=True) as st, st.reader() as r:
+        rec = {t.name: spec_bound(t.policy) for t in r.tensors()}
+    assert rec["model/0.weight"] == pytest.approx((1e-2, 0.0))
+    assert rec["optim/state/0.weight/exp_avg"] == pytest.approx(rules_bound(LOSSY, "o/exp_avg"))
+    assert rec["optim/state/0.weight/step"] == (0.0, 0.0)
+
+
+def test_units_of_two_param_groups_follow_their_lr(tmp_path):
+    """Each param group's lr is the unit of its parameters and their state, at every
+    save (a schedule changes it); a tensor of no group has none (exact)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW([{"params": m[0].parameters(), "lr": 1e-2},
+                             {"params": list(m[1].parameters()) + list(m[2].parameters()),
+                              "lr": 3e-3}])
+    store = f"{tmp_path}/run"
+    w = Writer(policy="threshold:2u", full_share=-1)
+    for s in range(1, 4):
+        train(m, opt)
+        dcp.save(state(m, opt), storage_writer=w, checkpoint_id=f"{store}/step-{s}")
+        with amber.Store(store, readonly=True) as st, st.reader(s) as r:
+            rec = {t.name: spec_bound(t.policy) for t in r.tensors()}
+        lr0, lr1 = (g["lr"] for g in opt.param_groups)
+        assert rec["model/0.weight"] == pytest.approx((2 * lr0, 0.0)), s
+        assert rec["optim/state/0.weight/exp_avg"] == pytest.approx((2 * lr0, 0.0)), s
+        assert rec["model/2.bias"] == pytest.approx((2 * lr1, 0.0)), s
+        assert rec["model/1.running_mean"] == (0.0, 0.0), s
+        for g in opt.param_groups:
+            g["lr"] *= 0.5
+    w.close()
 
 
 def test_async_save_stages_at_the_fence_and_round_trips(tmp_path):

@@ -24,6 +24,14 @@ def test_dcp_save_async_save_and_load_at_two_and_three_ranks(tmp_path):
     ranks("dcpload", 3, d)
 
 
+def test_dcp_rules_in_units_of_the_learning_rate_at_two_ranks(tmp_path):
+    """A rule in units ("threshold:1u") through amber.dcp at 2 ranks: each rank's
+    shards are bounded by their param group's lr, lossy and within it after a load
+    (dist_worker's "dcpunits")."""
+    ranks("dcpunits", 2, str(tmp_path))
+    assert open(f"{tmp_path}/dcpunits.ok").read() == "2"
+
+
 def test_dcp_through_the_device_path_at_two_ranks(tmp_path, monkeypatch):
     """With AMBER_DEVICE_PATH=1 each rank's shards are selected on their device
     (amber.device over the global writer's pre-selected tensors): the same steps,
