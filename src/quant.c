@@ -143,28 +143,6 @@ static int32_t lead_code(const amber__policy *p, int dtype, int mode, const qel 
   return c;
 }
 
-/* A budget's cut and step: the least and the largest finite change selected, the
- * step AMBER__QSTEP_SHARE of the cut or the largest over qmax, whichever is more,
- * at most CAP (f32 operations, as the device path repeats them). */
-static float budget_step(const amber__policy *p, int dtype, const uint8_t *ref,
-                         const uint32_t *idx, const uint8_t *vals, size_t k, int32_t qmax,
-                         float *cut) {
-  size_t w = amber_dtype_size(dtype);
-  float lo = INFINITY, hi = 0;
-  for (size_t i = 0; i < k; i++) {
-    qel e = load(dtype, vals + i * w, ref + (size_t)idx[i] * w);
-    float ad = (float)fabs(e.d);
-    if (!isfinite(e.x) || !isfinite(e.r) || !isfinite(ad)) continue;
-    lo = ad < lo ? ad : lo;
-    hi = ad > hi ? ad : hi;
-  }
-  if (!isfinite(lo)) lo = 0; /* nothing finite: every element is an escape */
-  float s = (float)AMBER__QSTEP_SHARE * lo, m = hi / (float)qmax;
-  s = m > s ? m : s;
-  if (s > (float)p->cap) s = (float)p->cap;
-  *cut = lo;
-  return s;
-}
 
 /* ---- f32 with integer codes: the common case, in one tight loop ----
  *
@@ -174,10 +152,137 @@ static float budget_step(const amber__policy *p, int dtype, const uint8_t *ref,
  * [2^23, 2^24), where f32 has unit spacing: round to nearest, ties to even, as
  * nearbyint), and the restore's two operations inline. */
 
-static int fast = 1;
+static int fast = 2; /* 2: AVX-512 where it runs, 1: the f32 loop, 0: generic */
 
 void amber__quant_use_fast(int on) {
   __atomic_store_n(&fast, on, __ATOMIC_RELAXED);
+}
+
+/* ---- f32 budgets without a lead on AVX-512: sixteen selected elements a step ----
+ *
+ * The first moments' rule ("budget:F:CAP@q8") quantizes a few percent of a large
+ * tensor after the scan, each element with its reference gathered from and its
+ * restore scattered into the tensor. The same operations as quant_f32 (and so the
+ * same bits: test_delta_quant compares both with the generic code), sixteen at a
+ * time. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define QUANT_AVX512 1
+
+static int have_avx512(void) {
+  static int level = -1;
+  int v = __atomic_load_n(&level, __ATOMIC_RELAXED);
+  if (v < 0) {
+    __builtin_cpu_init();
+    v = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    __atomic_store_n(&level, v, __ATOMIC_RELAXED);
+  }
+  return v;
+}
+
+/* budget_step's least and largest finite |x - r| (f32) */
+__attribute__((target("avx512f"))) static void budget_range16(const float *ref, const uint32_t *idx,
+                                                              const float *vals, size_t k,
+                                                              float *lo, float *hi) {
+  const __m512i absm = _mm512_set1_epi32(0x7fffffff), expo = _mm512_set1_epi32(0x7f800000);
+  __m512 vlo = _mm512_set1_ps(INFINITY), vhi = _mm512_setzero_ps();
+  for (size_t i = 0; i < k; i += 16) {
+    __mmask16 in = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+    __m512 vr = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in,
+                                         _mm512_maskz_loadu_epi32(in, idx + i), ref, 4);
+    __m512 vx = _mm512_maskz_loadu_ps(in, vals + i);
+    __m512i ad = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(vx, vr)), absm);
+    __mmask16 m = in &
+                  _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(vx), expo), expo) &
+                  _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(vr), expo), expo) &
+                  _mm512_cmpneq_epi32_mask(_mm512_and_si512(ad, expo), expo);
+    vlo = _mm512_mask_min_ps(vlo, m, vlo, _mm512_castsi512_ps(ad));
+    vhi = _mm512_mask_max_ps(vhi, m, vhi, _mm512_castsi512_ps(ad));
+  }
+  *lo = _mm512_reduce_min_ps(vlo);
+  *hi = _mm512_reduce_max_ps(vhi);
+}
+
+__attribute__((target("avx512f"))) static size_t quant_f32_budget16(
+    float *ref, const uint32_t *idx, const float *vals, size_t k, int32_t qmax, float a, double cap,
+    int8_t *codes, uint32_t *esc, uint8_t *esc_vals) {
+  const __m512 va = _mm512_set1_ps(a), zero = _mm512_setzero_ps(),
+               vqlim = _mm512_set1_ps((float)qmax + 0.5f), vqmax = _mm512_set1_ps((float)qmax);
+  const __m512i absm = _mm512_set1_epi32(0x7fffffff), expo = _mm512_set1_epi32(0x7f800000);
+  const __m512i absd = _mm512_set1_epi64(0x7fffffffffffffffll);
+  const __m512d capd = _mm512_set1_pd(cap);
+  size_t nesc = 0;
+  for (size_t i = 0; i < k; i += 16) {
+    __mmask16 in = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+    __m512i ix = _mm512_maskz_loadu_epi32(in, idx + i);
+    __m512 vr = _mm512_mask_i32gather_ps(zero, in, ix, ref, 4);
+    __m512 vx = _mm512_maskz_loadu_ps(in, vals + i);
+    __m512 ar = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(vr), absm));
+    __m512 s = _mm512_add_ps(va, _mm512_mul_ps(zero, ar)); /* a + 0 * |r|, as quant_f32 */
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(vx, vr), s);
+    __m512 tabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(t), absm));
+    __mmask16 ok =
+        in & _mm512_cmp_ps_mask(tabs, vqlim, _CMP_LE_OQ) &
+        _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(vx), expo), expo) &
+        _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(vr), expo), expo);
+    /* + 0: a code of -0 is 0, as an integer */
+    __m512 c = _mm512_add_ps(_mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                             zero);
+    __m512 cabs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(c), absm));
+    ok &= _mm512_cmp_ps_mask(cabs, vqmax, _CMP_LE_OQ);
+    c = _mm512_maskz_mov_ps(ok, c);
+    __m512 v = _mm512_add_ps(vr, _mm512_mul_ps(c, s));
+    /* f32_within for a budget: v finite and |x - v| <= CAP, in f64 */
+    __mmask16 w = 0;
+    for (int h = 0; h < 2; h++) {
+      __m512d xd = _mm512_cvtps_pd(_mm512_castps512_ps256(h ? _mm512_shuffle_f32x4(vx, vx, 0xEE) : vx));
+      __m512d vd = _mm512_cvtps_pd(_mm512_castps512_ps256(h ? _mm512_shuffle_f32x4(v, v, 0xEE) : v));
+      __m512d e = _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(_mm512_sub_pd(xd, vd)), absd));
+      w |= (__mmask16)(_mm512_cmp_pd_mask(e, capd, _CMP_LE_OQ) << (8 * h));
+    }
+    ok &= w & _mm512_cmpneq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), expo), expo);
+    _mm512_mask_cvtepi32_storeu_epi8(codes + i, in, _mm512_cvtps_epi32(_mm512_maskz_mov_ps(ok, c)));
+    _mm512_mask_i32scatter_ps(ref, in, ix, _mm512_mask_mov_ps(vx, ok, v), 4);
+    __mmask16 escape = in & (__mmask16)~ok;
+    while (escape) { /* stored whole */
+      unsigned l = (unsigned)__builtin_ctz(escape);
+      escape &= (__mmask16)(escape - 1);
+      esc[nesc] = (uint32_t)(i + l);
+      memcpy(esc_vals + 4 * nesc, vals + i + l, 4);
+      nesc++;
+    }
+  }
+  return nesc;
+}
+#endif
+
+/* A budget's cut and step: the least and the largest finite change selected, the
+ * step AMBER__QSTEP_SHARE of the cut or the largest over qmax, whichever is more,
+ * at most CAP (f32 operations, as the device path repeats them). */
+static float budget_step(const amber__policy *p, int dtype, const uint8_t *ref,
+                         const uint32_t *idx, const uint8_t *vals, size_t k, int32_t qmax,
+                         float *cut) {
+  size_t w = amber_dtype_size(dtype);
+  float lo = INFINITY, hi = 0;
+#ifdef QUANT_AVX512
+  if (dtype == AMBER_F32 && __atomic_load_n(&fast, __ATOMIC_RELAXED) >= 2 && have_avx512())
+    budget_range16((const float *)(const void *)ref, idx, (const float *)(const void *)vals, k,
+                   &lo, &hi);
+  else
+#endif
+    for (size_t i = 0; i < k; i++) {
+      qel e = load(dtype, vals + i * w, ref + (size_t)idx[i] * w);
+      float ad = (float)fabs(e.d);
+      if (!isfinite(e.x) || !isfinite(e.r) || !isfinite(ad)) continue;
+      lo = ad < lo ? ad : lo;
+      hi = ad > hi ? ad : hi;
+    }
+  if (!isfinite(lo)) lo = 0; /* nothing finite: every element is an escape */
+  float s = (float)AMBER__QSTEP_SHARE * lo, m = hi / (float)qmax;
+  s = m > s ? m : s;
+  if (s > (float)p->cap) s = (float)p->cap;
+  *cut = lo;
+  return s;
 }
 
 static inline float round_code(float t) {
@@ -299,6 +404,14 @@ void amber__quantize(const amber__policy *p, int dtype, uint8_t *ref, const uint
   }
   size_t nesc = 0;
   uint8_t tmp[8];
+#ifdef QUANT_AVX512
+  if (dtype == AMBER_F32 && mode != AMBER__QV_BF16 && p->kind == AMBER__POL_BUDGET && !p->lead &&
+      __atomic_load_n(&fast, __ATOMIC_RELAXED) >= 2 && have_avx512()) {
+    q->nesc = quant_f32_budget16((float *)(void *)ref, idx, (const float *)(const void *)vals, k,
+                                 qmax, a, p->cap, codes, buf->esc, buf->esc_vals);
+    return;
+  }
+#endif
   if (dtype == AMBER_F32 && mode != AMBER__QV_BF16 && __atomic_load_n(&fast, __ATOMIC_RELAXED)) {
     q->nesc = quant_f32(p, (float *)(void *)ref, idx, (const float *)(const void *)vals, k, qmax,
                         a, b, cut, codes, buf->esc, buf->esc_vals);

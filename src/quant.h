@@ -48,8 +48,8 @@ int amber__qfuse_init(amber__qfuse *f, const amber__policy *p, int dtype,
 void amber__qfuse_result(const amber__qfuse *f, const amber__policy *p, const uint32_t *idx,
                          size_t k, const amber__qbuf *buf, amber__qsel *q);
 
-/* Tests: 0 makes every dtype take the generic code, so that the f32 loop can be
- * checked against it; 1 (the default) the f32 loop. */
+/* Tests: 0 makes every dtype take the generic code, so that the f32 code can be
+ * checked against it; 1 the f32 loop; 2 (the default) also the AVX-512 budget loop. */
 void amber__quant_use_fast(int on);
 
 #endif /* AMBER_QUANT_H */
