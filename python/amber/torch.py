@@ -575,7 +575,10 @@ def _units(groups, state):
         if isinstance(opt, torch.optim.Optimizer):
             lrs[okey] = [float(g["lr"]) if isinstance(g.get("lr"), (int, float)) else 0.0
                          for g in opt.param_groups]
-    return [lrs[g[0]][g[1]] if g is not None else 0.0 for g in groups]
+    # a group that is gone (the plan checks the structure, so only by misuse): no
+    # unit, which is exact, never looser
+    return [lrs[g[0]][g[1]] if g is not None and g[1] < len(lrs.get(g[0], ())) else 0.0
+            for g in groups]
 
 
 def _entry(flat, names, key, value):
