@@ -99,6 +99,19 @@ void amber__chunk_full(amber__scratch *s, const amber__chunk_src *src, amber__ch
   amber__ckpt_append(src->out, c, ref, bytes);
 }
 
+/* zstd of the delta body in s->body (blen bytes) into s->zbuf; on failure the
+ * checkpoint fails (the chunk's whole size bounds what zbuf holds). */
+static int compress_body(amber__scratch *s, const amber__chunk_src *src, size_t bytes, size_t blen,
+                         size_t *plen) {
+  if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
+                           s->body, blen, plen) == 0)
+    return 0;
+  char why[AMBER__ERRLEN];
+  snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", src->name);
+  amber__ckpt_fail(src->out, AMBER_ENOMEM, why);
+  return -1;
+}
+
 /* Where a quantized chunk's outputs go: keys and xbuf are free once the scan has
  * selected (the escapes' positions and values), the codes and step have their own. */
 static amber__qbuf qbuf_of(amber__scratch *s) {
@@ -125,13 +138,7 @@ static void quant_chunk(amber__scratch *s, const amber__chunk_src *src, const am
   if (amber__qsparse_bound(n, &q, isz) <= bytes + 16) /* the body fits s->body */
     blen = amber__qsparse_encode(s->body, &q, n, isz);
   if (blen < bytes) {
-    if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
-                             s->body, blen, &plen) != 0) {
-      char why[AMBER__ERRLEN];
-      snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", src->name);
-      amber__ckpt_fail(src->out, AMBER_ENOMEM, why);
-      return;
-    }
+    if (compress_body(s, src, bytes, blen, &plen) != 0) return;
     c->encoding = AMBER__ENC_QSPARSE;
     c->checksum = amber__xxh3(s->zbuf, plen);
     amber__ckpt_append(src->out, c, s->zbuf, plen);
@@ -228,13 +235,7 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   } else {
     /* the body is at most 1 + bitmap + k * isz < bytes: it fits s->body */
     size_t blen = amber__sparse_encode(s->body, s->idx, s->vals, k, n, isz);
-    if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
-                             s->body, blen, &plen) != 0) {
-      char why[AMBER__ERRLEN];
-      snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", src->name);
-      amber__ckpt_fail(src->out, AMBER_ENOMEM, why);
-      return;
-    }
+    if (compress_body(s, src, bytes, blen, &plen) != 0) return;
     c->encoding = AMBER__ENC_SPARSE;
     payload = s->zbuf;
     if (xlen && xlen < plen) {

@@ -456,7 +456,8 @@ class DistCheckpointer(_at.Checkpointer):
         w = self._gw
         w.set_meta(meta_json)
         if self._has_units:
-            units = _at._units(_at._unit_groups(flat, state), state)
+            m = _at._UnitMap(flat, state)
+            units = m.units(m.lrs(state))
             if units != self._units:
                 w.set_units(units)
                 self._units = units

@@ -542,43 +542,49 @@ def _owned_storages(state):
     return out
 
 
-def _unit_groups(flat, state):
+class _UnitMap:
     """Where each flattened tensor's unit (what "Nu" in a policy rule multiplies)
-    comes from: (optimizer key, param group index) of the parameter it belongs to
-    (the parameter itself, under each of its names, and its optimizer state), None
-    (no unit) for everything else. The unit is the group's learning rate (_units)."""
-    names = _Names(state)
-    where = {}
-    for okey, opt in state.items():
-        if not isinstance(opt, torch.optim.Optimizer):
-            continue
-        for gi, g in enumerate(opt.param_groups):
-            for p in g["params"]:
-                pname = names.by_id.get(id(p))
-                if pname is None:
-                    continue
-                where[f"{okey}/{pname}"] = (okey, gi)  # its state: "<optim key>/<param>/<key>"
-                for alias in names.aliases[id(p)]:  # the parameter, under each of its names
-                    where[f"{names.modules[0][0]}/{alias}" if names.single else alias] = (okey, gi)
-    out = []
-    for name, _ in flat.tensors:
-        head, _, _ = name.rpartition("/")
-        out.append(where.get(name, where.get(head)))
-    return out
+    comes from: the learning rate of the param group of the parameter it belongs to
+    (the parameter itself, under each of its names, and its optimizer state); none (0)
+    for everything else. Made once per state structure; a save then reads the few
+    groups' learning rates (lrs) and spreads them over the tensors (units) in one
+    C-level call."""
 
+    def __init__(self, flat, state):
+        names = _Names(state)
+        where, groups = {}, {}
+        for okey, opt in state.items():
+            if not isinstance(opt, torch.optim.Optimizer):
+                continue
+            for gi, g in enumerate(opt.param_groups):
+                for p in g["params"]:
+                    pname = names.by_id.get(id(p))
+                    if pname is None:
+                        continue
+                    at = groups.setdefault((okey, gi), len(groups))
+                    where[f"{okey}/{pname}"] = at  # its state: "<optim key>/<param>/<key>"
+                    for alias in names.aliases[id(p)]:  # the parameter, under each name
+                        where[f"{names.modules[0][0]}/{alias}" if names.single else alias] = at
+        self.groups = list(groups)
+        none = len(self.groups)  # lrs() + (0.0,): the unit of a tensor of no group
+        at = [where.get(n, where.get(n.rpartition("/")[0], none)) for n, _ in flat.tensors]
+        pick = itemgetter(*at) if at else (lambda lrs: ())
+        self._pick = pick if len(at) != 1 else (lambda lrs: (pick(lrs),))
 
-def _units(groups, state):
-    """The units of _unit_groups' tensors now: each param group's learning rate (0:
-    none, also for an lr that is not a number, e.g. a tensor lr)."""
-    lrs = {}
-    for okey, opt in state.items():
-        if isinstance(opt, torch.optim.Optimizer):
-            lrs[okey] = [float(g["lr"]) if isinstance(g.get("lr"), (int, float)) else 0.0
-                         for g in opt.param_groups]
-    # a group that is gone (the plan checks the structure, so only by misuse): no
-    # unit, which is exact, never looser
-    return [lrs[g[0]][g[1]] if g is not None and g[1] < len(lrs.get(g[0], ())) else 0.0
-            for g in groups]
+    def lrs(self, state):
+        """Each group's learning rate now (0: a group that is gone, which the save
+        plan's structure check rules out but for misuse, or an lr that is not a
+        number, e.g. a tensor: no unit, which is exact, never looser)."""
+        out = []
+        for okey, gi in self.groups:
+            opt = state.get(okey)
+            pg = getattr(opt, "param_groups", ())
+            lr = pg[gi].get("lr") if gi < len(pg) else None
+            out.append(float(lr) if isinstance(lr, (int, float)) else 0.0)
+        return tuple(out)
+
+    def units(self, lrs):
+        return list(self._pick(lrs + (0.0,)))
 
 
 def _entry(flat, names, key, value):
@@ -1466,7 +1472,7 @@ class Checkpointer:
                  readonly=False, threads=0, chunk_elems=0, keep_last=None, process_group=None):
         self._rules = _rules(policy)
         self._has_units, self._units = _rules_have_units(self._rules), None
-        self._unit_groups = None  # _unit_groups of the state, with rules in units
+        self._unit_map = self._unit_lrs = None  # with rules in units: _UnitMap, its lrs
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         self._wopts = {"chunk_elems": chunk_elems or 0, "full_every": full_every or 0,
@@ -1612,8 +1618,10 @@ class Checkpointer:
                 if ptr != self._ptrs[i]:
                     w.set_data(i, ptr)
                     self._ptrs[i] = ptr
-        if self._unit_groups is not None:
-            self._set_units(state)  # the learning rates of this step
+        if self._unit_map is not None:  # the learning rates of this step
+            lrs = self._unit_map.lrs(state)
+            if lrs != self._unit_lrs:  # the same structure: units move with the lrs only
+                self._set_units(lrs)
         tail = ',"step":' + str(step) + "}"
         if rng is not None:
             tail = ',"rng":' + json.dumps(rng, allow_nan=False, separators=_SEP) + tail
@@ -1633,11 +1641,12 @@ class Checkpointer:
             raise
         return True
 
-    def _set_units(self, state):
-        units = _units(self._unit_groups, state)
+    def _set_units(self, lrs):
+        units = self._unit_map.units(lrs)
         if units != self._units:
             self._writer.set_units(units)
             self._units = units
+        self._unit_lrs = lrs
 
     def _unplan(self):
         self._saveplan = None
@@ -1663,10 +1672,10 @@ class Checkpointer:
         self._inplace = bool(scanned)  # the library reads tensors in place until the fence
         w = self._writer
         w.set_meta(json.dumps(meta, allow_nan=False, separators=(",", ":")))
-        self._unit_groups = None
+        self._unit_map = None
         if self._has_units:
-            self._unit_groups = _unit_groups(flat, state)
-            self._set_units(state)
+            self._unit_map = _UnitMap(flat, state)
+            self._set_units(self._unit_map.lrs(state))
         self._pinned = [t for _, t in scanned]
         self._versions = _Versions([n for n, _ in scanned], [t for _, t in scanned])
         for v in state.values():
@@ -1779,7 +1788,7 @@ class Checkpointer:
             raise
         self._writer, self._sig = w, sig
         self._ptrs = list(ptrs)
-        self._units = None  # the new writer has none yet
+        self._units = self._unit_lrs = None  # the new writer has none yet
 
     def _hook(self, opt):
         if id(opt) in self._hooks and self._hooks[id(opt)][0]() is opt:
