@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import torch  # noqa: E402
 
 import demo_gpt as demo  # noqa: E402
-from amber.torch import LOSSY, LOSSY_COMPACT, LOSSY_FREQUENT  # noqa: E402
+from amber.torch import LOSSY, LOSSY_CAPPED, LOSSY_COMPACT, LOSSY_FREQUENT  # noqa: E402
 
 W_, M_, V_ = "", "*/exp_avg=", "*/exp_avg_sq="
 
@@ -110,6 +110,7 @@ POLICIES = {
     "lossy": LOSSY,
     "lossy-frequent": LOSSY_FREQUENT,
     "lossy-compact": LOSSY_COMPACT,
+    "lossy-capped": LOSSY_CAPPED,
     # -- the presets before issue 22 (whole f32 values); the same rules under other
     # names in earlier sweeps: v1-lossy = mid2 = lossy of issue 16
     "v1-lossy": rules("budget:0.04:2.5e-4", "budget:0.04:2.5e-5", "threshold:0:0.15"),
@@ -172,6 +173,12 @@ POLICIES = {
     # W as a budget (20%, in steps of its cut, leading to it) instead of lr units
     "q4-Wbudget": rules("budget:0.2:5e-3@q8+lead", "budget:0.08:1e-3@q8",
                         "threshold:0:0.3@q8+lead"),
+    # -- every delta at most 3%: lossy with share caps on W and V (at most 10% and 6%
+    # of a chunk a delta, the farthest over their bound first, never beyond 8 and 16
+    # bounds); measured with QSPARSE bodies at zstd level -1. The preset
+    # lossy-capped is W 15%, M 10%, V 10% (with level 1's smaller bodies)
+    "c1-lossy-capped": rules("threshold:1u/0.1:8@q8+lead", "budget:0.08:1e-3@q8",
+                             "threshold:0:0.3/0.06:16@q8+lead"),
 }
 
 
@@ -485,6 +492,8 @@ def main():
     ap.add_argument("--model", default="demo", choices=sorted(MODELS))
     ap.add_argument("--steps", type=int, default=None, help="default: 200 (demo), 1000 (large)")
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--only-seeds", default=None,
+                    help="run only these of the seeds (comma list; to spread runs over processes)")
     ap.add_argument("--ks", default="10,20,50")
     ap.add_argument("--policies", default="exact,lossy,lossy-compact",
                     help="comma-separated names, or all (with --report: every cached run)")
@@ -522,8 +531,9 @@ def main():
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     train_data, held, _ = corpus_of(a.model)
     seeds = list(range(a.seeds))
+    run_seeds = [int(x) for x in a.only_seeds.split(",")] if a.only_seeds else seeds
     plan = [(None, s, 0) for s in seeds]
-    plan += [(n, s, k) for n in names for k in ks for s in seeds]
+    plan += [(n, s, k) for n in names for k in ks for s in run_seeds]
     print(f"fidelity: {len(plan)} runs of {a.steps} steps ({a.seeds} seeds; K = {a.ks}; "
           f"{a.threads} threads; load average {os.getloadavg()[0]:.1f})", flush=True)
     rows, t0 = [], time.time()

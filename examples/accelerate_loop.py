@@ -32,7 +32,7 @@ def main():
     ap.add_argument("--out", default="accelerate-example")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--save-every", type=int, default=5)
-    ap.add_argument("--policy", default="exact", help="exact, lossy, lossy-frequent, lossy-compact")
+    ap.add_argument("--policy", default="exact", help="exact, lossy, lossy-frequent, lossy-compact, lossy-capped")
     opts = ap.parse_args()
     torch.set_num_threads(1)  # a model this small runs fastest on one thread
 

@@ -31,7 +31,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="hf-example")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--policy", default="exact", help="exact, lossy, lossy-frequent, lossy-compact")
+    ap.add_argument("--policy", default="exact", help="exact, lossy, lossy-frequent, lossy-compact, lossy-capped")
     opts = ap.parse_args()
     torch.set_num_threads(1)  # a model this small runs fastest on one thread
 

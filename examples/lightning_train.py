@@ -11,7 +11,7 @@ Lightning's .ckpt files (small pointers into the store) and the amber store's
 checkpoints (full ones, and deltas between them).
 
     python examples/lightning_train.py [--dir lightning-out] [--steps 16] [--every 4]
-                                       [--policy exact|lossy|lossy-frequent|lossy-compact]
+                                       [--policy exact|lossy|lossy-frequent|lossy-compact|lossy-capped]
 """
 import argparse
 import json

@@ -244,7 +244,11 @@ typedef struct amber_writer_opts {
                             128 MiB per chunk */
   uint32_t flags;        /* AMBER_WRITER_* */
   int32_t zstd_level;    /* 0 = default (-1: zstd's fast mode; measured by amber bench as
-                            half the encode time of level 1 for 0.5% larger deltas) */
+                            half the encode time of level 1 for 0.5% larger deltas;
+                            quantized delta chunks: 1, since their codes need the
+                            entropy coding that negative levels skip: 27% smaller
+                            deltas for about the same time). A level set here applies
+                            to both */
   uint32_t full_every;   /* a full checkpoint after this many deltas; 0 = default (50),
                             UINT32_MAX = only when forced or needed */
   uint32_t reserved0;    /* must be zero */
@@ -289,7 +293,10 @@ AMBER_API int amber_writer_add(amber_writer *w, const char *name, int dtype,
 AMBER_API int amber_writer_set_data(amber_writer *w, size_t index, const void *data);
 
 /* Adds a policy rule: "SPEC" or "PATTERN=SPEC", where SPEC is `exact`,
- * `threshold:ABS[:REL]` or `budget:FRAC[:CAP]` and PATTERN a glob (fnmatch) on
+ * `threshold:ABS[:REL]`, `threshold:ABS[:REL]/SHARE:MULT` (a share cap: at most
+ * SHARE of each chunk's elements a delta, the farthest over their bound first, plus
+ * every one beyond MULT bounds; every restored element within MULT bounds) or
+ * `budget:FRAC[:CAP]`, and PATTERN a glob (fnmatch) on
  * tensor names; a rule without a pattern matches every tensor. For each tensor the
  * last matching rule wins; with none, the policy is `exact`. Integer and bool
  * tensors are always exact. AMBER_EINVAL with a message for a malformed rule.

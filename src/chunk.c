@@ -101,9 +101,9 @@ void amber__chunk_full(amber__scratch *s, const amber__chunk_src *src, amber__ch
 
 /* zstd of the delta body in s->body (blen bytes) into s->zbuf; on failure the
  * checkpoint fails (the chunk's whole size bounds what zbuf holds). */
-static int compress_body(amber__scratch *s, const amber__chunk_src *src, size_t bytes, size_t blen,
-                         size_t *plen) {
-  if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(bytes + 16),
+static int compress_body(amber__scratch *s, const amber__chunk_src *src, int level, size_t bytes,
+                         size_t blen, size_t *plen) {
+  if (amber__zstd_compress(s->cctx, level, s->zbuf, amber__zstd_bound(bytes + 16),
                            s->body, blen, plen) == 0)
     return 0;
   char why[AMBER__ERRLEN];
@@ -138,7 +138,8 @@ static void quant_chunk(amber__scratch *s, const amber__chunk_src *src, const am
   if (amber__qsparse_bound(n, &q, isz) <= bytes + 16) /* the body fits s->body */
     blen = amber__qsparse_encode(s->body, &q, n, isz);
   if (blen < bytes) {
-    if (compress_body(s, src, bytes, blen, &plen) != 0) return;
+    if (compress_body(s, src, src->qzstd_level, bytes, blen, &plen) != 0)
+      return;
     c->encoding = AMBER__ENC_QSPARSE;
     c->checksum = amber__xxh3(s->zbuf, plen);
     amber__ckpt_append(src->out, c, s->zbuf, plen);
@@ -164,6 +165,11 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
     a.kind = AMBER__SCAN_THRESHOLD;
     a.abs = rule->policy.abs;
     a.rel = rule->policy.rel;
+    if (rule->policy.share > 0) { /* "/SHARE:MULT": at most SHARE of the chunk, at least 1 */
+      a.share_k = (size_t)(rule->policy.share * (double)n);
+      if (!a.share_k) a.share_k = 1;
+      a.mult = rule->policy.mult;
+    }
   } else if (rule && rule->policy.kind == AMBER__POL_BUDGET) {
     a.kind = AMBER__SCAN_BUDGET;
     a.cap = rule->policy.cap;
@@ -175,7 +181,9 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   int quant = rule && rule->policy.qmode && a.kind != AMBER__SCAN_EXACT &&
               amber__quant_dtype(src->dtype);
   amber__qfuse fuse = {0};
-  a.defer = quant;
+  /* a share cap drops selected elements after the pass: the reference must still
+   * hold their old values then */
+  a.defer = quant || a.share_k;
   if (quant) {
     amber__qbuf qb = qbuf_of(s);
     if (amber__qfuse_init(&fuse, &rule->policy, src->dtype, &qb)) {
@@ -201,6 +209,9 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
     s->encode_s += amber__now() - t1;
     return;
   }
+  if (a.defer) /* whole values under a share cap: the kept ones move the reference */
+    for (size_t i = 0; i < k; i++)
+      memcpy((uint8_t *)src->ref + (size_t)s->idx[i] * isz, s->vals + i * isz, isz);
   /* Exact policy with dense changes: also try the XOR with the old reference,
    * rebuilt from the selected elements' old and new values. */
   size_t xlen = 0;
@@ -235,7 +246,7 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   } else {
     /* the body is at most 1 + bitmap + k * isz < bytes: it fits s->body */
     size_t blen = amber__sparse_encode(s->body, s->idx, s->vals, k, n, isz);
-    if (compress_body(s, src, bytes, blen, &plen) != 0) return;
+    if (compress_body(s, src, src->zstd_level, bytes, blen, &plen) != 0) return;
     c->encoding = AMBER__ENC_SPARSE;
     payload = s->zbuf;
     if (xlen && xlen < plen) {

@@ -45,7 +45,8 @@ typedef struct amber__chunk_src {
   const uint8_t *live;       /* the caller's memory */
   uint8_t *ref;              /* the reference's copy; NULL: a full save keeps none */
   const amber__rule *rule;   /* the tensor's policy (NULL: exact) */
-  int zstd_level;
+  int zstd_level;            /* whole values */
+  int qzstd_level;           /* quantized (QSPARSE) bodies */
   int compress;              /* full chunks: AMBER_WRITER_COMPRESS_FULL */
 } amber__chunk_src;
 

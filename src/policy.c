@@ -1,5 +1,5 @@
 /*
- * policy.c - parsing policy rules ("exact", "threshold:ABS[:REL]",
+ * policy.c - parsing policy rules ("exact", "threshold:ABS[:REL][/SHARE:MULT]",
  * "budget:FRAC[:CAP]", optionally with a value code "@q8", "@q4" or "@bf16" and
  * "+lead" after it, optionally "PATTERN=" in front) and choosing the rule that
  * applies to a tensor: the last one whose glob matches its name. Integer and bool
@@ -73,6 +73,16 @@ int amber__policy_parse(const char *spec, amber__policy *p) {
   }
   const char *at = strchr(args, '@');
   const char *end = at ? at : args + strlen(args);
+  /* a threshold's share cap: "/SHARE:MULT", 0 < SHARE <= 1, MULT >= 1 */
+  const char *slash = memchr(args, '/', (size_t)(end - args));
+  if (slash) {
+    if (p->kind != AMBER__POL_THRESHOLD) return -1;
+    const char *c2 = memchr(slash + 1, ':', (size_t)(end - slash - 1));
+    if (!c2 || parse_num(slash + 1, c2, &p->share, NULL) || parse_num(c2 + 1, end, &p->mult, NULL))
+      return -1;
+    if (!(p->share > 0 && p->share <= 1) || !(p->mult >= 1)) return -1;
+    end = slash;
+  }
   const char *colon = memchr(args, ':', (size_t)(end - args));
   const char *end1 = colon ? colon : end;
   double a, b = 0;
@@ -104,6 +114,9 @@ int amber__policy_format(const amber__policy *p, char *buf, size_t cap) {
   int n;
   if (p->kind == AMBER__POL_EXACT)
     n = snprintf(buf, cap, "exact");
+  else if (p->kind == AMBER__POL_THRESHOLD && p->share > 0)
+    n = snprintf(buf, cap, "threshold:%.17g:%.17g/%.17g:%.17g%s%s", p->abs, p->rel, p->share,
+                 p->mult, codes[p->qmode], p->lead ? "+lead" : "");
   else if (p->kind == AMBER__POL_THRESHOLD)
     n = snprintf(buf, cap, "threshold:%.17g:%.17g%s%s", p->abs, p->rel, codes[p->qmode],
                  p->lead ? "+lead" : "");
@@ -121,8 +134,9 @@ int amber__rules_add(amber__err *e, amber__rules *r, const char *rule) {
   amber__policy p;
   if (amber__policy_parse(spec, &p) != 0)
     return amber__fail(e, AMBER_EINVAL,
-                       "bad policy '%s' (expected exact, threshold:ABS[:REL] or "
-                       "budget:FRAC[:CAP] (ABS and CAP may end in u), optionally followed by "
+                       "bad policy '%s' (expected exact, threshold:ABS[:REL][/SHARE:MULT] "
+                       "(0 < SHARE <= 1, MULT >= 1) or budget:FRAC[:CAP] (ABS and CAP may end "
+                       "in u), optionally followed by "
                        "@q8, @q4 or @bf16 and +lead, optionally PATTERN=SPEC)",
                        rule);
   if (eq && eq == rule)

@@ -14,13 +14,16 @@ typedef struct amber__policy {
   int kind;
   double abs, rel;  /* threshold: store when |x - ref| > abs + rel * |ref| */
   double frac, cap; /* budget: at most frac of the elements, plus all above cap */
+  double share, mult; /* threshold "/SHARE:MULT": at most share of a chunk's elements (the
+                         farthest over their bound first), plus all beyond mult bounds;
+                         share 0: no cap */
   int qmode;        /* value code of the stored changes: 0 (whole values) or AMBER__QV_* */
   int lead;         /* quantized: the reference leads the change, to the bound's edge */
   int abs_unit, cap_unit; /* ABS, CAP written "Nu": N times the tensor's unit */
 } amber__policy;
 
 /* Room for a policy spec with its numbers written out (amber__policy_format). */
-#define AMBER__SPEC_MAX 96
+#define AMBER__SPEC_MAX 160
 
 typedef struct amber__rule {
   char *pattern; /* NULL: every tensor */

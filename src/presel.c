@@ -110,8 +110,9 @@ void amber__chunk_presel(amber__scratch *s, const amber__chunk_src *src,
     /* the scratch body holds the bitmap form of a whole chunk (writer.c sizes it) */
     blen = amber__sparse_encode(s->body, sel->idx, sel->vals, k, n, isz);
   }
-  if (amber__zstd_compress(s->cctx, src->zstd_level, s->zbuf, amber__zstd_bound(blen), s->body,
-                           blen, &plen) != 0) {
+  int level = sel->quant ? src->qzstd_level : src->zstd_level;
+  if (amber__zstd_compress(s->cctx, level, s->zbuf, amber__zstd_bound(blen), s->body, blen,
+                           &plen) != 0) {
     char why[AMBER__ERRLEN];
     snprintf(why, sizeof why, "cannot compress a chunk of tensor '%s'", src->name);
     amber__ckpt_fail(src->out, AMBER_ENOMEM, why);

@@ -22,7 +22,11 @@
  * strided sample of the chunk selects a few more candidates than the budget,
  * and, if there are too many, a 12-bit histogram of the candidates' changes
  * picks the exact cut and the surplus is put back into the reference. A change
- * to or from NaN or Inf is always selected. f16, bf16 and f8 compare in f32,
+ * to or from NaN or Inf is always selected. A threshold with a share cap
+ * ("/SHARE:MULT") that selected more than SHARE of the chunk keeps the forced
+ * ones (beyond MULT bounds, or not finite) and the farthest over their bound by
+ * the same histogram cut (share_trim); the others stay in live - reference.
+ * f16, bf16 and f8 compare in f32,
  * f32 compares in f32 with a bound shrunk by 2^-20 so that float rounding can
  * only select more, never less, than the exact rule; f64 compares in f64.
  */
@@ -44,6 +48,8 @@
 #define EXP32 AMBER__EXP32
 #define EXP64 0x7ff0000000000000ull
 #define SHRINK (1.0 - 1.0 / 1048576.0) /* 1 - 2^-20 */
+
+static size_t share_trim(const amber__scan_args *a, size_t k, size_t w, float *xs, float *rs);
 
 /* ---- small-float conversions ---- */
 
@@ -465,6 +471,7 @@ __attribute__((target("avx512f"))) static size_t scan_f32_avx512_q(const amber__
     _mm512_mask_storeu_ps(rs + k, pre, _mm512_maskz_compress_ps(sel, vr));
     k += cnt;
   }
+  if (a->share_k && k > a->share_k) k = share_trim(a, k, 4, xs, rs);
   /* 2: code the packed elements */
   float *ref = (float *)(void *)r;
   for (size_t j = 0; j < k; j += 16) {
@@ -742,6 +749,65 @@ static void merge_fill(const amber__scan_args *a, size_t w, size_t k, const uint
   }
 }
 
+/* A threshold's share cap, when the scan selected k > share_k elements: keeps the
+ * forced ones (a change beyond MULT bounds, or to or from NaN or Inf) and, of the others, the
+ * share_k - forced farthest over their bound (by a 12-bit histogram of the f32 bits
+ * of change / bound, ties in the cut bucket in index order, as budget_cut). Decided
+ * in f64 for every dtype (the values widen exactly), so that the device path
+ * (python/amber/device.py) repeats it bit for bit. The reference is untouched (the
+ * scan deferred), so the dropped elements simply stay in live - reference.
+ * xs/rs: the fused pass's packed live and reference values (f32), or NULL: the
+ * gathered values and the reference at the indices. */
+static size_t share_trim(const amber__scan_args *a, size_t k, size_t w, float *xs, float *rs) {
+  uint32_t *key = a->keys, hist[4096] = {0};
+  size_t nforced = 0;
+  for (size_t i = 0; i < k; i++) {
+    double x, r;
+    if (xs) {
+      x = xs[i];
+      r = rs[i];
+    } else {
+      x = amber__to_f64(a->dtype, a->vals + i * w);
+      r = amber__to_f64(a->dtype, (const uint8_t *)a->ref + (size_t)a->idx[i] * w);
+    }
+    double d = fabs(x - r), e = a->abs + a->rel * fabs(r);
+    if (!(d <= a->mult * e) || isinf(d)) { /* NaN and Inf on either side, a zero bound */
+      key[i] = AMBER__KEY_FORCED;
+      nforced++;
+      continue;
+    }
+    float t = (float)(d / e);
+    uint32_t b;
+    memcpy(&b, &t, 4);
+    key[i] = b >> 20;
+    hist[key[i]]++;
+  }
+  size_t budget = a->share_k > nforced ? a->share_k - nforced : 0, taken = 0;
+  int cut;
+  for (cut = 4095; cut >= 0; cut--) {
+    if (taken + hist[cut] > budget) break;
+    taken += hist[cut];
+  }
+  size_t partial = cut >= 0 ? budget - taken : 0, out = 0;
+  for (size_t i = 0; i < k; i++) {
+    int keep = key[i] == AMBER__KEY_FORCED || (int)key[i] > cut;
+    if (!keep && (int)key[i] == cut && partial) {
+      keep = 1;
+      partial--;
+    }
+    if (!keep) continue;
+    a->idx[out] = a->idx[i];
+    if (xs) {
+      xs[out] = xs[i];
+      rs[out] = rs[i];
+    } else if (out != i) {
+      memcpy(a->vals + out * w, a->vals + i * w, w);
+    }
+    out++;
+  }
+  return out;
+}
+
 /* Too many candidates: keep the forced ones and the `budget` largest (by a
  * 12-bit histogram of their keys, ties in the cut bucket in index order); put
  * the others' reference values back. */
@@ -803,7 +869,8 @@ static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w, int leve
  * olds, which a budget without a cut no longer needs. */
 static size_t finish(const amber__scan_args *a, size_t k, size_t w, int level, int strict,
                      const float band[2]) {
-  if (a->kind != AMBER__SCAN_BUDGET) return k;
+  if (a->kind != AMBER__SCAN_BUDGET)
+    return a->share_k && k > a->share_k ? share_trim(a, k, w, NULL, NULL) : k;
   if (k > a->budget) return budget_cut(a, k, w, level);
 #ifdef HAVE_F32_AVX2
   if (level == 2 && !a->defer) put_all_avx512(a, k); /* its pass left the reference alone */

@@ -46,6 +46,10 @@ typedef struct amber__scan_args {
                          budget, n * width bytes */
   int defer;          /* threshold, budget: leave the reference alone at the selected
                          elements (a quantized policy moves them itself, quant.c) */
+  size_t share_k;     /* threshold with a share cap: keep at most this many (0: no cap),
+                         the farthest over their bound first, plus all beyond `mult`
+                         bounds; needs defer */
+  double mult;
   amber__qfuse *fuse; /* with defer, a threshold may be quantized in the pass (NULL:
                          not); the selected values are then not gathered */
 } amber__scan_args;

@@ -103,6 +103,7 @@ struct amber_writer {
   amber__err err;
   amber_store *st;
   amber_writer_opts opts;
+  int qzstd_level; /* QSPARSE bodies: the caller's zstd_level, else 1 (codec.h) */
   decls dc;
   assembly as;
   reference ref;
@@ -172,6 +173,7 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   w->opts = *opts;
   w->chunk_given = opts->chunk_elems != 0;
   if (!w->opts.chunk_elems) w->opts.chunk_elems = DEFAULT_CHUNK_ELEMS;
+  w->qzstd_level = opts->zstd_level ? opts->zstd_level : AMBER__QZSTD_LEVEL;
   if (!w->opts.zstd_level) w->opts.zstd_level = -1;
   if (!w->opts.full_every) w->opts.full_every = DEFAULT_FULL_EVERY;
   if (w->opts.full_share == 0) w->opts.full_share = AMBER__DEFAULT_FULL_SHARE;
@@ -589,6 +591,7 @@ static void chunk_job(void *ctx, int worker, size_t j) {
   amber__chunk_src src = {.out = w->as.out, .name = t->name, .dtype = t->dtype,
                           .n = (size_t)amber__chunk_n(t, jj), .rule = w->dc.d[ti].rule,
                           .zstd_level = w->opts.zstd_level,
+                          .qzstd_level = w->qzstd_level,
                           .compress = (w->opts.flags & AMBER_WRITER_COMPRESS_FULL) != 0};
   if (w->dc.d[ti].presel) { /* the caller's selection; no reference here */
     amber_chunk_sel asked;

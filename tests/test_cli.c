@@ -663,9 +663,21 @@ static void bad_policy_fails(void) {
   result r = cli("import '%s' '%s' --step 1 --policy 'threshold:oops'", in, store);
   CHECK(r.rc == 1 && strstr(r.err, "threshold:oops"));
   result_free(&r);
+  r = cli("import '%s' '%s' --step 1 --policy 'threshold:0.001/1.5:4'", in, store);
+  CHECK(r.rc == 1 && strstr(r.err, "threshold:0.001/1.5:4") && strstr(r.err, "SHARE:MULT"));
+  result_free(&r);
   r = cli("import '%s' '%s' --step 1 --policy exact --policy '*.matrix=threshold:0.001'",
           in, store);
   CHECK_EXIT(r, 0);
+  result_free(&r);
+  /* a share cap with a value code is a policy of the CLI too, recorded as given */
+  r = cli("import '%s' '%s' --step 2 --policy '*.matrix=threshold:0.001/0.1:4@q8+lead'", in,
+          store);
+  CHECK_EXIT(r, 0);
+  result_free(&r);
+  r = cli("info '%s' --step 2 --json", store);
+  CHECK_EXIT(r, 0);
+  CHECK(strstr(r.out, "threshold:0.001/0.1:4@q8+lead") != NULL);
   result_free(&r);
 }
 

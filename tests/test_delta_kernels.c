@@ -47,18 +47,21 @@ static void test_simd_kernels_select_what_the_portable_ones_select(void) {
   struct {
     int kind;
     double abs, rel, cap;
-    double frac;
-  } pols[] = {{AMBER__SCAN_THRESHOLD, 1e-3, 1e-2, INFINITY, 0},
-              {AMBER__SCAN_THRESHOLD, 0, 0, INFINITY, 0},
-              {AMBER__SCAN_THRESHOLD, 0, 1e-3, INFINITY, 0},
-              {AMBER__SCAN_THRESHOLD, 0, 1e-5, INFINITY, 0},
-              {AMBER__SCAN_THRESHOLD, 1e-40, 0, INFINITY, 0},
-              {AMBER__SCAN_THRESHOLD, INFINITY, 0, INFINITY, 0},
-              {AMBER__SCAN_BUDGET, 0, 0, INFINITY, 0.02},
-              {AMBER__SCAN_BUDGET, 0, 0, 0.5, 0.1},
-              {AMBER__SCAN_BUDGET, 0, 0, 1e-3, 0},
-              {AMBER__SCAN_BUDGET, 0, 0, 0, 1},
-              {AMBER__SCAN_BUDGET, 0, 0, INFINITY, 0.3}};
+    double frac, share, mult; /* share: a threshold's share cap ("/SHARE:MULT") */
+  } pols[] = {{AMBER__SCAN_THRESHOLD, 1e-3, 1e-2, INFINITY, 0, 0, 0},
+              {AMBER__SCAN_THRESHOLD, 1e-4, 1e-3, INFINITY, 0, 0.05, 4},
+              {AMBER__SCAN_THRESHOLD, 0, 1e-3, INFINITY, 0, 0.3, 1},
+              {AMBER__SCAN_THRESHOLD, 1e-6, 0, INFINITY, 0, 1e-4, 100},
+              {AMBER__SCAN_THRESHOLD, 0, 0, INFINITY, 0, 0, 0},
+              {AMBER__SCAN_THRESHOLD, 0, 1e-3, INFINITY, 0, 0, 0},
+              {AMBER__SCAN_THRESHOLD, 0, 1e-5, INFINITY, 0, 0, 0},
+              {AMBER__SCAN_THRESHOLD, 1e-40, 0, INFINITY, 0, 0, 0},
+              {AMBER__SCAN_THRESHOLD, INFINITY, 0, INFINITY, 0, 0, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, INFINITY, 0.02, 0, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, 0.5, 0.1, 0, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, 1e-3, 0, 0, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, 0, 1, 0, 0},
+              {AMBER__SCAN_BUDGET, 0, 0, INFINITY, 0.3, 0, 0}};
   size_t maxn = 65536 + 5, cases = 0;
   float *base = malloc(maxn * 4);
   uint8_t *live = malloc(maxn * 4 + 4), *ref0 = malloc(maxn * 4);
@@ -100,6 +103,12 @@ static void test_simd_kernels_select_what_the_portable_ones_select(void) {
           if (a.kind == AMBER__SCAN_BUDGET) {
             a.budget = (size_t)(pols[pi].frac * (double)n);
             if (!a.budget && pols[pi].frac > 0) a.budget = 1;
+          }
+          if (pols[pi].share > 0) { /* as chunk.c sets it: the reference stays */
+            a.share_k = (size_t)(pols[pi].share * (double)n);
+            if (!a.share_k) a.share_k = 1;
+            a.mult = pols[pi].mult;
+            a.defer = 1;
           }
           amber__scan_use_simd(l);
           k[l] = amber__scan(&a);

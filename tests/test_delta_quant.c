@@ -49,6 +49,25 @@ static void test_quantized_budget_within_cap_every_step(void) {
   }
 }
 
+/* A share cap ("/SHARE:MULT"): the trajectory's drift takes most elements past
+ * these small bounds at every step, so each chunk stores at most SHARE of itself
+ * besides the forced ones, every element stays within MULT bounds, and what is
+ * stored is over its bound (trajectory.h checks all three at every step), with
+ * whole values and codes. */
+static void test_share_capped_threshold_stores_at_most_its_share_every_step(void) {
+  const pol pols[] = {thrc(0, 1e-3, 0.05, 4, "threshold:0:1e-3/0.05:4@q8+lead"),
+                      thrc(1e-4, 0, 0.1, 2, "threshold:1e-4/0.1:2"),
+                      thrc(0, 2e-3, 0.02, 8, "threshold:0:2e-3/0.02:8@q4"),
+                      thrc(1e-5, 1e-3, 0.2, 3, "threshold:1e-5:1e-3/0.2:3@bf16"),
+                      thrc(0, 1e-3, 1, 1, "threshold:0:1e-3/1:1@q8+lead")};
+  for (uint64_t seed = 1; seed <= 5; seed++) {
+    const pol *p = &pols[seed - 1];
+    int nfull = 0;
+    run_trajectory(500 + seed, seed % 2 ? 64 : 1000, p->spec, p, 40, UINT32_MAX, -1, 1, &nfull);
+    CHECK(nfull == 1);
+  }
+}
+
 /* ---- an independent decoder (FORMAT.md, "Quantized sparse body") ---- */
 
 static uint64_t rnd(uint64_t *s) {
@@ -117,6 +136,55 @@ static void put_val(int dt, uint8_t *p, double v) {
     uint16_t h = dt == AMBER_BF16 ? amber__f32_to_bf16((float)v) : amber__f32_to_f16((float)v);
     memcpy(p, &h, 2);
   }
+}
+
+/* Quantized bodies are entropy coded by default (zstd level 1: the codes are small
+ * integers, which zstd's negative levels store as raw literals), and a zstd level
+ * the caller sets applies to them too: the same saves, the same restore, a smaller
+ * delta by default than at an explicit level -1. */
+static void test_quantized_bodies_are_entropy_coded_by_default(void) {
+  size_t n = 1 << 16;
+  float *x = malloc(n * 4), *g[2] = {malloc(n * 4), malloc(n * 4)};
+  CHECK(x && g[0] && g[1]);
+  uint64_t bytes[2] = {0, 0};
+  for (int v = 0; v < 2; v++) {
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/qz-%d", tu_tmpdir(), v);
+    uint64_t rng = 7;
+    for (size_t i = 0; i < n; i++) x[i] = (float)(urnd(&rng) - 0.5);
+    amber_store *st;
+    amber_writer *w;
+    amber_writer_opts wo;
+    amber_writer_opts_init(&wo);
+    wo.full_every = UINT32_MAX;
+    wo.full_share = -1;
+    wo.zstd_level = v ? -1 : 0;
+    CHECK_OK(amber_store_open(&st, dir, NULL));
+    CHECK_OK(amber_writer_open(&w, st, &wo));
+    CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 1, (int64_t[]){(int64_t)n}, x, NULL));
+    CHECK_OK(amber_writer_add_policy(w, "threshold:1e-3@q8"));
+    CHECK_OK(amber_writer_save(w, 1, 0));
+    /* most elements move a little: codes of small magnitude, a skewed distribution */
+    for (size_t i = 0; i < n; i++) x[i] += (float)((urnd(&rng) - 0.5) * 4e-3);
+    CHECK_OK(amber_writer_save(w, 2, 0));
+    amber_ckpt_info *info;
+    size_t cnt;
+    CHECK_OK(amber_store_list(st, &info, &cnt));
+    CHECK(cnt == 2 && info[1].kind == AMBER_KIND_DELTA);
+    if (cnt == 2) bytes[v] = info[1].bytes;
+    amber_free(info);
+    amber_reader *r;
+    CHECK_OK(amber_reader_open(&r, st, 2, NULL));
+    CHECK_OK(amber_reader_read(r, 0, g[v], n * 4));
+    amber_reader_close(r);
+    amber_writer_close(w);
+    amber_store_close(st);
+  }
+  CHECK(!memcmp(g[0], g[1], n * 4));
+  if (!(bytes[0] < bytes[1] * 9 / 10))
+    fprintf(stderr, "    default %" PRIu64 " bytes, level -1 %" PRIu64 "\n", bytes[0], bytes[1]);
+  CHECK(bytes[0] < bytes[1] * 9 / 10);
+  free(x), free(g[0]), free(g[1]);
 }
 
 /* Random selections, codes, steps and escapes of every mode and dtype encode to a
@@ -345,7 +413,8 @@ static void test_f32_quantizer_matches_the_generic_one(void) {
  * bits at every step, and so the writers' references are the same. */
 static void test_quantizing_in_the_scan_matches_quantizing_after_it(void) {
   const char *specs[] = {"threshold:1e-3@q8+lead", "threshold:1e-3:0.05@q4", "threshold:0:0.3@q8+lead",
-                         "threshold:2e-3@q4+lead"};
+                         "threshold:2e-3@q4+lead", "threshold:2e-4/0.1:4@q8+lead",
+                         "threshold:0:1e-3/0.05:3@q4"};
   size_t n = 5000;
   float *x = malloc(n * 4), *g0 = malloc(n * 4), *g2 = malloc(n * 4);
   CHECK(x && g0 && g2);
@@ -592,10 +661,15 @@ static void test_f16_rounding_is_ieee_round_to_nearest_even(void) {
 static void test_value_codes_and_units_parse_as_documented(void) {
   const char *good[] = {"threshold:1e-3@q4", "threshold:1e-3:0.1@q8+lead", "budget:0.1@q8",
                         "budget:0.1:1e-2@q4+lead", "threshold:0:0.3@bf16", "threshold:0.5u@q4+lead",
-                        "budget:0.05:2u@q4", "x.*=threshold:1u"};
+                        "budget:0.05:2u@q4", "x.*=threshold:1u", "threshold:1u/0.1:8@q8+lead",
+                        "threshold:0:0.3/1:1", "threshold:1e-3/0.05:2.5"};
   const char *bad[] = {"exact@q4", "threshold:1e-3@q3", "threshold:1e-3@", "threshold:1e-3@bf16+lead",
                        "budget:0.1@q4+lead", "threshold:1e-3@q4+led", "threshold:1e-3@q4+lead+lead",
-                       "budget:0.1u", "threshold:1e-3:0.1u", "threshold:uu", "threshold:u"};
+                       "budget:0.1u", "threshold:1e-3:0.1u", "threshold:uu", "threshold:u",
+                       "threshold:1e-3/0.1", "threshold:1e-3/0:4", "threshold:1e-3/1.5:4",
+                       "threshold:1e-3/0.1:0.5", "threshold:1e-3/0.1:4u", "threshold:1e-3/0.1u:4",
+                       "budget:0.1/0.1:4", "threshold:1e-3/0.1:inf", "threshold:1e-3/0.1:4/0.1:4",
+                       "threshold:1e-3/:4", "threshold:/0.1:4"};
   const char *dir = tu_tmpdir();
   amber_store *st;
   amber_writer *w;
@@ -614,22 +688,26 @@ static void test_value_codes_and_units_parse_as_documented(void) {
   for (int i = 0; i < 64; i++) a[i] = b[i] = (float)i;
   CHECK_OK(amber_writer_open(&w, st, NULL));
   CHECK_OK(amber_writer_add_policy(w, "threshold:0.5u@q4+lead"));
+  CHECK_OK(amber_writer_add_policy(w, "c=threshold:2u/0.25:8@q8+lead"));
   CHECK_OK(amber_writer_add(w, "a", AMBER_F32, 1, (int64_t[]){64}, a, NULL));
   CHECK_OK(amber_writer_add(w, "b", AMBER_F32, 1, (int64_t[]){64}, b, NULL));
-  CHECK_RC(amber_writer_set_units(w, (double[]){1, 2, 3}, 3), AMBER_EINVAL);
+  CHECK_OK(amber_writer_add(w, "c", AMBER_F32, 1, (int64_t[]){64}, b, NULL));
+  CHECK_RC(amber_writer_set_units(w, (double[]){1, 2, 3, 4}, 4), AMBER_EINVAL);
   CHECK_RC(amber_writer_set_units(w, (double[]){NAN}, 1), AMBER_EINVAL);
   CHECK_RC(amber_writer_set_units(w, (double[]){-1}, 1), AMBER_EINVAL);
-  CHECK_OK(amber_writer_set_units(w, (double[]){1e-3}, 1));
+  CHECK_OK(amber_writer_set_units(w, (double[]){1e-3, 0, 1e-3}, 3));
   CHECK_OK(amber_writer_save(w, 1, 0));
   for (int i = 0; i < 64; i++) a[i] += 4e-4f * (float)(i % 3), b[i] += 1e-6f;
   CHECK_OK(amber_writer_save(w, 2, 0));
   amber_reader *r;
-  amber_tensor_info ia, ib;
+  amber_tensor_info ia, ib, ic;
   CHECK_OK(amber_reader_open(&r, st, 2, NULL));
   CHECK_OK(amber_reader_info(r, 0, &ia));
   CHECK_OK(amber_reader_info(r, 1, &ib));
+  CHECK_OK(amber_reader_info(r, 2, &ic));
   CHECK(!strcmp(ia.policy, "threshold:0.00050000000000000001:0@q4+lead"));
   CHECK(!strcmp(ib.policy, "exact"));
+  CHECK(!strcmp(ic.policy, "threshold:0.002:0/0.25:8@q8+lead"));
   float ga[64], gb[64];
   CHECK_OK(amber_reader_read(r, 0, ga, sizeof ga));
   CHECK_OK(amber_reader_read(r, 1, gb, sizeof gb));
@@ -648,6 +726,8 @@ static void test_value_codes_and_units_parse_as_documented(void) {
 int main(void) {
   TEST_RUN(test_quantized_threshold_bound_holds_every_step_of_long_chains);
   TEST_RUN(test_quantized_budget_within_cap_every_step);
+  TEST_RUN(test_share_capped_threshold_stores_at_most_its_share_every_step);
+  TEST_RUN(test_quantized_bodies_are_entropy_coded_by_default);
   TEST_RUN(test_quantized_bodies_decode_as_the_format_defines);
   TEST_RUN(test_quantizer_moves_the_reference_to_what_a_restore_decodes);
   TEST_RUN(test_f32_quantizer_matches_the_generic_one);

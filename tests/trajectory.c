@@ -14,7 +14,7 @@
 #include "internal.h"
 #include "scan.h"
 
-const pol EXACT = {P_EXACT, 0, 0, 0, 0, "exact"};
+const pol EXACT = {P_EXACT, 0, 0, 0, 0, "exact", 0, 0};
 int details;
 
 static const int FLOATS[] = {AMBER_F32, AMBER_F16,     AMBER_BF16,
@@ -53,7 +53,7 @@ int elem_ok(int dt, const pol *p, const uint8_t *x, const uint8_t *r, size_t w) 
   double xv = val(dt, x), rv = val(dt, r);
   if (!isfinite(xv) || !isfinite(rv)) return 0; /* non-finite: bit-identical */
   double d = fabs(xv - rv);
-  if (p->kind == P_THR) return d <= p->abs + p->rel * fabs(rv);
+  if (p->kind == P_THR) return d <= (p->share ? p->mult : 1) * (p->abs + p->rel * fabs(rv));
   return d <= p->cap;
 }
 
@@ -63,11 +63,14 @@ int elem_ok(int dt, const pol *p, const uint8_t *x, const uint8_t *r, size_t w) 
 #define NEAR(b) ((b) * (1 - 0x1p-16) - 1e-30)
 
 /* Whether the policy may have to store live `x` against reference `r`: a
- * non-finite change, or (budget) a change at or near above CAP. */
+ * non-finite change, or (budget) a change at or near above CAP, or (a threshold's
+ * share cap) at or near beyond MULT bounds. */
 static int forced(int dt, const pol *p, const uint8_t *x, const uint8_t *r, size_t w) {
   if (!memcmp(x, r, w)) return 0;
   double xv = val(dt, x), rv = val(dt, r);
   if (!isfinite(xv) || !isfinite(rv)) return 1;
+  if (p->kind == P_THR && p->share)
+    return fabs(xv - rv) > NEAR(p->mult * (p->abs + p->rel * fabs(rv)));
   return p->kind == P_BUD && fabs(xv - rv) > NEAR(p->cap);
 }
 
@@ -320,6 +323,8 @@ static void check_delta_chunks(world *W, uint64_t step) {
         ok = overstored == 0;
       if (ok && ch->encoding != AMBER__ENC_RAW && t->p.kind == P_BUD)
         ok = ch->stored <= budget_allows(t->p.frac, n) + nforced;
+      if (ok && ch->encoding != AMBER__ENC_RAW && t->p.kind == P_THR && t->p.share)
+        ok = ch->stored <= budget_allows(t->p.share, n) + nforced;
       CHECK(ok);
       if (!ok)
         DETAIL("seed %" PRIu64 " step %" PRIu64 " '%s' chunk %" PRIu64 ": encoding %u stored %" PRIu64

@@ -9,6 +9,9 @@
  *  - exact (default or explicit): the restore is bit-identical to the live bytes;
  *  - threshold:ABS:REL: |x - r| <= ABS + REL*|r| for every element, in double via
  *    amber__to_f64 as the policies compare, and non-finite values bit-identical;
+ *    with a share cap ("/SHARE:MULT") within MULT times that, and at most
+ *    floor(SHARE*n) (at least 1) stored per chunk besides the forced ones (beyond
+ *    MULT bounds);
  *  - budget:FRAC[:CAP]: every element within CAP, and at most floor(FRAC*n) (at
  *    least 1) stored per chunk besides the forced ones;
  *  - integer and bool tensors exact under any policy;
@@ -33,16 +36,22 @@ typedef struct {
   double abs, rel;  /* threshold */
   double frac, cap; /* budget; cap INFINITY when absent */
   const char *spec; /* what the index must record */
+  double share, mult; /* threshold's share cap; share 0 when absent */
 } pol;
 
 extern const pol EXACT;
 
 static inline pol thr(double a, double r, const char *spec) {
-  pol p = {P_THR, a, r, 0, 0, spec};
+  pol p = {P_THR, a, r, 0, 0, spec, 0, 0};
+  return p;
+}
+/* A threshold with a share cap: "threshold:ABS:REL/SHARE:MULT". */
+static inline pol thrc(double a, double r, double share, double mult, const char *spec) {
+  pol p = {P_THR, a, r, 0, 0, spec, share, mult};
   return p;
 }
 static inline pol bud(double f, double c, const char *spec) {
-  pol p = {P_BUD, 0, 0, f, c, spec};
+  pol p = {P_BUD, 0, 0, f, c, spec, 0, 0};
   return p;
 }
 

@@ -14,7 +14,8 @@ checkpoint_id: "STORE/step-N" names store STORE and step N (torchtitan's ids);
 
 The Writer is long-lived, like amber.torch's Checkpointer: it keeps its reference
 state between saves, so each DCP save is a full or a delta checkpoint under the
-same policies, presets ("exact", "lossy", "lossy-frequent", "lossy-compact") and cadence (full_every, full_share).
+same policies, presets ("exact", "lossy", "lossy-frequent", "lossy-compact",
+"lossy-capped") and cadence (full_every, full_share).
 Tensors are named by their path in the state dict, joined by "/" (an optimizer
 state from get_state_dict is "optim/state/<FQN>/exp_avg"), so the Checkpointer's
 patterns such as "*/exp_avg_sq" apply; optimizer step counters stay exact.

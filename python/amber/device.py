@@ -22,7 +22,10 @@ must equal a restore through the CPU path:
   - exact (and every integer or bool tensor): the elements whose bits changed;
   - threshold:ABS:REL: |x - r| > ABS + REL*|r| in f32 for f32, f16, bf16 and f8
     (the bound shrunk by 2^-20 and less the smallest subnormal, so that rounding
-    only ever stores more) and in f64 for f64;
+    only ever stores more) and in f64 for f64; with a share cap (/SHARE:MULT) the
+    same trim per chunk as share_trim: forced beyond MULT bounds, then the same
+    12-bit histogram cut of change / bound in f64, ties in index order (torch
+    operations; libamber_cuda's fused pass is not used for such a rule);
   - budget:FRAC:CAP per chunk: the threshold estimated from the same 8 runs of
     256 elements, the same cluster rule, the same 12-bit histogram cut with ties
     in index order, the same fill from a cluster's band;
@@ -215,12 +218,59 @@ def _parse(spec):
     if spec == "exact":
         return "exact", 0.0, 0.0
     kind, _, args = _quant.split(spec)[0].partition(":")
-    a, _, b = args.partition(":")
+    a, _, b = args.partition("/")[0].partition(":")
     if kind == "threshold":
         return kind, float(a), float(b) if b else 0.0
     if kind == "budget":
         return kind, float(a), float(b) if b else float("inf")
     raise ValueError(f"unknown policy {spec!r}")
+
+
+def _share(spec):
+    """(SHARE, MULT) of a threshold's share cap ("threshold:ABS:REL/SHARE:MULT"), or
+    None."""
+    base = _quant.split(spec)[0]
+    if not base.startswith("threshold:") or "/" not in base:
+        return None
+    share, _, mult = base.partition("/")[2].partition(":")
+    return float(share), float(mult)
+
+
+def _share_trim(x, r, idx, chunk, nchunks, a, b, share, mult):
+    """scan.c's share_trim, chunk by chunk: of the indices a threshold selected
+    (increasing, into flat x and its reference r), a chunk of m elements with more
+    than max(1, floor(SHARE * m)) keeps the forced ones (beyond MULT bounds, or to
+    or from NaN or Inf) and the farthest over their bound by the 12-bit histogram of
+    the f32 bits of change / bound, ties in index order; decided in f64 as in C."""
+    if not idx.numel():
+        return idx
+    n = x.numel()
+    cid = idx // chunk
+    counts = torch.bincount(cid, minlength=nchunks).tolist()
+    limits = [max(1, int(share * min(chunk, n - j * chunk))) for j in range(nchunks)]
+    over = [j for j in range(nchunks) if counts[j] > limits[j]]
+    if not over:
+        return idx
+    xd, rd = x[idx].double(), r[idx].double()
+    d = (xd - rd).abs()
+    e = rd.abs().mul_(b).add_(a)
+    forced = ~(d <= e * mult) | torch.isinf(d)
+    t = (d / e).float()
+    key = (t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 20
+    keep = torch.ones_like(forced)
+    for j in over:
+        inside = (cid == j).nonzero().squeeze(1)
+        kj, fj = key[inside], forced[inside]
+        budget = max(limits[j] - int(fj.sum()), 0)
+        hist = torch.bincount(kj[~fj], minlength=4096)
+        ge = hist.flip(0).cumsum(0).flip(0)  # ge[c]: the non-forced in buckets >= c
+        cut = int((ge > budget).sum()) - 1
+        partial = 0
+        if cut >= 0:
+            partial = budget - (int(ge[cut + 1]) if cut < 4095 else 0)
+        eq = (kj == cut) & ~fj
+        keep[inside] = fj | ((kj > cut) & ~fj) | (eq & (eq.cumsum(0) <= partial))
+    return idx[keep]
 
 
 def _flags(x, r, abs_b, rel_b, cap_b):
@@ -579,7 +629,7 @@ class _Tensor:
         reference's bits there before it (host_ref: only with need_olds, else None),
         and whether the reference holds vals there already (the fused kernel)."""
         xb = _bits(x)
-        if not self.host_ref and _kernel_wanted(x):
+        if not self.host_ref and _kernel_wanted(x) and _share(spec) is None:
             from amber import _cuda
             fused = _cuda.select(x, self.ref, spec, self.code, chunk, nchunks)
             if fused is not None:  # libamber_cuda's one pass, the reference moved
@@ -664,6 +714,14 @@ class _Tensor:
             rb[lo:hi] = v
 
     def _select_indices(self, x, r, chunk, nchunks, spec):
+        idx = self._select_raw(x, r, chunk, nchunks, spec)
+        share = _share(spec)
+        if share is None or self.dtype not in _FLOAT:
+            return idx
+        _, a, b = _parse(spec)
+        return _share_trim(x, r, idx, chunk, nchunks, a, b, *share)
+
+    def _select_raw(self, x, r, chunk, nchunks, spec):
         kind, a, b = _parse(spec)
         n = x.numel()
         if kind == "exact" or self.dtype not in _FLOAT:

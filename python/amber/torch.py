@@ -83,11 +83,13 @@ millisecond for GPT-2 small's 1040 tensors, whose structure is not walked again.
 change of structure makes the save take the whole way, and plan again.
 
 Policies. `policy=` is "exact" (the default: every restored tensor is bit-exact),
-"lossy", "lossy-frequent" or "lossy-compact" (the presets LOSSY, LOSSY_FREQUENT and
-LOSSY_COMPACT below, each with its
+"lossy", "lossy-frequent", "lossy-compact" or "lossy-capped" (the presets LOSSY,
+LOSSY_FREQUENT, LOSSY_COMPACT and LOSSY_CAPPED below, each with its
 measured fidelity under repeated resumes and delta size), a single rule "SPEC" or
 "PATTERN=SPEC", a list of rules, or a dict {PATTERN: SPEC}. SPEC is exact,
-threshold:ABS[:REL] or budget:FRAC[:CAP], optionally followed by a value code
+threshold:ABS[:REL][/SHARE:MULT] (with a share cap: at most SHARE of each chunk per
+delta, the farthest over their bound first, and none left beyond MULT bounds) or
+budget:FRAC[:CAP], optionally followed by a value code
 (@q8, @q4, @bf16: quantized changes; +lead), ABS and CAP optionally in units of the
 tensor's learning rate ("threshold:0.5u": see README); PATTERN is a glob on the
 tensor names above ("*/exp_avg_sq" matches every Adam second moment); the last
@@ -174,7 +176,7 @@ except ImportError:  # NumPy is optional: its RNG is then not saved
     _np = None
 
 __all__ = ["Checkpointer", "StateMismatchError", "EXACT", "LOSSY", "LOSSY_FREQUENT",
-           "LOSSY_COMPACT", "PRESETS",
+           "LOSSY_COMPACT", "LOSSY_CAPPED", "PRESETS",
            "CAPTURE_BYTES"]
 
 # The lossy presets, chosen by measurement on the demo's training (examples/demo_gpt.py:
@@ -233,9 +235,25 @@ LOSSY_COMPACT = (
     "*/exp_avg_sq=threshold:0:0.3@q8+lead",
     "*/max_exp_avg_sq=threshold:0:0.3@q8+lead",
 )
+# "lossy-capped": W threshold:1u/0.15:8, M budget:0.1, V threshold:0:0.3/0.1:16: the
+#   weights and second moments under share caps (at most 15% and 10% of a chunk a
+#   delta, the farthest over their bound first, never beyond 8 and 16 bounds), so
+#   that a delta's size is bounded by its rules, not only its mean: past the
+#   warm-up's first deltas (where second moments grow many times over and are stored,
+#   forced, beyond 16 bounds) every delta measured was at most 3% of a full
+#   checkpoint. The caps defer changes past 1 lr (W) and 0.3 (V) when many move at
+#   once (Adam's warm-up, spikes); the bytes they save buy first moments 10% (see
+#   README for its fidelity).
+LOSSY_CAPPED = (
+    "threshold:1u/0.15:8@q8+lead",
+    "*/exp_avg=budget:0.1:1e-3@q8",
+    "*/momentum_buffer=budget:0.1:1e-3@q8",
+    "*/exp_avg_sq=threshold:0:0.3/0.1:16@q8+lead",
+    "*/max_exp_avg_sq=threshold:0:0.3/0.1:16@q8+lead",
+)
 EXACT = ("exact",)
 PRESETS = {"exact": EXACT, "lossy": LOSSY, "lossy-frequent": LOSSY_FREQUENT,
-           "lossy-compact": LOSSY_COMPACT}
+           "lossy-compact": LOSSY_COMPACT, "lossy-capped": LOSSY_CAPPED}
 
 # Tensors of at most this many bytes are copied at save() whoever owns them: their
 # copy costs next to nothing against the scan, and no version counter is needed.
@@ -289,7 +307,7 @@ def _rules(policy):
 def _rules_have_units(rules):
     """Whether a rule writes a number in units ("threshold:0.5u", "budget:0.1:2u")."""
     for r in rules:
-        parts = r.rpartition("=")[2].partition("@")[0].split(":")
+        parts = r.rpartition("=")[2].partition("@")[0].partition("/")[0].split(":")
         if (parts[0] == "threshold" and len(parts) > 1 and parts[1].endswith("u")) or \
                 (parts[0] == "budget" and len(parts) > 2 and parts[2].endswith("u")):
             return True
@@ -1432,8 +1450,8 @@ class Checkpointer:
 
     Checkpointer(path, policy=None, full_every=None, full_share=None, rng=True,
                  readonly=False, threads=0, chunk_elems=0, keep_last=None)
-      policy: "exact" (default, also for None), "lossy", "lossy-frequent", "lossy-compact", a rule, a
-              list of rules or a dict {pattern: spec} (see the module's documentation).
+      policy: "exact" (default, also for None), "lossy", "lossy-frequent", "lossy-compact",
+              "lossy-capped", a rule, a list of rules or a dict {pattern: spec} (see the module's documentation).
       full_every: a full checkpoint after this many deltas (None: library default,
               50). full_share: also once the deltas since the last full add up to
               this share of it (None: library default, 0.5; negative: never).

@@ -29,9 +29,11 @@ SEED = int(os.environ.get("AMBER_SEED", str(int(time.time()) % 100000)))
 def spec_bound(spec, unit=0.0):
     """(ABS, REL) of the bound a policy SPEC keeps, as the library reads it: a value
     code ("@q8+lead") does not change it; "Nu" is N * unit, and a rule with units on
-    a tensor without one (unit 0) is exact; a budget's bound is its CAP."""
+    a tensor without one (unit 0) is exact; a budget's bound is its CAP; a
+    threshold's share cap ("/SHARE:MULT") makes it MULT times the threshold's."""
     import math
-    spec = spec.partition("@")[0]
+    spec, _, share = spec.partition("@")[0].partition("/")
+    mult = float(share.partition(":")[2]) if share else 1.0
     kind, *args = spec.split(":")
     has_units = any(a.endswith("u") for a in args)
     if kind == "exact" or (has_units and not unit):
@@ -40,7 +42,7 @@ def spec_bound(spec, unit=0.0):
     def num(a):
         return float(a[:-1]) * unit if a.endswith("u") else float(a)
     if kind == "threshold":
-        return num(args[0]), float(args[1]) if len(args) > 1 else 0.0
+        return mult * num(args[0]), mult * (float(args[1]) if len(args) > 1 else 0.0)
     if kind == "budget":
         return (num(args[1]) if len(args) > 1 else math.inf), 0.0
     raise ValueError(f"unknown policy {spec!r}")

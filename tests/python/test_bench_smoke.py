@@ -37,3 +37,19 @@ def test_torch_bench_quick_reports_every_figure(tmp_path):
     assert res["ratios"]["load_floor_vs_dcp_load"]["median"] > 0
     assert "no cold load" in p.stdout
     assert not (tmp_path / "scratch").exists()  # the scratch directory is removed
+
+
+def test_delta_speed_quick_compares_policies_in_one_run(tmp_path):
+    out = tmp_path / "speed.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "delta_speed.py"), "--quick",
+                        "--rounds", "1", "--deltas", "3", "--policies",
+                        "v1-lossy-compact,lossy-capped", "--out", str(tmp_path), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())["policies"]
+    assert set(res) == {"v1-lossy-compact", "lossy-capped"}
+    assert res["v1-lossy-compact"]["x_time"] == 1.0
+    for r in res.values():
+        assert r["s"] > 0 and r["bytes"] > 0 and r["x_per_mb"] > 0
+    assert "x per MB" in p.stdout
+    assert not list(tmp_path.glob("amber-delta-speed-*"))  # its store is removed

@@ -133,7 +133,8 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7, full_every=
 
 
 @pytest.mark.parametrize("policy", ["exact", "threshold:1e-3:1e-2", "budget:0.05:2e-2",
-                                    "budget:0.02", "lossy", "lossy-compact"])
+                                    "budget:0.02", "lossy", "lossy-compact",
+                                    "threshold:1e-4:1e-3/0.05:4", "lossy-capped"])
 def test_device_path_restores_what_the_cpu_path_restores(tmp_path, monkeypatch, policy):
     cpu, kinds_cpu, _, _ = trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
     dev, kinds_dev, copied, _ = trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)
@@ -160,7 +161,8 @@ def test_budget_with_cap_keeps_its_bound_through_the_device_path(tmp_path, monke
 
 QUANTIZED = ["threshold:1e-3@q8", "threshold:1e-3:1e-2@q4+lead", "threshold:0:0.3@q4+lead",
              "threshold:2e-3:5e-2@bf16", "budget:0.05:2e-2@q8", "budget:0.1@q4",
-             "budget:0.2:1e-2@q8+lead", "budget:0.05:1e-3@bf16"]
+             "budget:0.2:1e-2@q8+lead", "budget:0.05:1e-3@bf16",
+             "threshold:1e-4:1e-2/0.05:4@q8+lead", "threshold:0:0.3/0.1:2@q4+lead"]
 
 
 def counting_escapes(monkeypatch):
@@ -199,6 +201,8 @@ def test_quantized_deltas_restore_what_the_cpu_path_restores(tmp_path, monkeypat
         assert {n for n, es in enc.items() if SPARSE in es} <= {"net/count"}  # int64: exact
     assert qsparse >= 10
     kind, abs_, rel = device._parse(policy)
+    mult = (device._share(policy) or (1, 1.0))[1]  # a share cap: MULT bounds
+    abs_, rel = mult * abs_, mult * rel
     if kind == "threshold":  # the bound, on the f32 weight
         for step, (got, live) in enumerate(zip(dev, live_cpu), 1):
             v = torch.frombuffer(bytearray(got["net/a.weight"]), dtype=torch.float32).double()
@@ -400,7 +404,8 @@ def every_dtype_trajectory(path, policy, monkeypatch, on):
 
 @pytest.mark.parametrize("policy", ["exact", "threshold:0.02:0.01", "budget:0.05:0.1",
                                     "threshold:0.02:0.01@q8", "budget:0.05:0.1@q4+lead",
-                                    "threshold:0.02@bf16"])
+                                    "threshold:0.02@bf16", "threshold:1e-3:1e-3/0.05:4",
+                                    "threshold:1e-3/0.1:3@q8+lead"])
 def test_every_dtype_restores_as_through_the_cpu_path(tmp_path, monkeypatch, policy):
     cpu = every_dtype_trajectory(str(tmp_path / "cpu"), policy, monkeypatch, False)
     dev = every_dtype_trajectory(str(tmp_path / "dev"), policy, monkeypatch, True)

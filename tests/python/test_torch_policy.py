@@ -82,7 +82,7 @@ def preset_bound(name, preset="lossy", unit=0.0):
     return rules_bound(PRESETS[preset], name, unit)
 
 
-@pytest.mark.parametrize("preset", ["lossy", "lossy-frequent", "lossy-compact"])
+@pytest.mark.parametrize("preset", ["lossy", "lossy-frequent", "lossy-compact", "lossy-capped"])
 def test_lossy_presets_keep_their_bounds_and_exact_step_counters(store, preset):
     # full_share off: a chain of deltas even where the preset's deltas are dense
     # the presets' weight rule is in units of the learning rate (constant here)

@@ -127,7 +127,7 @@ class AmberTrainerMixin:
     """A transformers.Trainer (subclass) that checkpoints into an amber store; see the
     module's documentation. Keywords, besides the Trainer's:
       amber_store: the store's path (default: <args.output_dir>/amber).
-      amber_policy: "exact" (default), "lossy", "lossy-frequent", "lossy-compact" or
+      amber_policy: "exact" (default), "lossy", "lossy-frequent", "lossy-compact", "lossy-capped" or
           rules, as amber.torch.Checkpointer's policy.
       amber_options: a dict of Checkpointer options: full_every, full_share,
           threads, chunk_elems. save_total_limit becomes keep_last.

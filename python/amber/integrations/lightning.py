@@ -69,7 +69,7 @@ well (rng=True), which Lightning's own checkpoints do not do; under DDP they are
 global rank 0's, restored on rank 0 only.
 
 Policies. policy= is amber.torch's: "exact" (default: bit-exact restore), "lossy",
-"lossy-frequent", "lossy-compact", rules or {pattern: spec} over the tensor names
+"lossy-frequent", "lossy-compact", "lossy-capped", rules or {pattern: spec} over the tensor names
 above; optimizer step counters are always exact.
 
 Many processes. Lightning's DDP strategies hand the checkpoint to the CheckpointIO on
@@ -346,7 +346,8 @@ class AmberCheckpointIO(CheckpointIO):
       store: one store for every checkpoint (a path); None (default): a store named
           STORE_NAME in each checkpoint directory.
       policy, full_every, full_share, threads, chunk_elems: as amber.torch.Checkpointer's
-          (policy: "exact" default, "lossy", "lossy-frequent", "lossy-compact", rules).
+          (policy: "exact" default, "lossy", "lossy-frequent", "lossy-compact", "lossy-capped",
+          rules).
       rng: save the RNG states (torch, random, NumPy) with each checkpoint and restore
           them at load (on global rank 0 under DDP).
 
