@@ -750,14 +750,14 @@ static void merge_fill(const amber__scan_args *a, size_t w, size_t k, const uint
 }
 
 /* A threshold's share cap, when the scan selected k > share_k elements: keeps the
- * forced ones (a change beyond MULT bounds, or to or from NaN or Inf) and, of the others, the
- * share_k - forced farthest over their bound (by a 12-bit histogram of the f32 bits
- * of change / bound, ties in the cut bucket in index order, as budget_cut). Decided
- * in f64 for every dtype (the values widen exactly), so that the device path
- * (python/amber/device.py) repeats it bit for bit. The reference is untouched (the
- * scan deferred), so the dropped elements simply stay in live - reference.
- * xs/rs: the fused pass's packed live and reference values (f32), or NULL: the
- * gathered values and the reference at the indices. */
+ * forced ones (a change beyond MULT bounds, or to or from NaN or Inf) and, of the
+ * others, the share_k - forced farthest over their bound (by a 12-bit histogram of
+ * the f32 bits of change / bound, ties in the cut bucket in index order, as
+ * budget_cut). Decided in f64 for every dtype (the values widen exactly), so that
+ * the device path (python/amber/device.py) repeats it bit for bit. The reference is
+ * untouched (the scan deferred), so the dropped elements simply stay in
+ * live - reference. xs/rs: the fused pass's packed live and reference values (f32),
+ * or NULL: the gathered values and the reference at the indices. */
 static size_t share_trim(const amber__scan_args *a, size_t k, size_t w, float *xs, float *rs) {
   uint32_t *key = a->keys, hist[4096] = {0};
   size_t nforced = 0;
