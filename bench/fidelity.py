@@ -262,6 +262,8 @@ def sizes_of(store):
             "delta_max_late_pct": max(late, default=float("nan")),
             "deltas_over_3pct": sum(v > 3 for v in pct.values()),
             "deltas_over_3pct_late": sum(v > 3 for v in late), "deltas": len(pct),
+            # the steps whose delta exceeded 3% of a full checkpoint, with its size
+            "over_3pct": {str(k): round(v, 3) for k, v in sorted(pct.items()) if v > 3},
             "delta_share": {k: v / tot for k, v in per.items()}}
 
 
