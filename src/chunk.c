@@ -209,7 +209,7 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
     s->encode_s += amber__now() - t1;
     return;
   }
-  if (a.defer) /* whole values under a share cap: the kept ones move the reference */
+  if (a.share_k) /* whole values under a share cap: the kept ones move the reference */
     for (size_t i = 0; i < k; i++)
       memcpy((uint8_t *)src->ref + (size_t)s->idx[i] * isz, s->vals + i * isz, isz);
   /* Exact policy with dense changes: also try the XOR with the old reference,

@@ -749,6 +749,20 @@ static void merge_fill(const amber__scan_args *a, size_t w, size_t k, const uint
   }
 }
 
+/* The cut of a 12-bit histogram of keys: the highest bucket whose candidates, with
+ * those above it, exceed `budget` (-1: they all fit), and in *partial how many of
+ * that bucket still fit (taken in index order). budget_cut and share_trim share it. */
+static int hist_cut(const uint32_t hist[4096], size_t budget, size_t *partial) {
+  size_t taken = 0;
+  int cut;
+  for (cut = 4095; cut >= 0; cut--) {
+    if (taken + hist[cut] > budget) break;
+    taken += hist[cut];
+  }
+  *partial = cut >= 0 ? budget - taken : 0;
+  return cut;
+}
+
 /* A threshold's share cap, when the scan selected k > share_k elements: keeps the
  * forced ones (a change beyond MULT bounds, or to or from NaN or Inf) and, of the
  * others, the share_k - forced farthest over their bound (by a 12-bit histogram of
@@ -782,13 +796,8 @@ static size_t share_trim(const amber__scan_args *a, size_t k, size_t w, float *x
     key[i] = b >> 20;
     hist[key[i]]++;
   }
-  size_t budget = a->share_k > nforced ? a->share_k - nforced : 0, taken = 0;
-  int cut;
-  for (cut = 4095; cut >= 0; cut--) {
-    if (taken + hist[cut] > budget) break;
-    taken += hist[cut];
-  }
-  size_t partial = cut >= 0 ? budget - taken : 0, out = 0;
+  size_t partial, out = 0;
+  int cut = hist_cut(hist, a->share_k > nforced ? a->share_k - nforced : 0, &partial);
   for (size_t i = 0; i < k; i++) {
     int keep = key[i] == AMBER__KEY_FORCED || (int)key[i] > cut;
     if (!keep && (int)key[i] == cut && partial) {
@@ -844,13 +853,8 @@ static size_t budget_cut(const amber__scan_args *a, size_t k, size_t w, int leve
   uint32_t hist[4096] = {0};
   for (size_t i = 0; i < k; i++)
     if (a->keys[i] != AMBER__KEY_FORCED) hist[a->keys[i] >> 20]++;
-  size_t taken = 0;
-  int cut;
-  for (cut = 4095; cut >= 0; cut--) {
-    if (taken + hist[cut] > a->budget) break;
-    taken += hist[cut];
-  }
-  size_t partial = cut >= 0 ? a->budget - taken : 0;
+  size_t partial;
+  int cut = hist_cut(hist, a->budget, &partial);
 #ifdef HAVE_F32_AVX2
   if (w == 4 && level == 2) return cut4_avx512(a, k, cut, partial);
 #else

@@ -226,6 +226,20 @@ def _parse(spec):
     raise ValueError(f"unknown policy {spec!r}")
 
 
+def _hist_keep(bucket, forced, budget):
+    """scan.c's hist_cut and its keep rule: of candidates with 12-bit `bucket`s, the
+    forced ones and the `budget` in the highest buckets, ties in the cut bucket in
+    index order (a bool mask)."""
+    hist = torch.bincount(bucket[~forced], minlength=4096)
+    ge = hist.flip(0).cumsum(0).flip(0)  # ge[b]: the non-forced in buckets >= b
+    cut = int((ge > budget).sum()) - 1
+    partial = 0
+    if cut >= 0:
+        partial = budget - (int(ge[cut + 1]) if cut < 4095 else 0)
+    eq = (bucket == cut) & ~forced
+    return forced | (bucket > cut) | (eq & (eq.cumsum(0) <= partial))
+
+
 def _share(spec):
     """(SHARE, MULT) of a threshold's share cap ("threshold:ABS:REL/SHARE:MULT"), or
     None."""
@@ -260,16 +274,8 @@ def _share_trim(x, r, idx, chunk, nchunks, a, b, share, mult):
     keep = torch.ones_like(forced)
     for j in over:
         inside = (cid == j).nonzero().squeeze(1)
-        kj, fj = key[inside], forced[inside]
-        budget = max(limits[j] - int(fj.sum()), 0)
-        hist = torch.bincount(kj[~fj], minlength=4096)
-        ge = hist.flip(0).cumsum(0).flip(0)  # ge[c]: the non-forced in buckets >= c
-        cut = int((ge > budget).sum()) - 1
-        partial = 0
-        if cut >= 0:
-            partial = budget - (int(ge[cut + 1]) if cut < 4095 else 0)
-        eq = (kj == cut) & ~fj
-        keep[inside] = fj | ((kj > cut) & ~fj) | (eq & (eq.cumsum(0) <= partial))
+        fj = forced[inside]
+        keep[inside] = _hist_keep(key[inside], fj, max(limits[j] - int(fj.sum()), 0))
     return idx[keep]
 
 
@@ -405,18 +411,8 @@ def _budget_chunk(x, r, frac, cap):
         idx, key, df = _candidates(x, r, abs_f, 0.0, _f32_down(cap), True)
     k = idx.numel()
     if k > budget:  # budget_cut: keep forced, the largest by 12-bit buckets, ties first
-        keys = key  # per candidate
-        forced = keys == _FORCED
-        bucket = keys >> 20
-        hist = torch.bincount(bucket[~forced], minlength=4096)
-        ge = hist.flip(0).cumsum(0).flip(0)  # ge[b]: candidates in buckets >= b
-        cut = int((ge > budget).sum()) - 1
-        partial = 0
-        if cut >= 0:
-            partial = budget - (int(ge[cut + 1]) if cut < 4095 else 0)
-        eq = (bucket == cut) & ~forced
-        keep = forced | (bucket > cut) | (eq & (eq.cumsum(0) <= partial))
-        return idx[keep]
+        forced = key == _FORCED
+        return idx[_hist_keep(key >> 20, forced, budget)]
     if strict and k < budget:  # fill_band: more from the cluster, in index order
         band = (df > lo) & (df <= hi)
         band[idx] = False  # candidates are in the reference already
