@@ -43,13 +43,26 @@ def test_delta_speed_quick_compares_policies_in_one_run(tmp_path):
     out = tmp_path / "speed.json"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "delta_speed.py"), "--quick",
                         "--rounds", "1", "--deltas", "3", "--policies",
-                        "v1-lossy-compact,lossy-capped", "--out", str(tmp_path), "--json", str(out)],
+                        "v1-lossy-compact,lossy-capped,floor", "--out", str(tmp_path),
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(out.read_text())["policies"]
-    assert set(res) == {"v1-lossy-compact", "lossy-capped"}
+    doc = json.loads(out.read_text())
+    res = doc["policies"]
+    assert set(res) == {"v1-lossy-compact", "lossy-capped", "floor"}
     assert res["v1-lossy-compact"]["x_time"] == 1.0
-    for r in res.values():
+    for n in ("v1-lossy-compact", "lossy-capped"):
+        r = res[n]
         assert r["s"] > 0 and r["bytes"] > 0 and r["x_per_mb"] > 0
-    assert "x per MB" in p.stdout
+        # every stored element is counted (the quantized preset stores more per byte)
+        assert 0 < r["elems"] < r["bytes"]
+    # the floor stores no element of the state, only what is stored whole whatever the
+    # rule (AdamW's step counters, which change at every step)
+    assert res["floor"]["elems"] < 0.01 * res["lossy-capped"]["elems"]
+    assert doc["floor_s"] == res["floor"]["s"] > 0
+    assert 0 < res["floor"]["fastest_s"] <= res["floor"]["s"]
+    cap = res["lossy-capped"]
+    assert cap["parity_s"] > 0 and cap["parity_above_floor"] == (cap["parity_s"] >= doc["floor_s"])
+    assert cap["x_above_floor_per_elem"] > 0
+    assert "x per MB" in p.stdout and "floor: a delta that stores nothing" in p.stdout
     assert not list(tmp_path.glob("amber-delta-speed-*"))  # its store is removed
