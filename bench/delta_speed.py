@@ -161,13 +161,16 @@ def main():
             r = res[n]
             parity = first[1] * r["bytes"] / 1e6  # the same time per byte as names[0]
             above = (r["s"] - floor) / max(r["elems"], 1)
+            # (a tiny model's deltas can come out at or under the floor's median: noise)
+            ratio = above / above0 if above0 > 0 else None
             r.update(parity_s=parity, parity_above_floor=parity >= floor,
-                     above_floor_s_per_elem=above, x_above_floor_per_elem=above / above0)
+                     above_floor_s_per_elem=above, x_above_floor_per_elem=ratio)
             print(f"  {n}: per-byte parity with {names[0]} means {parity:.3f} s a delta, "
                   + (f"{parity - floor:.3f} s above the floor's median"
                      if parity >= floor else "below the floor's median")
                   + f"; time above the floor per stored element {1e9 * above:.1f} ns, "
-                  f"{above / above0:.2f}x {names[0]}'s ({1e9 * above0:.1f} ns)")
+                  + (f"{ratio:.2f}x" if ratio is not None else "(no ratio: not above the floor)")
+                  + f" {names[0]}'s ({1e9 * above0:.1f} ns)")
         res["floor"]["fastest_s"] = fmin
     if a.json:
         with open(a.json, "w") as f:
