@@ -424,6 +424,7 @@ def plot(summary, path, steps, baseline=None, title="demo GPT"):
     fig, axes = plt.subplots(1, 2, figsize=(14, 6), gridspec_kw={"width_ratios": [3, 2]})
     style = {"10": ("v", "tab:red"), "20": ("o", "tab:blue"), "50": ("^", "tab:green")}
     ks = sorted({k for p in summary["policies"].values() for k in p["K"]}, key=int)
+    drawn = []  # (delta %, mean diff %) of every point drawn, for the zoom's limits
     for n, ax in enumerate(axes):
         if u["sd_pct"] == u["sd_pct"]:
             ax.axhspan(-2 * u["sd_pct"], 2 * u["sd_pct"], color="0.88",
@@ -455,6 +456,7 @@ def plot(summary, path, steps, baseline=None, title="demo GPT"):
                     continue
                 diffs = [x["diff_pct"] for x in p["runs"][k]]
                 m, x, full = s["mean_diff_pct"], s["delta_pct"], s["seeds"] == nseeds
+                drawn.append((x, min([m] + diffs)))  # its bar's lower end too
                 if full:
                     pts.append((x, m))
                 ax.errorbar([x], [m], yerr=[[max(0, m - min(diffs))], [max(0, max(diffs) - m)]],
@@ -479,8 +481,12 @@ def plot(summary, path, steps, baseline=None, title="demo GPT"):
                       f"from best to worst seed; open: seed 0 only; exact: bit-identical "
                       f"(not drawn)", fontsize=9)
     axes[0].legend(fontsize=7, loc="upper right")
-    axes[1].set_xlim(1.5, 8)
-    axes[1].set_ylim(-0.1, 1.4)
+    # the zoom: deltas of 1.5-8% (lower if a policy near the targets is smaller) and
+    # eval losses from -0.1% (lower if one of those ended lower) to 1.4%
+    near = [(x, m) for x, m in drawn if x <= 8 and m <= 1.4]
+    xlo = min([1.5] + [0.9 * x for x, _ in near])
+    axes[1].set_xlim(xlo, 8)
+    axes[1].set_ylim(min([-0.1] + [m - 0.1 for x, m in near]), 1.4)
     axes[1].set_xticks([1.5, 2, 2.5, 3, 4, 5, 6, 8])
     axes[1].set_title("zoom: the policies near the targets (3% of a full checkpoint, "
                       "0.5% of eval loss)", fontsize=9)

@@ -241,9 +241,9 @@ LOSSY_COMPACT = (
 #   that a delta's size is bounded by its rules, not only its mean: past the
 #   warm-up's first deltas (where second moments grow many times over and are stored,
 #   forced, beyond 16 bounds) every delta of the demo's runs was at most 3% of a full
-#   checkpoint (on the 4.3x larger model some were above: 3 of 960 at K=50, up to
-#   3.87%, and 5 at K=10, up to 32.3%: elements forced beyond MULT bounds come on top
-#   of the shares). The caps defer changes past 1 lr (W) and 0.3 (V) when many move at
+#   checkpoint (on the 4.3x larger model none at K=20 on 3 seeds, but 3 of 960 at
+#   K=50, up to 3.87%, and 5 at K=10, up to 32.3%: elements forced beyond MULT bounds
+#   come on top of the shares). The caps defer changes past 1 lr (W) and 0.3 (V) when many move at
 #   once (Adam's warm-up, spikes); the bytes they save buy first moments 10% (see
 #   README for its fidelity).
 LOSSY_CAPPED = (
