@@ -252,7 +252,28 @@ def sizes_of(store):
                 with st.reader(c.step) as r:
                     for t in r.tensors():
                         per[klass(t.name)] += t.stored_bytes
-    full = statistics.mean(out["full"]) if out["full"] else float("nan")
+        full = statistics.mean(out["full"]) if out["full"] else float("nan")
+        # what the deltas over 3% stored: per class, bytes (% of a full checkpoint)
+        # and the share of the class's elements; the three tensors that stored most
+        detail = {}
+        for c in cks:
+            if c.kind != "delta" or not 100 * c.bytes / full > 3:
+                continue
+            cls = {k: [0, 0, 0] for k in per}  # bytes, stored elements, elements
+            tops = []
+            with st.reader(c.step) as r:
+                for t in r.tensors():
+                    v = cls[klass(t.name)]
+                    v[0] += t.stored_bytes
+                    v[1] += t.stored_elems
+                    v[2] += t.nelems
+                    tops.append((t.stored_bytes, t.name, t.stored_elems / max(t.nelems, 1)))
+            detail[str(c.step)] = {
+                "classes": {k: {"pct_of_full": round(100 * v[0] / full, 3),
+                                "elems_share": round(v[1] / max(v[2], 1), 4)}
+                            for k, v in cls.items()},
+                "top": [{"tensor": n, "pct_of_full": round(100 * b / full, 3),
+                         "elems_share": round(e, 4)} for b, n, e in sorted(tops)[::-1][:3]]}
     delta = statistics.mean(out["delta"]) if out["delta"] else float("nan")
     tot = sum(per.values()) or 1
     pct = {st_: 100 * b / full for st_, b in steps.items()}
@@ -264,6 +285,7 @@ def sizes_of(store):
             "deltas_over_3pct_late": sum(v > 3 for v in late), "deltas": len(pct),
             # the steps whose delta exceeded 3% of a full checkpoint, with its size
             "over_3pct": {str(k): round(v, 3) for k, v in sorted(pct.items()) if v > 3},
+            "over_3pct_detail": detail,
             "delta_share": {k: v / tot for k, v in per.items()}}
 
 

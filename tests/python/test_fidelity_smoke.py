@@ -31,5 +31,18 @@ def test_fidelity_quick_run_reports_resumes_sizes_and_exact_bit_identity(tmp_pat
                                                "V_log_mean": 0.0, "V_log_rms": 0.0}
     assert pol["lossy-compact"]["delta_pct"] < pol["exact"]["delta_pct"]
     assert pol["lossy-compact"]["K"]["2"]["error"]["W_rms_lr"] > 0
+    # every delta over 3% of a full checkpoint is broken down by class (exact's deltas
+    # all are: a few steps change most of the state)
+    runs = [json.loads(f.read_text()) for f in (out / "runs").glob("exact-*.json")]
+    assert len(runs) == 2
+    for r in runs:
+        assert r["over_3pct"] and set(r["over_3pct_detail"]) == set(r["over_3pct"])
+        for step, d in r["over_3pct_detail"].items():
+            parts = sum(c["pct_of_full"] for c in d["classes"].values())
+            # the tensors' payloads, without the file's header and index
+            assert 0 < parts <= r["over_3pct"][step] + 1e-3
+            assert all(0 <= c["elems_share"] <= 1 for c in d["classes"].values())
+            assert 1 <= len(d["top"]) <= 3
+            assert d["top"][0]["pct_of_full"] >= d["top"][-1]["pct_of_full"]
     assert (out / "fidelity.png").stat().st_size > 0
     assert not list(out.glob("store*"))  # the scratch stores are removed
