@@ -233,10 +233,29 @@ def resume_error(store, state, steps, seed):
             "V_log_mean": sv / max(nv, 1), "V_log_rms": math.sqrt(sv2 / max(nv, 1))}
 
 
+def delta_detail(reader, full):
+    """What one delta stored: per class, its bytes (% of a full checkpoint of `full`
+    bytes) and the share of the class's elements; the three tensors that stored most."""
+    cls = {k: [0, 0, 0] for k in ("W", "M", "V")}  # bytes, stored elements, elements
+    tops = []
+    for t in reader.tensors():
+        v = cls[klass(t.name)]
+        v[0] += t.stored_bytes
+        v[1] += t.stored_elems
+        v[2] += t.nelems
+        tops.append((t.stored_bytes, t.name, t.stored_elems / max(t.nelems, 1)))
+    return {"classes": {k: {"pct_of_full": round(100 * v[0] / full, 3),
+                            "elems_share": round(v[1] / max(v[2], 1), 4)}
+                        for k, v in cls.items()},
+            "top": [{"tensor": n, "pct_of_full": round(100 * b / full, 3),
+                     "elems_share": round(e, 4)} for b, n, e in sorted(tops)[::-1][:3]]}
+
+
 def sizes_of(store):
     """Mean bytes of full and delta checkpoints; every delta's size against the mean
     full one (the largest, and the largest after Adam's warm-up, steps > 20, where
-    the moments grow from zero); delta bytes per class (every 5th)."""
+    the moments grow from zero); delta bytes per class (every 5th); what each delta
+    over 3% of a full checkpoint stored (delta_detail)."""
     from amber import Store
     out = {"full": [], "delta": []}
     per = {"W": 0, "M": 0, "V": 0}
@@ -253,38 +272,22 @@ def sizes_of(store):
                     for t in r.tensors():
                         per[klass(t.name)] += t.stored_bytes
         full = statistics.mean(out["full"]) if out["full"] else float("nan")
-        # what the deltas over 3% stored: per class, bytes (% of a full checkpoint)
-        # and the share of the class's elements; the three tensors that stored most
+        pct = {st_: 100 * b / full for st_, b in steps.items()}
+        over = {st_: v for st_, v in sorted(pct.items()) if v > 3}
         detail = {}
-        for c in cks:
-            if c.kind != "delta" or not 100 * c.bytes / full > 3:
-                continue
-            cls = {k: [0, 0, 0] for k in per}  # bytes, stored elements, elements
-            tops = []
-            with st.reader(c.step) as r:
-                for t in r.tensors():
-                    v = cls[klass(t.name)]
-                    v[0] += t.stored_bytes
-                    v[1] += t.stored_elems
-                    v[2] += t.nelems
-                    tops.append((t.stored_bytes, t.name, t.stored_elems / max(t.nelems, 1)))
-            detail[str(c.step)] = {
-                "classes": {k: {"pct_of_full": round(100 * v[0] / full, 3),
-                                "elems_share": round(v[1] / max(v[2], 1), 4)}
-                            for k, v in cls.items()},
-                "top": [{"tensor": n, "pct_of_full": round(100 * b / full, 3),
-                         "elems_share": round(e, 4)} for b, n, e in sorted(tops)[::-1][:3]]}
+        for step in over:
+            with st.reader(step) as r:
+                detail[str(step)] = delta_detail(r, full)
     delta = statistics.mean(out["delta"]) if out["delta"] else float("nan")
     tot = sum(per.values()) or 1
-    pct = {st_: 100 * b / full for st_, b in steps.items()}
     late = [v for st_, v in pct.items() if st_ > 20]
     return {"full_bytes": full, "delta_bytes": delta, "delta_pct": 100 * delta / full,
             "delta_max_pct": max(pct.values(), default=float("nan")),
             "delta_max_late_pct": max(late, default=float("nan")),
-            "deltas_over_3pct": sum(v > 3 for v in pct.values()),
+            "deltas_over_3pct": len(over),
             "deltas_over_3pct_late": sum(v > 3 for v in late), "deltas": len(pct),
             # the steps whose delta exceeded 3% of a full checkpoint, with its size
-            "over_3pct": {str(k): round(v, 3) for k, v in sorted(pct.items()) if v > 3},
+            "over_3pct": {str(k): round(v, 3) for k, v in over.items()},
             "over_3pct_detail": detail,
             "delta_share": {k: v / tot for k, v in per.items()}}
 
