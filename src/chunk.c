@@ -230,8 +230,14 @@ void amber__chunk_delta(amber__scratch *s, const amber__chunk_src *src, amber__c
   size_t plen;
   size_t bitmap = (n + 7) / 8;
   if (1 + bitmap + k * isz >= bytes) {
-    /* Dense: the whole chunk, and the reference takes every live value. */
-    memcpy(a.ref, a.live, bytes);
+    /* Dense: the whole chunk. The reference must end up equal to what the chunk
+     * restores, even if the caller broke the rule and changed live during the save:
+     * so live is read once. Under the exact policy the scan has already moved the
+     * reference to every value it read (the others were equal to it), so the
+     * reference is the chunk, which XOR (built from the same reads) restores and
+     * RAW stores. Under a threshold or budget the others take their live value
+     * now, into the reference, and RAW stores the reference. */
+    if (a.kind != AMBER__SCAN_EXACT) memcpy(a.ref, a.live, bytes);
     c->stored = n;
     if (xlen && xlen < bytes) {
       c->encoding = AMBER__ENC_XOR_ZSTD;

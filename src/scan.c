@@ -723,7 +723,9 @@ static size_t fill_band(const amber__scan_args *a, size_t w, const float band[2]
       if (c < k && a->idx[c] == base + i) continue;
       tidx[got] = (uint32_t)(base + i);
       memcpy(tvals + got * w, live + (base + i) * w, w);
-      if (!a->defer) memcpy(ref + (base + i) * w, live + (base + i) * w, w);
+      /* from the value just read, not from live again: a racing writer must not
+       * make the reference differ from what the step stores */
+      if (!a->defer) memcpy(ref + (base + i) * w, tvals + got * w, w);
       got++;
     }
   }
