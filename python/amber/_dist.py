@@ -321,10 +321,7 @@ def _from_dcp(g, state, step):
     keys, objects = {}, {}
     for r in range(g.world_size):
         raw = g.meta(r)
-        try:
-            m = json.loads(raw) if raw else {}
-        except ValueError:
-            m = None
+        m = _at._parse_meta(raw, f"global step {step} of {g.path}, rank {r}") if raw else {}
         if not isinstance(m, dict) or not isinstance(m.get("keys", {}), dict) or \
                 not isinstance(m.get("objects", {}), dict):
             raise _at._format_error(step, f"rank {r}", "amber.dcp metadata that does not decode")
@@ -714,11 +711,8 @@ class DistCheckpointer(_at.Checkpointer):
         with GlobalReader(self.path, step) as g:
             done = g.step
             own = self.rank < g.world_size
-            raw = g.meta(self.rank if own else 0)
-            try:
-                meta = json.loads(raw) if raw else None
-            except ValueError:
-                meta = None
+            meta = _at._parse_meta(g.meta(self.rank if own else 0),
+                                   f"global step {done} of {self.path}")
             if isinstance(meta, dict) and meta.get("format") == _at._DCP_FORMAT:
                 meta = _from_dcp(g, state, done)
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
@@ -820,11 +814,7 @@ class DistCheckpointer(_at.Checkpointer):
                 st.reader(step, fallback=fallback) as r:
             done = r.step
             self.skipped = r.skipped
-            raw = r.meta()
-            try:
-                meta = json.loads(raw) if raw else None
-            except ValueError:
-                meta = None
+            meta = _at._parse_meta(r.meta(), f"step {done} of {self.path}")
             if isinstance(meta, dict) and meta.get("format") == _at._DCP_FORMAT:
                 meta = {"format": _at._FORMAT, "entries": _at._dcp_entries(
                     meta.get("keys"), meta.get("objects"), state, done)}

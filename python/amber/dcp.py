@@ -199,6 +199,10 @@ class Writer(StorageWriter, AsyncStager):
         self._pinned = None
         self._dev = None      # amber.device.DevicePath: tensors selected on their device
         self._gdev = None     # the same for this rank's shards (many ranks)
+        self._versions = None  # _Versions of the tensors a save reads in place
+        self._torn = None     # why the save in progress must not commit (set at the fence)
+        self._seeding = None  # (amber.torch's fence hook reads it; the Writer never seeds)
+        self._global_hook = _at._fence_before_any_step(self)
         if self._id is not None:
             parse_checkpoint_id(self._id)
 
@@ -228,6 +232,22 @@ class Writer(StorageWriter, AsyncStager):
         uncommitted)."""
         self._abort()
         self._drop()
+        hook, self._global_hook = getattr(self, "_global_hook", None), None
+        if hook is not None:
+            hook.remove()
+
+    def fence(self):
+        """Blocks until the staged save no longer reads the tensors (its staging is
+        complete); then they may change. Called by itself before the step of any
+        torch.optim optimizer, so an optimizer.step() right after dcp.async_save
+        waits for the staging instead of tearing the checkpoint. A failure is not
+        raised here: the upload reports it."""
+        staged = self._staged
+        if staged is not None:
+            try:
+                staged.result()
+            except BaseException:
+                pass
 
     def __enter__(self):
         return self
@@ -324,7 +344,7 @@ class Writer(StorageWriter, AsyncStager):
         if self._begun is None:
             raise RuntimeError("amber.dcp.Writer.finish: no save in progress")
         try:
-            self._w.confirm(True)
+            self._w.confirm(self._torn is None, self._torn or "")
             self._w.wait()
         except BaseException:
             self._abort()
@@ -414,15 +434,16 @@ class Writer(StorageWriter, AsyncStager):
             flat.tensor(name, t)
         sig = [(n, _at._DTYPES[t.dtype], tuple(t.shape), _device.wanted(t))
                for n, t in flat.tensors]
-        ptrs, pinned = [], []
+        ptrs, pinned, inplace = [], [], []
         with torch.no_grad():
             for name, t in flat.tensors:
                 if _device.wanted(t):  # selected on its device (amber.device)
                     ptrs.append(None)
                     continue
                 if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() \
-                        and not t.is_neg():
-                    src = t
+                        and not t.is_neg() and not t.is_inference():
+                    src = t  # read in place until the fence: its version is checked there
+                    inplace.append((name, t))
                 else:
                     src = self._bufs.get(name)
                     if src is None or src.shape != t.shape or src.dtype != t.dtype:
@@ -461,6 +482,8 @@ class Writer(StorageWriter, AsyncStager):
                 self._w.set_units(units)
                 self._units = units
         self._pinned = pinned
+        self._versions = _at._Versions([n for n, _ in inplace], [t for _, t in inplace])
+        self._torn = None
         step, flags = self._target[1], 0
         if self._dev.tensors:  # plan, select on the devices, hand the selections over
             live = {n: t for n, t in flat.tensors if n in self._dev.tensors}
@@ -474,13 +497,24 @@ class Writer(StorageWriter, AsyncStager):
         self._begun = (names, meta_objects)
 
     def _fence(self):
+        """amber's fence: the scan no longer reads the live tensors. A tensor read in
+        place whose version counter moved since the save began (an in-place op before
+        the staging completed: the next optimizer step, a write by another thread)
+        makes the step torn: it is then not committed (AMBER_ECHANGED at the commit)."""
         try:
             dev = self._dev if self._gw is None else self._gdev
             if dev is not None:
                 dev.fence()  # the device-side selection (an event on CUDA)
             (self._gw or self._w).fence()
         finally:
-            self._pinned = None
+            changed = self._versions.changed() if self._versions else None
+            if changed is not None:
+                self._torn = (
+                    f"tensor '{changed}' changed in place after the save began and before "
+                    "its staging completed: the checkpoint could hold a torn state, so it was "
+                    "not committed; wait on async_save's staging_completion before changing "
+                    "the state (an optimizer.step() waits by itself)")
+            self._pinned = self._versions = None
 
     def _settled(self, ok):
         """The device references after the save's outcome."""
@@ -508,7 +542,7 @@ class Writer(StorageWriter, AsyncStager):
         except AmberError:
             pass
         self._settled(False)
-        self._pinned = None
+        self._pinned = self._versions = self._torn = None
 
     # -- many ranks: each rank writes its shards through the global writer --
     def _reset_global(self, cid, path, step):
@@ -575,7 +609,7 @@ class Writer(StorageWriter, AsyncStager):
             if _at._is_dtensor(v):
                 local, gshape, off, lshape, writes, repl = _dist._box(v)
                 if writes or repl:
-                    decl.append((name, local, gshape, off, lshape, repl))
+                    decl.append((name, local, gshape, off, lshape, repl, v))
             elif isinstance(v, torch.Tensor):
                 decl.append((name, v, tuple(v.shape), (0,) * v.dim(), tuple(v.shape), True))
             else:
@@ -600,7 +634,8 @@ class Writer(StorageWriter, AsyncStager):
         """Declares this rank's shards (a new global writer, on every rank, when any
         rank's changed), sets its metadata and begins the step (collective). `err`:
         this rank could not even list its part; every rank learns of it here."""
-        rows, pinned, meta_json, devs = [], [], None, {}
+        rows, pinned, meta_json, devs, inplace = [], [], None, {}, []
+        dt_of = {d[0]: d[6] for d in decl if len(d) > 6}
         try:
             if err is not None:
                 raise err
@@ -612,11 +647,15 @@ class Writer(StorageWriter, AsyncStager):
                     raise TypeError(f"amber.dcp.Writer: {name}: tensors inside a non-tensor value")
                 meta_objects[name] = e
             with torch.no_grad():
-                for name, t, gshape, off, lshape, repl in decl:
+                for name, t, gshape, off, lshape, repl, *_ in decl:
                     if t.dtype not in _at._DTYPES:
                         raise TypeError(f"{name}: dtype {t.dtype} is not supported by amber")
                     writes = not repl or self._comm.rank == 0
                     src = t
+                    if writes:  # a DTensor's ops move its own counter, to_local()'s its local's
+                        for x in {id(x): x for x in (t, dt_of.get(name, t))}.values():
+                            if not x.is_inference():
+                                inplace.append((name, x))
                     if writes and _device.wanted(t):  # selected on its device
                         devs[name] = t
                         rows.append((name, _at._DTYPES[t.dtype], gshape, off, lshape, repl, None))
@@ -627,6 +666,7 @@ class Writer(StorageWriter, AsyncStager):
                         if src is None or src.shape != t.shape or src.dtype != t.dtype:
                             src = self._bufs[name] = torch.empty(t.shape, dtype=t.dtype)
                         src.copy_(t.resolve_conj().resolve_neg())
+                        inplace = [(n, x) for n, x in inplace if n != name]  # a copy
                     pinned.append(src)
                     rows.append((name, _at._DTYPES[t.dtype], gshape, off, lshape, repl,
                                  src.data_ptr() if writes and src.numel() else 0))
@@ -666,6 +706,8 @@ class Writer(StorageWriter, AsyncStager):
                 self._gw.set_units(units)
                 self._units = units
         self._pinned = pinned
+        self._versions = _at._Versions([n for n, _ in inplace], [x for _, x in inplace])
+        self._torn = None
         step, flags = self._target[1], _amber.SAVE_CONFIRM
         try:
             if any(v["dev"] for v in votes):  # some rank selects on its device (collective)
@@ -701,7 +743,7 @@ class Writer(StorageWriter, AsyncStager):
                         item.tensor_data.properties.dtype.itemsize
                 results.append(WriteResult(index=item.index, size_in_bytes=size,
                                            storage_data=names.get(item.index.fqn)))
-            self._gw.confirm(True)
+            self._gw.confirm(self._torn is None, self._torn or "")
             self._begun = self._staged = None
             if self._gdev is not None:  # the device references move with the outcome
                 self._gdev.settle(self._gw.wait)  # the global commit: collective
@@ -819,11 +861,7 @@ class Reader(StorageReader):
             return self._read_metadata_global()
         with Store(self._path, readonly=True, create=False) as st, self._reader(st) as r:
             self._step = r.step
-            raw = r.meta()
-            try:
-                meta = json.loads(raw) if raw else None
-            except ValueError:
-                meta = None
+            meta = _at._parse_meta(r.meta(), f"step {r.step} of {self._path}")
             if isinstance(meta, dict) and meta.get("format") == _at._FORMAT:
                 meta = _checkpointer_view(meta, r.step)
             elif not isinstance(meta, dict) or meta.get("format") != _FORMAT or \
@@ -876,10 +914,7 @@ class Reader(StorageReader):
                 raw = g.meta(r)
                 if raw is None:
                     continue
-                try:
-                    m = json.loads(raw)
-                except ValueError:
-                    m = None
+                m = _at._parse_meta(raw, f"global step {g.step} of {self._path}, rank {r}")
                 if isinstance(m, dict) and m.get("format") == _dist._FORMAT:
                     if r == 0:  # the Checkpointer's entries: the same on every rank
                         m = _checkpointer_view(m, g.step)

@@ -293,6 +293,23 @@ def _format_error(step, path, message):
                       name="AMBER_EFORMAT")
 
 
+def _parse_meta(raw, where):
+    """The JSON value of a checkpoint's metadata `raw` (None when there is none or it
+    is not JSON: the caller says whose metadata it expected). JSON nested beyond
+    Python's recursion limit (a hostile file: "[" * 200000) raises AMBER_EFORMAT
+    naming `where` (the store and step) instead of a bare RecursionError."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+    except RecursionError:
+        raise AmberError(_amber.EFORMAT, f"{where}: its metadata nests JSON arrays or objects "
+                         "beyond Python's recursion limit: not metadata that amber writes",
+                         name="AMBER_EFORMAT") from None
+
+
 def _rules(policy):
     if policy is None:
         return list(EXACT)
@@ -1097,10 +1114,18 @@ class _Load:
 
     def dec(self, e, path, target=None, device=None):
         """The value that JSON `e` describes; tensors are planned into the tensor at
-        the same place of `target` when there is one."""
+        the same place of `target` when there is one. Values nested beyond Python's
+        recursion limit (hostile metadata) are a format error naming the step."""
+        try:
+            return self._dec(e, path, target, device)
+        except RecursionError:
+            raise _format_error(self.step, path, "values nested too deeply (beyond Python's "
+                                "recursion limit): not metadata that amber writes") from None
+
+    def _dec(self, e, path, target=None, device=None):
         if isinstance(e, list):
             tl = target if isinstance(target, (list, tuple)) else ()
-            return [self.dec(v, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
+            return [self._dec(v, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
                     for i, v in enumerate(e)]
         if e is None or isinstance(e, (bool, int, float, str)):
             return e
@@ -1121,7 +1146,7 @@ class _Load:
                 if not isinstance(v, list):
                     self.bad(path, "a tuple that is not a list")
                 tl = target if isinstance(target, (list, tuple)) else ()
-                return tuple(self.dec(x, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
+                return tuple(self._dec(x, f"{path}/{i}", tl[i] if i < len(tl) else None, device)
                              for i, x in enumerate(v))
             if tag == "$dtype":
                 dt = _DTYPE_NAMES.get(v) if isinstance(v, str) else None
@@ -1136,17 +1161,17 @@ class _Load:
                 td = target if isinstance(target, dict) else {}
                 out = {}
                 for k, x in v:
-                    k = self.dec(k, path)
+                    k = self._dec(k, path)
                     try:
                         hash(k)
                     except TypeError:
                         self.bad(path, f"a dict key of type {type(k).__name__}")
-                    out[k] = self.dec(x, f"{path}/{k}", td.get(k), device)
+                    out[k] = self._dec(x, f"{path}/{k}", td.get(k), device)
                 return out
         if any(k.startswith("$") for k in e):
             self.bad(path, f"unknown tag among {sorted(e)[:3]}")
         td = target if isinstance(target, dict) else {}
-        return {k: self.dec(v, f"{path}/{k}", td.get(k), device) for k, v in e.items()}
+        return {k: self._dec(v, f"{path}/{k}", td.get(k), device) for k, v in e.items()}
 
     def numpy(self, a, path):
         if _np is None:
@@ -1959,11 +1984,7 @@ class Checkpointer:
         with self.store.reader(step, fallback=fallback) as r:
             done = r.step
             self.skipped = r.skipped
-            raw = r.meta()
-            try:
-                meta = json.loads(raw) if raw else None
-            except ValueError:
-                meta = None
+            meta = _parse_meta(r.meta(), f"step {done} of {self.path}")
             if isinstance(meta, dict) and meta.get("format") == _DCP_FORMAT:
                 meta = {"format": _FORMAT, "entries": _dcp_entries(
                     meta.get("keys"), meta.get("objects"), state, done)}

@@ -23,20 +23,21 @@ WORKER = os.path.join(HERE, "dist_worker.py")
 TIMEOUT = 120
 
 
-def start(scenario, world, d):
+def start(scenario, world, d, worker=WORKER):
     init = os.path.join(d, f"rdzv-{scenario}-{world}")
     if os.path.exists(init):
         os.unlink(init)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p))
-    return [subprocess.Popen([PYTHON, WORKER, scenario, str(r), str(world), init, d],
+    return [subprocess.Popen([PYTHON, worker, scenario, str(r), str(world), init, d],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, start_new_session=True) for r in range(world)]
 
 
-def ranks(scenario, world, d, timeout=TIMEOUT):
-    """Runs `scenario` on `world` ranks; fails with their output if any fails."""
-    procs = start(scenario, world, d)
+def ranks(scenario, world, d, timeout=TIMEOUT, worker=WORKER):
+    """Runs `scenario` of `worker` on `world` ranks; fails with their output if any
+    fails; returns their output."""
+    procs = start(scenario, world, d, worker)
     outs = []
     try:
         for p in procs:
@@ -54,6 +55,7 @@ def ranks(scenario, world, d, timeout=TIMEOUT):
         report = "\n".join(f"--- rank {r} (exit {c}):\n{outs[r] if r < len(outs) else '(timed out)'}"
                            for r, c in enumerate(codes))
         raise AssertionError(f"{scenario} at {world} ranks failed:\n{report}")
+    return outs
 
 
 def cli(*args):

@@ -367,7 +367,7 @@ def export(store, out_dir, step=None, config=None, key="model"):
         try:
             meta = json.loads(raw) if raw else {}
             config = json.loads(meta["entries"]["extra"]["value"]["config"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ValueError(f"step {done} of amber store {store} holds no model config (not "
                              "written by AmberTrainer): pass config=") from None
     os.makedirs(out_dir, exist_ok=True)

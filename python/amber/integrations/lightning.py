@@ -207,7 +207,7 @@ def _read_pointer(path):
                          name="AMBER_EFORMAT")
     try:
         p = json.loads(head)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise AmberError(_amber.EFORMAT, f"{path}: not an amber-lightning pointer ({e})",
                          name="AMBER_EFORMAT") from None
     ok = (isinstance(p, dict) and p.get("format") == FORMAT and isinstance(p.get("store"), str)
@@ -270,7 +270,7 @@ def _token_of(store, step):
     try:
         meta = json.loads(raw) if raw else None
         return meta["entries"]["file"]["value"]["token"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
