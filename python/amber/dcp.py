@@ -35,8 +35,11 @@ Async saves (dcp.async_save, thread-based): the Writer is DCP's AsyncStager.
 stage() starts amber's scan of the live tensors (no copy of the bulk: contiguous
 CPU tensors are read in place) and returns a Future that completes at amber's
 fence, when the scan no longer reads them; async_save's `staging_completion`
-is that Future. Do not change the tensors before it completes. The upload
-(encode, write, commit) runs in DCP's thread. AsyncCheckpointerType.PROCESS is
+is that Future. Do not change the tensors before it completes: the Writer fences by
+itself before the step of any torch.optim optimizer, and checks the version counters
+of the tensors it reads in place at the fence; a tensor changed in place before then
+makes the step fail uncommitted with AMBER_ECHANGED (raised by upload_completion),
+never commit torn. The upload (encode, write, commit) runs in DCP's thread. AsyncCheckpointerType.PROCESS is
 refused: it pickles the Writer, whose reference cannot cross processes.
 
 Many ranks: under a process group of more than one rank (Writer(process_group=...),
