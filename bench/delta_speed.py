@@ -91,7 +91,7 @@ def one_turn(name, store, deltas, quick):
             ck.wait()
             dt = time.perf_counter() - t0
             st = _Stats()
-            if stats(ck._writer._h, ctypes.byref(st)) != 0:
+            if stats(ck._saver.sink.writer._h, ctypes.byref(st)) != 0:
                 sys.exit("delta_speed: amber_writer_save_stats failed")
             out.append({"s": dt, "scan": st.scan_cpu_s, "encode": st.encode_cpu_s})
         for row, info in zip(out, ck.steps()[1:]):

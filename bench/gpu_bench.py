@@ -94,7 +94,7 @@ def amber_runs(out, model, opt, gen, dev, policy, deltas):
         ck.fence()
         t1 = time.perf_counter()
         ck.wait()
-        full = (ck._dev.copied, t1 - t0, time.perf_counter() - t0, ck.steps()[-1].bytes)
+        full = (ck._saver.dev.copied, t1 - t0, time.perf_counter() - t0, ck.steps()[-1].bytes)
         rows = []
         for step in range(2, deltas + 2):
             fake_grads(model, gen)
@@ -111,7 +111,7 @@ def amber_runs(out, model, opt, gen, dev, policy, deltas):
             info = ck.steps()[-1]
             assert info.kind == "delta", f"step {step} was {info.kind}"
             # durable = the save's own time: the call, its fence and its wait
-            rows.append((ck._dev.copied, (t1 - t0) + (t3 - t2), (t1 - t0) + (t4 - t2), info.bytes))
+            rows.append((ck._saver.dev.copied, (t1 - t0) + (t3 - t2), (t1 - t0) + (t4 - t2), info.bytes))
     shutil.rmtree(path)
     return full, rows
 

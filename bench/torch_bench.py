@@ -66,7 +66,8 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from safetensors.torch import load_file, save_file
 
 import amber
-from amber.torch import Checkpointer, PRESETS, _rules, _rules_have_units
+from amber.torch import Checkpointer, PRESETS
+from amber.torch._presets import have_units, rules
 
 # The presets before quantized deltas (format 1.2), to compare speed with: element
 # selection with values stored whole.
@@ -452,7 +453,7 @@ def main():
     # Plain tensors have no learning rate: a rule in units of it keeps them exact
     # (every element, every delta); they are saved under the same rules with numbers
     # instead (v1-lossy-compact's), as a user of such a state would write them.
-    plain_policy = list(V1["v1-lossy-compact"]) if _rules_have_units(_rules(policy)) else policy
+    plain_policy = list(V1["v1-lossy-compact"]) if have_units(rules(policy)) else policy
     if a.repeat < 1 or a.deltas < 1:
         ap.error("--repeat and --deltas must be >= 1")
     torch.set_num_threads(os.cpu_count() or 2)

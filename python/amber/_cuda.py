@@ -50,6 +50,7 @@ import torch
 
 import amber as _amber
 from amber import _quant
+from amber import _select as sel
 
 KIND_EXACT, KIND_COMPARE = 0, 1
 EINVAL = 1  # amber_cuda_select: bad arguments (CUDA errors come negated)
@@ -244,9 +245,8 @@ def select(x, r, spec, code, chunk, nchunks):
     idx: int64, increasing, global; vals, olds: the live bits and the reference's bits
     before (int dtypes of the element width). Selects exactly what
     device._Tensor._select_indices selects (whole chunks are the caller's)."""
-    from amber import device as _dev
-    kind, a, b = _dev._parse(spec)
-    if kind == "exact" or x.dtype not in _dev._FLOAT:
+    kind, a, b = sel.parse(spec)
+    if kind == "exact" or x.dtype not in sel.FLOAT:
         kind = "exact"
     if kind == "budget":
         return budget(x, r, code, a, b, chunk, nchunks, update=True)
@@ -254,7 +254,7 @@ def select(x, r, spec, code, chunk, nchunks):
     if not supports(k, code):
         return None
     if kind == "threshold" and x.dtype != torch.float64:
-        a, b = _dev._f32_down(a), _dev._f32_down(b)
+        a, b = sel.f32_down(a), sel.f32_down(b)
     idx, vals, olds, _ = run(x, r, k, code, a, b, update=True, vals=True, olds=True)
     return idx, vals, olds
 
@@ -262,7 +262,6 @@ def select(x, r, spec, code, chunk, nchunks):
 def _budget_plan(x, r, frac, cap, chunk, nchunks):
     """Per chunk, as device._budget_chunk decides them: (sizes, budgets, thresholds for
     the kernel, strict, bands)."""
-    from amber import device as _dev
     n = x.numel()
     sizes = [min(chunk, n - j * chunk) for j in range(nchunks)]
     budgets = []
@@ -274,8 +273,8 @@ def _budget_plan(x, r, frac, cap, chunk, nchunks):
     sampled = [j for j in range(nchunks) if budgets[j] < sizes[j]]
     samples = {}
     if sampled:  # every chunk's sample in one gather and one copy
-        pos = [_dev._sample_positions(sizes[j]) + j * chunk for j in sampled]
-        d = _dev._sample_d(*(t[torch.cat(pos).to(x.device)] for t in (x, r))).cpu().numpy()
+        pos = [sel.sample_positions(sizes[j]) + j * chunk for j in sampled]
+        d = sel.sample_d(*(t[torch.cat(pos).to(x.device)] for t in (x, r))).cpu().numpy()
         at = 0
         for j, p in zip(sampled, pos):
             samples[j] = d[at:at + p.numel()]
@@ -287,13 +286,13 @@ def _budget_plan(x, r, frac, cap, chunk, nchunks):
         if budgets[j] >= sizes[j]:
             t = 0.0
         else:
-            t, s, lo, hi = _dev._budget_threshold(samples[j], sizes[j], budgets[j])
+            t, s, lo, hi = sel.budget_threshold(samples[j], sizes[j], budgets[j])
         if t > cap or hi > cap:
             t = min(t, cap)
             s = False
         if f64:
             s = False
-        thr.append(t if f64 else (hi if s else _dev._f32_down(t)))
+        thr.append(t if f64 else (hi if s else sel.f32_down(t)))
         strict.append(s)
         bands.append((lo, hi))
     return sizes, budgets, thr, strict, bands
@@ -303,7 +302,6 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
     """budget:FRAC:CAP over the chunks of flat `x` against `r`: (idx, vals, olds) as
     in select(), the reference moved only with `update`; None when the kernel does not
     cover `code`. Selects exactly what device._budget_chunk selects, chunk by chunk."""
-    from amber import device as _dev
     if not supports(KIND_COMPARE, code):
         return None
     n, dev = x.numel(), x.device
@@ -313,7 +311,7 @@ def budget(x, r, code, frac, cap, chunk, nchunks, update=False):
         return e, torch.zeros(0, dtype=bits, device=dev), torch.zeros(0, dtype=bits, device=dev)
     sizes, budgets, thr, strict, bands = _budget_plan(x, r, frac, cap, chunk, nchunks)
     f64 = x.dtype == torch.float64
-    cap_b = cap if f64 else _dev._f32_down(cap)
+    cap_b = cap if f64 else sel.f32_down(cap)
     chunk_abs = torch.tensor(thr, dtype=torch.float64).to(dev)
     # the candidates: compare with each chunk's threshold and CAP, REL 0, with keys
     idx, vals, olds, keys = run(x, r, KIND_COMPARE, code, 0.0, 0.0, cap_b, chunk_abs, chunk,

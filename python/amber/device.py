@@ -61,11 +61,11 @@ import threading
 from ctypes import CFUNCTYPE, POINTER, Structure, addressof, byref, c_char_p, c_float, c_int, \
     c_int64, c_size_t, c_uint32, c_uint64, c_void_p
 
-import numpy as np
 import torch
 
 import amber as _amber
-from amber import _H, _TensorInfo, _check, _fn, _name_bytes, _quant
+from amber import _H, _TensorInfo, _check, _cuda, _fn, _name_bytes, _quant
+from amber import _select as sel
 
 SELECT_WHOLE = (1 << 64) - 1
 KIND_FULL, KIND_DELTA = 0, 1
@@ -172,260 +172,10 @@ def set_source(writer, index, fn):
                writer._h)
 
 
-def asynchronous():
-    """AMBER_DEVICE_ASYNC=1: the selection runs on a thread (see Background)."""
-    return os.environ.get("AMBER_DEVICE_ASYNC") == "1"
-
-
-def wanted(t):
-    """Whether tensor `t` takes this path: it is not on the CPU, or
-    AMBER_DEVICE_PATH=1 asks for it."""
-    return t.device.type != "cpu" or os.environ.get("AMBER_DEVICE_PATH") == "1"
-
-
-# ---- the selection, as src/scan.c makes it -------------------------------------------
-
-_SHRINK = 1.0 - 1.0 / 1048576.0
-_TINY = 2.0 ** -149
-_FORCED = 0xFFFFFFFF
-_EXP32 = 0x7F800000
-_EXP64 = 0x7FF0000000000000
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SMALL = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-_FLOAT = _SMALL + (torch.float32, torch.float64)
-_RUNS, _RUN = 8, 256
-
-
-def _bits(t):
-    return t.view(_INT[t.element_size()])
-
-
-def _f32_down(v):
-    """float(v * SHRINK) rounded to f32 and never above it (scan.c's bounds)."""
-    if v == float("inf"):
-        return v
-    s = v * _SHRINK
-    f = np.float32(s)
-    if float(f) > s:
-        f = np.nextafter(f, np.float32(0))
-    return float(f)
-
-
-def _parse(spec):
-    """(kind, a, b) of a policy spec as amber__policy_parse reads it: threshold
-    (ABS, REL), budget (FRAC, CAP); a value code after '@' does not change what is
-    selected (amber._quant reads it)."""
-    if spec == "exact":
-        return "exact", 0.0, 0.0
-    kind, _, args = _quant.split(spec)[0].partition(":")
-    a, _, b = args.partition("/")[0].partition(":")
-    if kind == "threshold":
-        return kind, float(a), float(b) if b else 0.0
-    if kind == "budget":
-        return kind, float(a), float(b) if b else float("inf")
-    raise ValueError(f"unknown policy {spec!r}")
-
-
-def _hist_keep(bucket, forced, budget):
-    """scan.c's hist_cut and its keep rule: of candidates with 12-bit `bucket`s, the
-    forced ones and the `budget` in the highest buckets, ties in the cut bucket in
-    index order (a bool mask)."""
-    hist = torch.bincount(bucket[~forced], minlength=4096)
-    ge = hist.flip(0).cumsum(0).flip(0)  # ge[b]: the non-forced in buckets >= b
-    cut = int((ge > budget).sum()) - 1
-    partial = 0
-    if cut >= 0:
-        partial = budget - (int(ge[cut + 1]) if cut < 4095 else 0)
-    eq = (bucket == cut) & ~forced
-    return forced | (bucket > cut) | (eq & (eq.cumsum(0) <= partial))
-
-
-def _share(spec):
-    """(SHARE, MULT) of a threshold's share cap ("threshold:ABS:REL/SHARE:MULT"), or
-    None."""
-    base = _quant.split(spec)[0]
-    if not base.startswith("threshold:") or "/" not in base:
-        return None
-    share, _, mult = base.partition("/")[2].partition(":")
-    return float(share), float(mult)
-
-
-def _share_trim(x, r, idx, chunk, nchunks, a, b, share, mult):
-    """scan.c's share_trim, chunk by chunk: of the indices a threshold selected
-    (increasing, into flat x and its reference r), a chunk of m elements with more
-    than max(1, floor(SHARE * m)) keeps the forced ones (beyond MULT bounds, or to
-    or from NaN or Inf) and the farthest over their bound by the 12-bit histogram of
-    the f32 bits of change / bound, ties in index order; decided in f64 as in C."""
-    if not idx.numel():
-        return idx
-    n = x.numel()
-    cid = idx // chunk
-    counts = torch.bincount(cid, minlength=nchunks).tolist()
-    limits = [max(1, int(share * min(chunk, n - j * chunk))) for j in range(nchunks)]
-    over = [j for j in range(nchunks) if counts[j] > limits[j]]
-    if not over:
-        return idx
-    xd, rd = x[idx].double(), r[idx].double()
-    d = (xd - rd).abs()
-    e = rd.abs().mul_(b).add_(a)
-    forced = ~(d <= e * mult) | torch.isinf(d)
-    t = (d / e).float()
-    key = (t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 20
-    keep = torch.ones_like(forced)
-    for j in over:
-        inside = (cid == j).nonzero().squeeze(1)
-        fj = forced[inside]
-        keep[inside] = _hist_keep(key[inside], fj, max(limits[j] - int(fj.sum()), 0))
-    return idx[keep]
-
-
-def _flags(x, r, abs_b, rel_b, cap_b):
-    """(selected, key, f32 change) of flags_f32 / flags_f64 for flat float tensors x
-    and r (same dtype); abs_b may be a tensor (one bound per element)."""
-    if x.dtype == torch.float64:
-        xb, rb = x.view(torch.int64), r.view(torch.int64)
-        d = (x - r).abs()
-        b = abs_b + rel_b * r.abs()
-        nf = ((xb & _EXP64) == _EXP64) | ((rb & _EXP64) == _EXP64)
-        forced = (nf & (xb != rb)) | (d > cap_b)
-        sel = (d > b) | forced
-        df = torch.where(d > 3e38, torch.full_like(d, 3e38), d).float()
-    else:
-        fx, fr = (x.float(), r.float()) if x.dtype != torch.float32 else (x, r)
-        xb, rb = fx.view(torch.int32), fr.view(torch.int32)
-        d = (fx - fr).abs()
-        b = (abs_b + rel_b * fr.abs()) - _TINY  # the order of scan.c's f32 arithmetic
-        b = torch.where(b > 0, b, torch.zeros_like(b))  # NaN is not > 0: 0, as in C
-        nf = ((xb & _EXP32) == _EXP32) | ((rb & _EXP32) == _EXP32)
-        forced = (nf & (xb != rb)) | (d > cap_b)
-        sel = (d > b) | forced
-        df = d
-        if x.dtype != torch.float32:  # distinct NaNs of a small float may widen alike
-            extra = ~sel & torch.isnan(fx) & (_bits(x) != _bits(r))
-            sel = sel | extra
-            forced = forced | extra
-    kb = df.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    key = torch.where(forced, torch.full_like(kb, _FORCED),
-                      torch.where(nf, torch.zeros_like(kb), kb))
-    return sel, key, df
-
-
-def _candidates(x, r, abs_b, rel_b, cap_b, keys):
-    """(indices, keys or None, change) of what _flags selects, in fewer passes: for a
-    finite change the rule is `d > min(bound, cap)` (a reference that is not finite
-    makes the change not finite), so only the rare elements whose change is not
-    finite (NaN, Inf, overflow) take _flags' full rule. `change` is |x - r| in the
-    precision of the comparison (f32 for every dtype but f64)."""
-    f64 = x.dtype == torch.float64
-    fx, fr = (x, r) if x.dtype in (torch.float32, torch.float64) else (x.float(), r.float())
-    d = fx - fr
-    d.abs_()
-    if rel_b:
-        b = fr.abs()
-        b.mul_(rel_b).add_(abs_b)
-        if not f64:
-            b.sub_(_TINY).clamp_min_(0.0)
-        lim = b.clamp_max_(cap_b) if cap_b != float("inf") else b
-    else:
-        lim = min(abs_b if f64 else max(abs_b - _TINY, 0.0), cap_b)
-    sel = d > lim
-    special = None
-    if d.numel() and not torch.isfinite(d.amax()):  # NaN propagates through amax
-        special = (~torch.isfinite(d)).nonzero().squeeze(1)
-        sel[special] = False
-    idx = sel.nonzero().squeeze(1)
-    key = None
-    if keys:
-        dk = d[idx]
-        if f64:
-            dk = torch.where(dk > 3e38, torch.full_like(dk, 3e38), dk).float()
-        kb = dk.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        key = torch.where(d[idx] > cap_b, torch.full_like(kb, _FORCED), kb)
-    if special is not None and special.numel():
-        ssel, skey, _ = _flags(x[special], r[special], abs_b, rel_b, cap_b)
-        idx = torch.cat([idx, special[ssel]])
-        order = idx.argsort()
-        idx = idx[order]
-        if keys:
-            key = torch.cat([key, skey[ssel]])[order]
-    return idx, key, d
-
-
-def _sample_d(x, r):
-    """budget_threshold's sampled changes as f32: f32 in f32, the rest via f64."""
-    if x.dtype == torch.float32:
-        v = (x - r).abs()
-        return torch.where(torch.isfinite(v), v, torch.zeros_like(v))
-    v = (x.double() - r.double()).abs()
-    return torch.where(torch.isfinite(v), v, torch.zeros_like(v)).float()
-
-
-def _budget_threshold(d, n, budget):
-    """(thr, strict, lo, hi) from the sampled changes `d` (numpy f32) of a chunk of
-    n elements, as budget_threshold computes them."""
-    m = len(d)
-    in_sample = float(budget) * float(m) / float(n)
-    want = int(1.25 * in_sample) or 1
-    if want >= m:
-        return 0.0, False, 0.0, 0.0
-    kth = np.sort(d)[::-1][want]
-    thr = float(np.nextafter(kth, np.float32(0))) if kth > 0 else 0.0
-    if not (kth > 0) or not np.isfinite(kth):
-        return thr, False, 0.0, 0.0
-    lo = np.float32(kth) * np.float32(1.0 - 2.0 ** -10)
-    hi = np.float32(kth) * np.float32(1.0 + 2.0 ** -10)
-    near = int(np.count_nonzero((d > lo) & (d <= hi)))
-    if near >= 8 and near >= 4 * in_sample:
-        return thr, True, float(lo), float(hi)
-    return thr, False, 0.0, 0.0
-
-
-def _sample_positions(n):
-    if n <= _RUNS * _RUN:
-        return torch.arange(n)
-    step = (n - _RUN) // (_RUNS - 1)
-    return torch.cat([torch.arange(step * k, step * k + _RUN) for k in range(_RUNS)])
-
-
-def _budget_chunk(x, r, frac, cap):
-    """Indices (int64, increasing) that a budget selects in one chunk."""
-    n = x.numel()
-    budget = int(frac * n)
-    if budget == 0 and frac > 0:
-        budget = 1
-    strict, lo, hi = False, 0.0, 0.0
-    if budget >= n:
-        abs_ = 0.0
-    else:
-        pos = _sample_positions(n).to(x.device)
-        d = _sample_d(x[pos], r[pos]).cpu().numpy()
-        abs_, strict, lo, hi = _budget_threshold(d, n, budget)
-    if abs_ > cap or hi > cap:
-        abs_ = min(abs_, cap)
-        strict = False
-    if x.dtype == torch.float64:
-        strict = False
-        idx, key, df = _candidates(x, r, abs_, 0.0, cap, True)
-    else:
-        abs_f = hi if strict else _f32_down(abs_)
-        idx, key, df = _candidates(x, r, abs_f, 0.0, _f32_down(cap), True)
-    k = idx.numel()
-    if k > budget:  # budget_cut: keep forced, the largest by 12-bit buckets, ties first
-        forced = key == _FORCED
-        return idx[_hist_keep(key >> 20, forced, budget)]
-    if strict and k < budget:  # fill_band: more from the cluster, in index order
-        band = (df > lo) & (df <= hi)
-        band[idx] = False  # candidates are in the reference already
-        more = band.nonzero().squeeze(1)[:budget - k]
-        return torch.cat([idx, more]).sort().values
-    return idx
-
-
 # ---- the CUDA kernels (libamber_cuda, src/cuda/select.cu, called by amber._cuda) ---
 
 def _cuda_lib():
     """libamber_cuda through ctypes (amber._cuda.lib()), or None."""
-    from amber import _cuda
     return _cuda.lib()
 
 
@@ -442,7 +192,6 @@ def _kernel_indices(x, r, kind, code, a, b, chunk=0, nchunks=0):
     current stream, the reference untouched; None when it does not cover (kind,
     dtype). threshold: (a, b) already shrunk; budget: (a, b) = (FRAC, CAP), per chunk
     (amber._cuda.indices)."""
-    from amber import _cuda
     return _cuda.indices(x, r, kind, code, a, b, chunk, nchunks)
 
 
@@ -521,7 +270,7 @@ class _Tensor:
             self.copied = self.n * self.w
             self.sels = None
             return None, []
-        kind, a, b = _parse(spec)
+        kind, a, b = sel.parse(spec)
         q = _quant.rule(kind, a, b, spec, self.dtype)
         idx, vals, olds, moved = self._pick(x, chunk, nchunks, spec, q is not None)
         cid = idx // chunk
@@ -543,8 +292,8 @@ class _Tensor:
 
         whole = [j for j in range(nchunks) if counts[j] and self._goes_whole(
             q, sizes[j], counts[j], nesc[j], lambda j=j: selection(j))]
-        xb = _bits(x)
-        rb = None if self.host_ref else _bits(self.ref)
+        xb = sel.bits(x)
+        rb = None if self.host_ref else sel.bits(self.ref)
         wold = []  # the old values of whole chunks: the moved ones put back
         for j in whole if rb is not None else []:
             lo, hi = j * chunk, j * chunk + sizes[j]
@@ -624,9 +373,8 @@ class _Tensor:
         selected indices (int64, increasing, global), the live bits there, the
         reference's bits there before it (host_ref: only with need_olds, else None),
         and whether the reference holds vals there already (the fused kernel)."""
-        xb = _bits(x)
-        if not self.host_ref and _kernel_wanted(x) and _share(spec) is None:
-            from amber import _cuda
+        xb = sel.bits(x)
+        if not self.host_ref and _kernel_wanted(x) and sel.share(spec) is None:
             fused = _cuda.select(x, self.ref, spec, self.code, chunk, nchunks)
             if fused is not None:  # libamber_cuda's one pass, the reference moved
                 idx, vals, olds = fused
@@ -635,10 +383,10 @@ class _Tensor:
             parts = [self._select_indices(x[o:o + chunk], self.ref[o:o + chunk].to(x.device),
                                           chunk, 1, spec) + o for o in range(0, self.n, chunk)]
             idx = torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
-            olds = _bits(self.ref)[idx.cpu()].to(x.device) if need_olds else None
+            olds = sel.bits(self.ref)[idx.cpu()].to(x.device) if need_olds else None
         else:
             idx = self._select_indices(x, self.ref, chunk, nchunks, spec)
-            olds = _bits(self.ref)[idx]
+            olds = sel.bits(self.ref)[idx]
         return idx, xb[idx], olds, False
 
     def _quantize(self, q, x, idx, vals, olds, cid, chunk, nchunks):
@@ -647,7 +395,6 @@ class _Tensor:
         CUDA tensors with AMBER_CUDA_KERNEL=1 (which moves the reference), else by
         torch operations."""
         if not self.host_ref and _kernel_wanted(x):
-            from amber import _cuda
             return _cuda.quantize(q, self.code, vals, olds, idx, chunk, nchunks, self.ref), True
         return _quant.quantize(q, vals.view(self.dtype), olds.view(self.dtype), cid, nchunks), False
 
@@ -694,7 +441,7 @@ class _Tensor:
         n = min(self.chunk, self.n - lo)
         if self.ref.device.type == "cpu" and not _RING_ON_CPU:
             return self.ref.data_ptr() + lo * self.w
-        src = _bits(self.ref)[lo:lo + n]
+        src = sel.bits(self.ref)[lo:lo + n]
         return slot.fill(src, n * self.w)
 
     def finish(self):
@@ -703,7 +450,7 @@ class _Tensor:
             return
         idx, vals, whole = self.pending
         self.pending = None
-        rb = _bits(self.ref)
+        rb = sel.bits(self.ref)
         self.undo = (idx, rb[idx], [(lo, hi, rb[lo:hi].clone()) for lo, hi, _ in whole])
         rb[idx] = vals
         for lo, hi, v in whole:
@@ -711,37 +458,37 @@ class _Tensor:
 
     def _select_indices(self, x, r, chunk, nchunks, spec):
         idx = self._select_raw(x, r, chunk, nchunks, spec)
-        share = _share(spec)
-        if share is None or self.dtype not in _FLOAT:
+        share = sel.share(spec)
+        if share is None or self.dtype not in sel.FLOAT:
             return idx
-        _, a, b = _parse(spec)
-        return _share_trim(x, r, idx, chunk, nchunks, a, b, *share)
+        _, a, b = sel.parse(spec)
+        return sel.share_trim(x, r, idx, chunk, nchunks, a, b, *share)
 
     def _select_raw(self, x, r, chunk, nchunks, spec):
-        kind, a, b = _parse(spec)
+        kind, a, b = sel.parse(spec)
         n = x.numel()
-        if kind == "exact" or self.dtype not in _FLOAT:
+        if kind == "exact" or self.dtype not in sel.FLOAT:
             kind = "exact"
         if _kernel_wanted(x):
             if kind == "threshold" and self.dtype != torch.float64:
-                a, b = _f32_down(a), _f32_down(b)
+                a, b = sel.f32_down(a), sel.f32_down(b)
             idx = _kernel_indices(x, r, kind, self.code, a, b, chunk, nchunks)
             if idx is not None:
                 return idx
-            kind, a, b = _parse(spec)  # not covered: the portable path
-        if kind == "exact" or self.dtype not in _FLOAT:
-            return (_bits(x) != _bits(r)).nonzero().squeeze(1)
+            kind, a, b = sel.parse(spec)  # not covered: the portable path
+        if kind == "exact" or self.dtype not in sel.FLOAT:
+            return (sel.bits(x) != sel.bits(r)).nonzero().squeeze(1)
         if kind == "threshold":
             if self.dtype != torch.float64:
-                a, b = _f32_down(a), _f32_down(b)
+                a, b = sel.f32_down(a), sel.f32_down(b)
             # On a CPU, in slices whose temporaries stay in cache (fresh large
             # allocations cost page faults); on a GPU, in slices that bound the
             # temporaries (a few bytes per element of a slice) of a huge tensor.
             step = 1 << 17 if x.device.type == "cpu" else 1 << 26
-            parts = [_candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
+            parts = [sel.candidates(x[o:o + step], r[o:o + step], a, b, float("inf"), False)[0] + o
                      for o in range(0, n, step)]
             return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
-        parts = [_budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
+        parts = [sel.budget_chunk(x[j * chunk:(j + 1) * chunk], r[j * chunk:(j + 1) * chunk], a, b)
                  + j * chunk for j in range(nchunks)]
         return torch.cat(parts) if parts else x.new_zeros(0, dtype=torch.int64)
 
@@ -754,7 +501,7 @@ class _Tensor:
             self.valid = False  # reloaded from the store by the next delta
         elif self.undo is not None:
             idx, olds, wold = self.undo
-            rb = _bits(self.ref)
+            rb = sel.bits(self.ref)
             rb[idx] = olds
             for lo, hi, old in wold:
                 rb[lo:hi] = old
@@ -918,7 +665,7 @@ class DevicePath:
         every rank's references: a rank whose references are not valid (a new writer,
         a failed full step) reads its boxes of the latest global step of the store at
         `path`; if any rank cannot, the step is full everywhere. `comm` has
-        allgather(bytes) over the ranks (amber._dist's)."""
+        allgather(bytes) over the ranks (amber.torch._comm's)."""
         kind = plan(gw, step, flags)
         if kind != KIND_DELTA:
             return flags, kind

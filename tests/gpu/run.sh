@@ -49,7 +49,7 @@ $PY - <<'EOF' 2>&1 | tee "$OUT/kernel_speed.log" || status=1
 import time
 import torch
 import amber
-from amber import _cuda, _quant, device
+from amber import _cuda, _quant, _select, device
 
 
 def timed(f, reps=5):
@@ -69,9 +69,9 @@ for dt, code in [(torch.float32, amber.F32), (torch.bfloat16, amber.BF16)]:
     d[torch.rand(n, device="cuda") > 0.03] = 0
     x = (r.float() + d).to(dt)
     del d
-    a = device._f32_down(1e-3)
+    a = _select.f32_down(1e-3)
     tk = timed(lambda: _cuda.indices(x, r, "threshold", code, a, 0.0))
-    tp = timed(lambda: device._candidates(x, r, a, 0.0, float("inf"), False)[0])
+    tp = timed(lambda: _select.candidates(x, r, a, 0.0, float("inf"), False)[0])
     tb = timed(lambda: _cuda.indices(x, r, "budget", code, 0.01, float("inf"), 1 << 20, n >> 20))
     ts = timed(lambda: _cuda.select(x, r.clone(), "threshold:1e-3", code, 1 << 20, n >> 20))
     idx, vals, olds = _cuda.select(x, r.clone(), "threshold:1e-3", code, 1 << 20, n >> 20)

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import amber
-from amber import _cuda, _quant, device
+from amber import _cuda, _quant, _select, device
 from amber.torch import Checkpointer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -72,7 +72,7 @@ QFLOATS = list(_quant.DTYPES)
 
 
 def bits(t):
-    return device._bits(t)
+    return _select.bits(t)
 
 
 def signed(v, bt):
@@ -121,25 +121,25 @@ def chunks_of(n, chunk):
 
 def want_indices(x, r, spec, chunk):
     """What the portable path selects (on the CPU)."""
-    kind, a, b = device._parse(spec)
-    if kind == "exact" or x.dtype not in device._FLOAT:
+    kind, a, b = _select.parse(spec)
+    if kind == "exact" or x.dtype not in _select.FLOAT:
         return (bits(x) != bits(r)).nonzero().squeeze(1)
     if kind == "threshold":
         if x.dtype != torch.float64:
-            a, b = device._f32_down(a), device._f32_down(b)
-        return device._candidates(x, r, a, b, float("inf"), False)[0]
-    parts = [device._budget_chunk(x[o:o + chunk], r[o:o + chunk], a, b) + o
+            a, b = _select.f32_down(a), _select.f32_down(b)
+        return _select.candidates(x, r, a, b, float("inf"), False)[0]
+    parts = [_select.budget_chunk(x[o:o + chunk], r[o:o + chunk], a, b) + o
              for o in range(0, x.numel(), chunk)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def kernel_indices(x, r, spec, chunk):
     """device._kernel_indices as device._Tensor._select_indices calls it."""
-    kind, a, b = device._parse(spec)
-    if kind == "exact" or x.dtype not in device._FLOAT:
+    kind, a, b = _select.parse(spec)
+    if kind == "exact" or x.dtype not in _select.FLOAT:
         kind = "exact"
     if kind == "threshold" and x.dtype != torch.float64:
-        a, b = device._f32_down(a), device._f32_down(b)
+        a, b = _select.f32_down(a), _select.f32_down(b)
     return device._kernel_indices(x, r, kind, CODES[x.dtype], a, b, chunk,
                                   chunks_of(x.numel(), chunk))
 
@@ -168,11 +168,11 @@ def check(x, r, spec, chunk, dev):
 def check_overflow(x, r, spec, dev):
     """A capacity far too small: the second run returns the same, the reference moved
     once, by exactly the selection."""
-    kind, a, b = device._parse(spec)
-    if kind == "exact" or x.dtype not in device._FLOAT:
+    kind, a, b = _select.parse(spec)
+    if kind == "exact" or x.dtype not in _select.FLOAT:
         kind = "exact"
     if kind == "threshold" and x.dtype != torch.float64:
-        a, b = device._f32_down(a), device._f32_down(b)
+        a, b = _select.f32_down(a), _select.f32_down(b)
     want = want_indices(x, r, spec, x.numel() or 1)
     xg, rg = x.to(dev, copy=True), r.to(dev, copy=True)
     k = _cuda.KIND_EXACT if kind == "exact" else _cuda.KIND_COMPARE
@@ -191,7 +191,7 @@ def check_quant(x, r, spec, chunk, dev):
     selection to exactly its `new` values, on device `dev`."""
     idx = want_indices(x, r, spec, chunk)
     nchunks = chunks_of(x.numel(), chunk)
-    kind, a, b = device._parse(spec)
+    kind, a, b = _select.parse(spec)
     rl = _quant.rule(kind, a, b, spec, x.dtype)
     want = _quant.quantize(rl, x[idx], r[idx], idx // chunk, nchunks)
     label = f"{x.dtype} n={x.numel()} {spec} chunk={chunk} k={idx.numel()}"
@@ -393,7 +393,7 @@ def _mem(addr, n, dtype):
 
 class Model:
     """libamber_cuda's contract (src/cuda/select.cu) on CPU memory: the per-element rule
-    is device._flags (what the kernel mirrors), the compaction in index order, outputs
+    is _select.flags (what the kernel mirrors), the compaction in index order, outputs
     written up to the capacity, the count past it, the reference moved by what is
     written. Only amber._cuda's glue is checked with it, not the kernel."""
 
@@ -425,7 +425,7 @@ class Model:
                 ab = ch[torch.arange(n) // a.chunk_elems]
             if ft != torch.float64:
                 ab = ab.float()
-            sel, key, _ = device._flags(x, r, ab, a.rel_b, a.cap_b)
+            sel, key, _ = _select.flags(x, r, ab, a.rel_b, a.cap_b)
         idx = sel.nonzero().squeeze(1)
         k = idx.numel()
         _mem(a.count, 1, torch.int64)[0] = k
@@ -580,10 +580,10 @@ def test_the_fused_select_in_the_device_path_restores_what_the_cpu_path_restores
         x += 0.5 * (torch.rand(x.shape) < 0.01)
         ck.save(2, {"x": x})
         ck.wait()
-        ref2 = ck._dev.tensors["x"].ref.clone()
+        ref2 = ck._saver.dev.tensors["x"].ref.clone()
         x += 1e-2 * torch.randn(x.shape)
         monkeypatch.setattr(amber.Writer, "begin", lambda *a, **k: (_ for _ in ()).throw(
             OSError("disk gone")))
         with pytest.raises(OSError):
             ck.save(3, {"x": x})
-        assert torch.equal(ck._dev.tensors["x"].ref.view(torch.int32), ref2.view(torch.int32))
+        assert torch.equal(ck._saver.dev.tensors["x"].ref.view(torch.int32), ref2.view(torch.int32))

@@ -32,7 +32,7 @@ def trajectory(path, rank, last, dev, policy=None, first_ck=None):
     model, opt = build(0)
     with Checkpointer(path, policy=policy, full_share=-1) as ck:
         run(model, opt, ck, 1, last)
-        held = ck._dev.tensors if ck._dev is not None else {}
+        held = ck._saver.dev.tensors if ck._saver.dev is not None else {}
         assert bool(held) == dev, (dev, sorted(held))
         kinds = [s.kind for s in ck.steps()]
     return full_state(model, opt), kinds
@@ -87,10 +87,10 @@ def scenario_device(rank, world, d):
         run(model, opt, ck, 4, 5)
         assert [s.kind for s in ck.steps()][3:] == ["delta"] * 2
         assert not reads, reads
-        for dt in ck._dev.tensors.values():
+        for dt in ck._saver.dev.tensors.values():
             dt.valid = False  # as after a failed full step: only a seed makes them valid
         assert ck.load(state) == 5
-        assert all(dt.valid for dt in ck._dev.tensors.values())
+        assert all(dt.valid for dt in ck._saver.dev.tensors.values())
         same(full_state(model, opt), live, "the restart")
         run(model, opt, ck, 6, 6)
         # a write that fails on rank 1: the step fails everywhere, the references go
@@ -110,15 +110,15 @@ def scenario_device(rank, world, d):
         # a selection that fails on rank 1 (a device error), in a delta step and in
         # the full one after it: every rank begins the step all the same, and it
         # fails everywhere, naming rank 1 and the error
-        select = ck._dev.select
+        select = ck._saver.dev.select
         for step in (10, 11):
             if rank == 1:
                 def broken(*_):
                     raise RuntimeError("device lost")
-                ck._dev.select = broken
+                ck._saver.dev.select = broken
             train_step(model, opt)
             ck.save(step, {"model": model, "optim": opt, "extra": {}})
-            ck._dev.select = select
+            ck._saver.dev.select = select
             try:
                 ck.wait()
                 raise AssertionError("a step whose selection failed on rank 1 committed")
@@ -162,7 +162,7 @@ def scenario_device1(rank, world, d):
     with Checkpointer(f"{d}/a", full_share=-1, process_group=group) as ck:
         ck.load({"model": model, "optim": opt, "extra": {}})
         run(model, opt, ck, 6, 7)
-        assert ck._dev.tensors
+        assert ck._saver.dev.tensors
         assert [s.kind for s in ck.steps()][5:] == ["full", "delta"]
     same(restore(f"{d}/a", rank, process_group=group), full_state(model, opt), "1 rank, step 7")
 

@@ -484,7 +484,7 @@ def scenario_dcp(rank, world, d):
             assert errs and all("rank 1 failed" in x for x in errs), errs
         assert [s.step for s in amber.global_steps(f"{d}/x")] == [1, 2, 3, 4]
         if os.environ.get("AMBER_DEVICE_PATH") == "1":  # the shards went through amber.device
-            assert w._gdev is not None and w._gdev.tensors and w._gdev.copied > 0
+            assert w._saver.dev is not None and w._saver.dev.tensors and w._saver.dev.copied > 0
     want = full_state(model, opt)
     if rank == 0:
         torch.save(want, f"{d}/x.pt")
@@ -635,7 +635,7 @@ def main():
     if scenario in ("resume", "failures"):
         # the tiny model's tensors are below the size that save() copies: read them in
         # place, as a real model's are, so the fence and its version check are exercised
-        amber.torch.CAPTURE_BYTES = 0
+        os.environ["AMBER_CAPTURE_BYTES"] = "0"  # (the default of capture_bytes)
     # a rank killed by the test must not leave the others waiting long
     timeout = 15 if scenario in ("killrun", "killsave") else 60
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,

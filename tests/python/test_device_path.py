@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import amber
-from amber import _quant, device
+from amber import _quant, _select, device
 from amber.torch import Checkpointer
 
 QSPARSE, SPARSE, RAW = 5, 3, 0  # chunk encodings (docs/FORMAT.md, "Encodings")
@@ -67,7 +67,7 @@ def check_references(ck, path):
     """The device path's references hold exactly what the latest step restores
     (under a quantized policy: what the codes decode to, not the live values)."""
     want = restored(path)
-    for name, dt in ck._dev.tensors.items():
+    for name, dt in ck._saver.dev.tensors.items():
         got = dt.ref.contiguous().view(torch.uint8).numpy().tobytes()
         assert got == want[name], f"{name}: the device reference is not the restore"
 
@@ -121,13 +121,13 @@ def trajectory(path, policy, monkeypatch, on, steps=12, reopen_at=7, full_every=
                               rng=False)
         ck.save(step, {"net": net, "optim": opt})
         ck.wait()
-        copied.append(ck._dev.copied if ck._dev is not None else None)
+        copied.append(ck._saver.dev.copied if ck._saver.dev is not None else None)
         out.append(restored(path))
         if on:
             check_references(ck, path)
         live_a.append(net.a.weight.detach().clone())
     kinds = [i.kind for i in ck.steps()]
-    assert ck._dev.host_ref == (os.environ.get("AMBER_DEVICE_REFERENCE") == "host")
+    assert ck._saver.dev.host_ref == (os.environ.get("AMBER_DEVICE_REFERENCE") == "host")
     ck.close()
     return out, kinds, copied, live_a
 
@@ -200,8 +200,8 @@ def test_quantized_deltas_restore_what_the_cpu_path_restores(tmp_path, monkeypat
         qsparse += sum(e == QSPARSE for es in enc.values() for e in es)
         assert {n for n, es in enc.items() if SPARSE in es} <= {"net/count"}  # int64: exact
     assert qsparse >= 10
-    kind, abs_, rel = device._parse(policy)
-    mult = (device._share(policy) or (1, 1.0))[1]  # a share cap: MULT bounds
+    kind, abs_, rel = _select.parse(policy)
+    mult = (_select.share(policy) or (1, 1.0))[1]  # a share cap: MULT bounds
     abs_, rel = mult * abs_, mult * rel
     if kind == "threshold":  # the bound, on the f32 weight
         for step, (got, live) in enumerate(zip(dev, live_cpu), 1):
@@ -249,7 +249,7 @@ def special_trajectory(path, policy, monkeypatch, on, steps=4):
                 m = len(pats)
                 p = torch.arange(m * m)
                 pick = [p // m, p % m, (p // m + p % m) % m, (p // m + 2 * (p % m)) % m][step]
-                bt = device._bits(t)
+                bt = _select.bits(t)
                 top = 1 << (8 * t.element_size() - 1)
                 bt[:m * m] = torch.tensor([v - 2 * top if v >= top else v for v in pats])[pick]
             ck.save(step + 1, {"x": live})
@@ -305,14 +305,14 @@ def test_only_the_selection_crosses_to_the_host(tmp_path, monkeypatch):
     with Checkpointer(str(tmp_path / "s"), policy="threshold:1e-3", rng=False) as ck:
         ck.save(1, {"p": p, "optim": opt})
         ck.wait()
-        assert ck._dev.copied == p.numel() * 4  # a full save copies everything
+        assert ck._saver.dev.copied == p.numel() * 4  # a full save copies everything
         with torch.no_grad():
             p[::1000] += 1.0  # 0.1% of the elements change beyond the bound
             p += 1e-5        # every element changes within it
         ck.save(2, {"p": p, "optim": opt})
         ck.wait()
         assert [i.kind for i in ck.steps()] == ["full", "delta"]
-        assert 0 < ck._dev.copied <= 0.01 * p.numel() * 4
+        assert 0 < ck._saver.dev.copied <= 0.01 * p.numel() * 4
 
 
 @pytest.mark.parametrize("policy", ["threshold:0.5", "threshold:0.5@q8"])
@@ -398,7 +398,7 @@ def every_dtype_trajectory(path, policy, monkeypatch, on):
             ck.save(step, {"x": st})
             ck.wait()
             out.append(restored(path))
-        assert ck._dev is not None and bool(ck._dev.tensors) == on
+        assert ck._saver.dev is not None and bool(ck._saver.dev.tensors) == on
     return out
 
 
@@ -446,7 +446,7 @@ def overlapped_trajectory(path, monkeypatch, on, asynchronous):
             opt.step()  # fences the save in flight first
             ck.save(step, {"net": net, "optim": opt})
             if asynchronous and on:
-                assert ck._dev_job is not None  # the selection runs on its thread
+                assert ck._saver.dev_job is not None  # the selection runs on its thread
             with torch.no_grad():
                 net.count.add_(step)  # as a forward pass changes buffers: captured at save()
     out = []
@@ -519,9 +519,9 @@ def test_a_full_save_never_holds_the_whole_state_in_host_memory(tmp_path, monkey
             with torch.no_grad():
                 for p in ps:
                     p.add_(0.5)
-        ring = ck._dev.ring_bytes
+        ring = ck._saver.dev.ring_bytes
         assert 0 < ring <= 2 * max(chunk * 4, 4096), ring  # a chunk per worker at most
-        assert ck._dev.copied >= 4 * (1 << 18) * 4  # every byte went out, through the ring
+        assert ck._saver.dev.copied >= 4 * (1 << 18) * 4  # every byte went out, through the ring
         got = [torch.empty(1 << 18) for _ in range(4)]
         ck.load({"p": got}, strict=False)
     for g, p in zip(got, saved):
@@ -613,7 +613,7 @@ def dcp_trajectory(path, policy, monkeypatch, on, staged):
             else:
                 dcp.save(sd, storage_writer=w, checkpoint_id=cid)
             out.append(restored(path))
-        held = bool(w._dev is not None and w._dev.tensors)
+        held = bool(w._saver.dev is not None and w._saver.dev.tensors)
     return out, held
 
 

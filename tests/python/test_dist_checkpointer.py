@@ -23,18 +23,18 @@ WORKER = os.path.join(HERE, "dist_worker.py")
 TIMEOUT = 120
 
 
-def start(scenario, world, d, worker=WORKER):
+def start(scenario, world, d, worker=None):
     init = os.path.join(d, f"rdzv-{scenario}-{world}")
     if os.path.exists(init):
         os.unlink(init)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in [HERE, os.environ.get("PYTHONPATH", "")] if p))
-    return [subprocess.Popen([PYTHON, worker, scenario, str(r), str(world), init, d],
+    return [subprocess.Popen([PYTHON, worker or WORKER, scenario, str(r), str(world), init, d],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, start_new_session=True) for r in range(world)]
 
 
-def ranks(scenario, world, d, timeout=TIMEOUT, worker=WORKER):
+def ranks(scenario, world, d, timeout=TIMEOUT, worker=None):
     """Runs `scenario` of `worker` on `world` ranks; fails with their output if any
     fails; returns their output."""
     procs = start(scenario, world, d, worker)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import amber
+import amber.torch._dtypes
 from amber.torch import CAPTURE_BYTES, Checkpointer
 
 DEVICE_PATH = os.environ.get("AMBER_DEVICE_PATH") == "1"
@@ -34,7 +35,7 @@ def stored(store, step):
         out = {}
         for info in r.tensors():
             buf = r.read(info.index)
-            dtype = amber.torch._TORCH[info.dtype]
+            dtype = amber.torch._dtypes.TORCH[info.dtype]
             out[info.name] = torch.frombuffer(buf, dtype=dtype).reshape(info.shape).clone() \
                 if info.nbytes else torch.empty(info.shape, dtype=dtype)
         return out
@@ -66,9 +67,9 @@ def test_an_unowned_tensor_is_read_in_place_and_a_change_before_the_fence_fails_
         ck.save(2, state)
         if not DEVICE_PATH:
             # read in place: the writer points at the tensor's own memory, no copy
-            assert ck._ptrs == [w.data_ptr()]
-            assert "weights/w" not in ck._stage
-            assert [t.data_ptr() for t in ck._pinned] == [w.data_ptr()]  # kept to the fence
+            assert ck._saver.ptrs == [w.data_ptr()]
+            assert "weights/w" not in ck._saver.stage.bufs
+            assert [t.data_ptr() for t in ck._saver.pinned] == [w.data_ptr()]  # kept to the fence
         at_save = w.clone()
         with torch.no_grad():
             w.add_(1.0)  # before the fence (no optimizer step: nothing fences)
@@ -95,7 +96,7 @@ def test_a_model_saved_without_its_optimizer_is_fenced_before_any_optimizer_step
             want = {f"model/{k}": v.clone() for k, v in model.state_dict().items()}
             ck.save(step, {"model": model})  # the optimizer is not in the state
             if not DEVICE_PATH:
-                assert model.weight.data_ptr() in ck._ptrs  # read in place
+                assert model.weight.data_ptr() in ck._saver.ptrs  # read in place
             model(torch.randn(4, 256)).pow(2).sum().backward()
             opt.step()  # fences first (a global step pre-hook): then changes the weights
             opt.zero_grad()
@@ -112,8 +113,8 @@ def test_buffers_and_inference_tensors_are_copied_at_save(store):
         want = {"bn/running_mean": bn.running_mean.clone(), "extra/inf": inf.clone()}
         ck.save(1, state)
         if not DEVICE_PATH:
-            assert bn.running_mean.data_ptr() not in ck._ptrs
-            assert inf.data_ptr() not in ck._ptrs
+            assert bn.running_mean.data_ptr() not in ck._saver.ptrs
+            assert inf.data_ptr() not in ck._saver.ptrs
         bn.train()
         bn(torch.randn(8, BIG // 4))  # a forward pass changes the buffers in place
         with torch.inference_mode():

@@ -65,7 +65,7 @@ def test_fence_runs_before_optimizer_step_and_close_removes_the_wrapper(store):
         before = model.weight.detach().clone()
         ck.save(1, {"model": model, "optim": opt})
         opt.step()  # would race with the scan without the fence
-        assert ck._pinned is None  # the fence ran
+        assert ck._saver.pinned is None  # the fence ran
         ck.wait()
         got = torch.nn.Linear(512, 512)
         ck.load({"model": got})

@@ -229,7 +229,8 @@ def test_the_fast_state_dict_of_a_plain_module_is_what_dcp_state_dict_gives(kind
     get_model_state_dict/get_optimizer_state_dict (much cheaper); both must agree on
     names, tensors (the same memory) and optimizer state."""
     from torch.distributed.checkpoint import state_dict as dsd
-    from amber.torch import _Names, _model_state, _optimizer_state
+    from amber.torch._naming import Names as _Names, model_state as _model_state, \
+        optimizer_state as _optimizer_state
     torch.manual_seed(0)
     mod = _Tied() if kind == "tied" else torch.nn.Sequential(
         torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 3))

@@ -81,7 +81,8 @@ from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 
 import amber
-from amber.torch import _TORCH, Checkpointer
+from amber.torch import Checkpointer
+from amber.torch._dtypes import TORCH as _TORCH
 
 __all__ = ["AmberTrainerMixin", "AmberTrainer", "export"]
 

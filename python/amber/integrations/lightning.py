@@ -115,8 +115,8 @@ _STEP_RULE = "checkpoint/optimizer_states/*/step=exact"
 
 class _Local(Checkpointer):
     """amber.torch's one-process Checkpointer even where torch.distributed runs many
-    ranks: Lightning hands the checkpoint to global rank 0 alone (a subclass is not
-    turned into the distributed Checkpointer, see Checkpointer.__new__)."""
+    ranks: Lightning hands the checkpoint to global rank 0 alone."""
+    local_only = True
 
 
 def _rank():

@@ -1,0 +1,172 @@
+"""The load side of the pipeline: where a load reads from.
+
+  StoreSource   a store of one process: whole tensors, and for a DTensor of a job of
+                many ranks the box it holds, read out of its whole tensor.
+  GlobalSource  a multi-rank store: any box of any global tensor, assembled from the
+                shards that overlap it, whatever world size wrote the step.
+
+open() gives the step's metadata as the Checkpointer loads it (whatever front end
+wrote it: _meta converts), a reader for _load.Load, and which RNG states this rank
+gets back.
+"""
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import amber as _amber
+from amber import AmberError, GlobalReader, Store
+
+from . import _meta
+
+
+@dataclass
+class Opened:
+    """A step opened for a load."""
+    step: int
+    skipped: int                # steps passed over by fallback=True
+    reader: object              # tensors(), read_many(items), read_into(*item)
+    boxes: bool                 # the reader serves a DTensor's box
+    meta: dict                  # {"entries": ..., "rng": ...}, the Checkpointer's view
+    rng_form: Optional[str]     # "tensors", "json", or None: this rank keeps its own
+    rng_note: Optional[str] = None  # why this rank keeps its own RNG states
+
+
+class _Boxes:
+    """A GlobalReader as Load reads: tensors() by global shape, read_many of (index,
+    address, size[, (offsets, shape)]): a whole global tensor, or this rank's box of
+    it, all in one call of the library (every chunk of every overlapping shard in
+    parallel, decoded straight into the live tensors)."""
+
+    def __init__(self, reader):
+        self.g = reader
+
+    def _item(self, index, address, size, box=None):
+        if box is None:
+            shape = self.g.tensors()[index].shape
+            box = ((0,) * len(shape), shape)
+        return (index, box[0], box[1], address, size)
+
+    def tensors(self):
+        return self.g.tensors()
+
+    def read_into(self, index, address, size, box=None):
+        self._read([self._item(index, address, size, box)])
+
+    def read_many(self, items):
+        self._read([self._item(*it) for it in items])
+
+    def _read(self, items):
+        self.g.read_many(items)
+
+
+class _WholeBoxes(_Boxes):
+    """A store's Reader of one process as Load reads with boxes: each box is read out
+    of its whole tensor by the library (only the chunks that hold part of it)."""
+
+    def _read(self, items):
+        self.g.read_boxes(items)
+
+
+class StoreSource:
+    """Loads from the store of one process at `path` (`store`: the sink's open Store,
+    else one is opened read-only for each load)."""
+    kind = "store"
+
+    def __init__(self, path: str, store: Optional[Store] = None):
+        self.path = path
+        self.store = store
+
+    def empty(self) -> bool:
+        if self.store is not None:
+            return self.store.latest() is None
+        with Store(self.path, readonly=True, create=False) as st:
+            return st.latest() is None
+
+    @contextmanager
+    def open(self, step, fallback, comm, state, rank):
+        """The step to load (None: the latest; fallback: the newest that verifies
+        whole); with many ranks each reads its boxes, and rank 0 gets the RNG states."""
+        own = self.store is None
+        st = Store(self.path, readonly=True, create=False) if own else self.store
+        try:
+            with st.reader(step, fallback=fallback) as r:
+                where = f"step {r.step} of {self.path}"
+                meta = _meta.checkpointer_meta(_meta.parse(r.meta(), where), state, r.step,
+                                               where, dist=False)
+                many = comm.size > 1
+                note = None if rank == 0 else (
+                    f"amber: step {r.step} of {self.path} was written by one process: rank "
+                    f"{rank} keeps its own RNG states")
+                yield Opened(r.step, r.skipped, _WholeBoxes(r) if many else r, many, meta,
+                             "tensors" if rank == 0 else None, note)
+        finally:
+            if own:
+                st.close()
+
+
+class GlobalSource:
+    """Loads global steps of the multi-rank store at `path`, at any world size."""
+    kind = "global"
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def empty(self) -> bool:
+        return not _amber.global_steps(self.path)
+
+    @contextmanager
+    def open(self, step, fallback, comm, state, rank):
+        """The global step to load (None: the latest; fallback: the newest that
+        verifies whole on every rank, agreed collectively)."""
+        skipped = 0
+        if fallback:
+            step, skipped = self._agree_on_step(step, comm)
+        with GlobalReader(self.path, step) as g:
+            done = g.step
+            own = rank < g.world_size
+            where = f"global step {done} of {self.path}"
+            meta = _meta.parse(g.meta(rank if own else 0), where)
+            ranks = None
+            if isinstance(meta, dict) and meta.get("format") == _meta.DCP:
+                ranks = [_meta.parse(g.meta(r), f"{where}, rank {r}")
+                         for r in range(g.world_size)]
+            meta = _meta.checkpointer_meta(meta, state, done, where, dist=True, dcp_ranks=ranks)
+            note = None if own else (f"amber: global step {done} was written by {g.world_size} "
+                                     f"ranks: rank {rank} keeps its own RNG states")
+            yield Opened(done, skipped, _Boxes(g), True, meta, "json" if own else None, note)
+
+    def _agree_on_step(self, step, comm):
+        """load(fallback=True): the newest global step (from `step`, default the
+        latest, back) that verifies whole on every rank, agreed collectively: each
+        rank verifies each candidate (manifest and every rank's files it needs; the
+        reads are repeated on each rank, which also covers ranks that see the store
+        through different mounts), then all learn every rank's verdict. Returns
+        (step, skipped); raises AmberError naming each rank's reason when none
+        verifies."""
+        cands = [s.step for s in _amber.global_steps(self.path)
+                 if step is None or s.step <= step]
+        if step is not None and step not in cands:
+            return step, 0  # not a committed step: the load's GlobalReader says so
+        why, skipped = [], 0
+        for s in reversed(cands):
+            try:
+                with GlobalReader(self.path, s) as g:
+                    g.verify()
+                mine = None
+            except AmberError as e:
+                mine = str(e)
+            votes = comm.gather_objects(mine)
+            bad = [(r, v) for r, v in enumerate(votes) if v]
+            if not bad:
+                if skipped:
+                    warnings.warn(f"amber: {self.path}: loading global step {s}, the newest "
+                                  f"that verifies on every rank ({'; '.join(why)})",
+                                  RuntimeWarning, stacklevel=5)
+                return s, skipped
+            skipped += 1
+            r, v = bad[0]
+            why.append(f"step {s}: rank {r}: {v}")
+        raise AmberError(_amber.ECORRUPT, f"{self.path}: no global step verifies on every "
+                         f"rank: {'; '.join(why) or 'no step committed'}", name="AMBER_ECORRUPT")
