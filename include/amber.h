@@ -757,7 +757,9 @@ typedef struct amber_global_writer amber_global_writer;
  * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
  * usable until amber_global_writer_close. A directory that holds a single-rank store
- * (LATEST) is refused with AMBER_EINVAL, on every rank. */
+ * (LATEST) is refused with AMBER_EINVAL, on every rank, and a store whose GLOBAL is
+ * damaged, or missing while it holds committed steps, with AMBER_ECORRUPT (as
+ * amber_global_list), nothing removed. */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);
@@ -936,7 +938,11 @@ typedef struct amber_global_step_info {
 /* 1 when `path` is a multi-rank store (it holds a global LATEST or manifest), else 0. */
 AMBER_API int amber_global_is_store(const char *path);
 /* Lists the committed global steps of store `path`, oldest first, up to and
- * including the latest. *out (release with amber_free) gets *count entries. */
+ * including the latest. *out (release with amber_free) gets *count entries. 0
+ * entries for a store without a committed step; AMBER_ECORRUPT for a store whose
+ * GLOBAL is damaged, or missing while it holds committed steps (more than the one
+ * manifest and rank file each that a crash in its first commit leaves): it is
+ * refused until GLOBAL is restored. */
 AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
                                 size_t *count);
 
@@ -971,7 +977,9 @@ typedef struct amber_global_tensor {
 
 /* Opens global step `step` (AMBER_LATEST: the latest) of store `path` for reading,
  * at any world size: not collective, any process may call it. Reads and checks
- * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged). */
+ * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged;
+ * AMBER_ECORRUPT also when GLOBAL is missing or damaged as amber_global_list says;
+ * AMBER_ENOENT for a step after GLOBAL's). */
 AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,
                                        uint64_t step);
 /* Closes the reader and the rank stores it opened. Accepts NULL. Thread safety: a

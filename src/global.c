@@ -230,7 +230,9 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
                      strerror(errno));
     goto fail;
   }
-  rc = amber__global_read_latest(path, &gw->err, &gw->latest);
+  /* a store without GLOBAL that holds committed steps is refused (every rank sees
+   * the same), never taken for empty: remove_leftovers would remove them */
+  rc = amber__global_state(path, &gw->err, &gw->latest);
   if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
   if (rc < 0) goto fail;
   amber_store_opts so;

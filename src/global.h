@@ -74,6 +74,16 @@ void amber__manifest_free(amber__manifest *m);
 
 /* ---- store paths and the global LATEST (src/manifest.c) ---- */
 
+/* 1 when `name` is a manifest's file name ("step-<20 digits>.manifest"), its step
+ * in *step. */
+int amber__parse_manifest_name(const char *name, uint64_t *step);
+/* The latest committed global step of `store`, as amber__store_state is for one
+ * store: 0 and *step; AMBER_ENOENT when it has none (no GLOBAL, and at most what a
+ * crash in the first global commit leaves: one manifest, one file per rank
+ * store); AMBER_ECORRUPT when GLOBAL is damaged, or missing while the store holds
+ * more (the message says what). */
+int amber__global_state(const char *store, amber__err *e, uint64_t *step);
+
 void amber__global_manifest_path(const char *store, uint64_t step, char *buf, size_t len);
 void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len);
 /* Reads STORE/GLOBAL: 0 and the step; AMBER_ENOENT when absent. */

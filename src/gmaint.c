@@ -110,7 +110,7 @@ int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
 int amber_global_compact(const char *path, uint64_t step, size_t *compacted) {
   if (compacted) *compacted = 0;
   uint64_t latest;
-  int rc = amber__global_read_latest(path, NULL, &latest);
+  int rc = amber__global_state(path, NULL, &latest);
   if (rc == AMBER_ENOENT)
     return amber__fail(NULL, rc, "%s: no global step committed (no GLOBAL)", path);
   if (rc < 0) return rc;

@@ -40,12 +40,12 @@ int amber_global_reader_open(amber_global_reader **out, const char *path, uint64
     free(g);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   }
-  int rc = 0;
-  if (step == AMBER_LATEST) {
-    rc = amber__global_read_latest(path, &g->err, &step);
-    if (rc == AMBER_ENOENT)
-      rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no committed global step", path);
-  }
+  uint64_t latest;
+  int rc = amber__global_state(path, &g->err, &latest);
+  if (rc == 0 && step == AMBER_LATEST) step = latest;
+  if (rc == 0 && step > latest)
+    rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no global step %llu (the latest is %llu)",
+                     path, (unsigned long long)step, (unsigned long long)latest);
   if (rc == 0) rc = amber__global_load_manifest(path, step, &g->err, &g->m);
   if (rc == 0 && g->m.step != step)
     rc = amber__fail(&g->err, AMBER_ECORRUPT, "%s: manifest of step %llu says step %llu", path,
@@ -289,7 +289,7 @@ static int cmp_u64(const void *a, const void *b) {
 int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
   *out = NULL, *count = 0;
   uint64_t latest;
-  int rc = amber__global_read_latest(path, NULL, &latest);
+  int rc = amber__global_state(path, NULL, &latest);
   if (rc == AMBER_ENOENT) return 0;
   if (rc < 0) return rc;
   DIR *d = opendir(path);

@@ -1,10 +1,11 @@
 /*
  * manifest.c - the manifest of a global step and the global LATEST pointer of a
- * multi-rank store, both ways (docs/FORMAT.md, "Many ranks"): the one place that
- * encodes and decodes their bytes. A manifest is read from files that may be
- * damaged or hostile: every count is checked against the bytes left before
- * anything is allocated.
+ * multi-rank store (and what a store without it holds), both ways (docs/FORMAT.md,
+ * "Many ranks"): the one place that encodes and decodes their bytes. A manifest is
+ * read from files that may be damaged or hostile: every count is checked against
+ * the bytes left before anything is allocated.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -25,6 +26,30 @@ void amber__global_manifest_path(const char *store, uint64_t step, char *buf, si
 
 void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len) {
   snprintf(buf, len, "%s/rank-%05u", store, rank);
+}
+
+int amber__parse_manifest_name(const char *name, uint64_t *step) {
+  if (strlen(name) != 34 || strncmp(name, "step-", 5) || strcmp(name + 25, ".manifest"))
+    return 0;
+  uint64_t v = 0;
+  for (int i = 5; i < 25; i++)
+    if (name[i] < '0' || name[i] > '9' || amber__mul_overflow(v, 10, &v) ||
+        amber__add_overflow(v, (uint64_t)(name[i] - '0'), &v))
+      return 0;
+  *step = v;
+  return 1;
+}
+
+/* "rank-" and at least five digits: a rank store's directory. */
+static int parse_rank_name(const char *name, uint32_t *rank) {
+  if (strncmp(name, "rank-", 5) || strlen(name) < 10 || strlen(name) > 12) return 0;
+  uint32_t v = 0;
+  for (const char *c = name + 5; *c; c++) {
+    if (*c < '0' || *c > '9') return 0;
+    v = v * 10 + (uint32_t)(*c - '0');
+  }
+  *rank = v;
+  return 1;
 }
 
 static uint64_t shard_size(uint32_t ndim) {
@@ -247,6 +272,39 @@ int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
   rc = amber__manifest_decode(e, path, b, len, m);
   free(b);
   return rc;
+}
+
+int amber__global_state(const char *store, amber__err *e, uint64_t *step) {
+  int rc = amber__global_read_latest(store, e, step);
+  if (rc != AMBER_ENOENT) return rc;
+  /* No GLOBAL: a crash in the first global commit leaves at most one manifest and
+   * one file in each rank store (their parts of that step). More cannot come from
+   * a crash: the store lost GLOBAL, and is refused (a writer would take it for
+   * empty and remove every rank's committed files). */
+  size_t manifests = 0, files = 0;
+  uint32_t rank = 0;
+  DIR *d = opendir(store);
+  struct dirent *de;
+  while (d && (de = readdir(d))) {
+    uint64_t s;
+    uint32_t r;
+    if (amber__parse_manifest_name(de->d_name, &s)) {
+      manifests++;
+    } else if (parse_rank_name(de->d_name, &r)) {
+      char p[4200];
+      snprintf(p, sizeof p, "%s/%s", store, de->d_name);
+      size_t n = amber__count_ckpt_files(p, NULL);
+      if (n > files) files = n, rank = r;
+    }
+  }
+  if (d) closedir(d);
+  if (manifests >= 2 || files >= 2)
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s/GLOBAL is missing, but the store holds %zu step manifest%s and "
+                       "rank-%05u holds %zu checkpoint file%s: the store is damaged (restore "
+                       "GLOBAL, or move the store away)", store, manifests,
+                       manifests == 1 ? "" : "s", rank, files, files == 1 ? "" : "s");
+  return amber__fail(e, AMBER_ENOENT, "%s: no committed global step", store);
 }
 
 int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step) {
