@@ -977,9 +977,12 @@ typedef struct amber_global_tensor {
 
 /* Opens global step `step` (AMBER_LATEST: the latest) of store `path` for reading,
  * at any world size: not collective, any process may call it. Reads and checks
- * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged;
- * AMBER_ECORRUPT also when GLOBAL is missing or damaged as amber_global_list says;
- * AMBER_ENOENT for a step after GLOBAL's). */
+ * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged, or
+ * when its shards overlap or leave part of a tensor uncovered; AMBER_ECORRUPT also
+ * when GLOBAL is missing or damaged as amber_global_list says; AMBER_ENOENT for a
+ * step after GLOBAL's). Each rank's part is opened on first use and checked
+ * against the manifest: its tensors' dtype and shape, and the box each holds of
+ * its global tensor, which the global writer records in the rank's file. */
 AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,
                                        uint64_t step);
 /* Closes the reader and the rank stores it opened. Accepts NULL. Thread safety: a
@@ -1021,7 +1024,8 @@ AMBER_API int amber_global_reader_read_many(amber_global_reader *g, size_t count
  * none. AMBER_ERANGE when the step's world size has no such rank. */
 AMBER_API int amber_global_reader_meta(amber_global_reader *g, uint32_t rank,
                                        const char **json, size_t *len);
-/* Checks the manifest and every rank's files that the step needs. */
+/* Checks the manifest and every rank's files that the step needs: each rank's
+ * part against the manifest (as a read does) and every chunk of its chain. */
 AMBER_API int amber_global_reader_verify(amber_global_reader *g);
 
 #ifdef __cplusplus

@@ -49,6 +49,8 @@ struct amber_global_writer {
   size_t nt;
   char **pol;
   size_t npol;
+  uint8_t *boxes; /* the box table of this rank's files (its last tensor), or NULL */
+  size_t boxes_len;
   char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
   size_t meta_len;
   int has_meta;
@@ -266,6 +268,7 @@ void amber_global_writer_close(amber_global_writer *gw) {
   free(gw->t);
   free(gw->pol);
   free(gw->meta);
+  free(gw->boxes);
   free(gw->path);
   free(gw);
 }
@@ -326,6 +329,9 @@ static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': invalid declaration",
                        name ? name : "(null)");
   int repl = (flags & AMBER_SHARD_REPLICATED) != 0;
+  if (!strcmp(name, AMBER__BOXES_NAME))
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': the name is amber's own (each "
+                       "rank's file records its boxes under it)", name);
   if (!repl && ndim && (!offsets || !local_shape))
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': offsets and local shape needed",
                        name);
@@ -429,10 +435,37 @@ int amber_global_writer_set_units(amber_global_writer *gw, const double *units, 
   return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
-/* (Re)creates the rank's writer from the declarations. */
+/* The box table of this rank's files: every tensor it writes, with where it lies
+ * in its global tensor (declarations are fixed by then, so it is made once). */
+static int make_boxes(amber_global_writer *gw) {
+  if (gw->boxes) return 0;
+  size_t n = 0;
+  amber__box *b = calloc(gw->nt ? gw->nt : 1, sizeof *b);
+  if (!b) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  for (size_t i = 0; i < gw->nt; i++) {
+    const gtensor *t = &gw->t[i];
+    if (!t->local) continue;
+    b[n].name = t->name, b[n].name_len = strlen(t->name), b[n].ndim = t->ndim;
+    memcpy(b[n].shape, t->gshape, sizeof b[n].shape);
+    memcpy(b[n].off, t->off, sizeof b[n].off);
+    n++;
+  }
+  int rc = amber__boxes_encode(b, n, &gw->err, &gw->boxes, &gw->boxes_len);
+  free(b);
+  return rc;
+}
+
+/* (Re)creates the rank's writer from the declarations. Its tensors are the local
+ * ones in declaration order (local_index), then the box table, when it holds any:
+ * a u8 tensor, always exact, unchanged from step to step (an UNCHANGED chunk in
+ * a delta). */
 static int ensure_writer(amber_global_writer *gw) {
   if (gw->w) return 0;
-  int rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
+  int nlocal = 0;
+  for (size_t i = 0; i < gw->nt; i++) nlocal |= gw->t[i].local;
+  int rc = nlocal ? make_boxes(gw) : 0;
+  if (rc < 0) return rc;
+  rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
   if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
   for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
   for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++)
@@ -443,6 +476,10 @@ static int ensure_writer(amber_global_writer *gw) {
     } else if (gw->t[i].local)
       rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
                             gw->t[i].lshape, gw->t[i].data, NULL);
+  if (rc == 0 && nlocal) {
+    int64_t len = (int64_t)gw->boxes_len;
+    rc = amber_writer_add(gw->w, AMBER__BOXES_NAME, AMBER_U8, 1, &len, gw->boxes, NULL);
+  }
   if (rc == 0) rc = push_units(gw);
   if (rc < 0) {
     rc = amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
@@ -783,23 +820,11 @@ static int build_manifest(amber_global_writer *gw, const uint8_t *all, const uin
   }
   m->kind = allfull ? AMBER_KIND_FULL : AMBER_KIND_DELTA;
   if (allfull) m->parent = AMBER_NO_STEP;
-  /* The shards must tile: their volumes add up to the tensor's (overlaps and gaps
-   * are told apart by the reader, which counts the elements it covers). */
+  /* The shards must tile each tensor (no overlap, no gap), as every reader of the
+   * manifest checks again. */
   for (uint32_t i = 0; i < m->ntensors; i++) {
-    const amber__mtensor *t = &m->tensors[i];
-    uint64_t want = 1, have = 0;
-    for (uint32_t d = 0; d < t->ndim; d++) want *= (uint64_t)t->shape[d];
-    for (uint32_t s = 0; s < t->nshards; s++) {
-      uint64_t v = 1;
-      for (uint32_t d = 0; d < t->ndim; d++) v *= (uint64_t)t->shards[s].shape[d];
-      have += v;
-    }
-    if (have != want) {
-      snprintf(why, wl, "tensor '%s': the ranks' shards hold %llu of its %llu elements "
-               "(gaps or overlaps)", t->name, (unsigned long long)have,
-               (unsigned long long)want);
-      return AMBER_EMISMATCH;
-    }
+    int rc = amber__mtensor_check_tiling(&m->tensors[i], why, wl);
+    if (rc < 0) return rc;
   }
   return 0;
 }

@@ -2,7 +2,10 @@
  * test_global_damage.c - a multi-rank store that is damaged, or in use, in the
  * ways an outside probe found (issue 30), with ranks as threads
  * (tests/comm_threads.h): a store without GLOBAL is refused by readers, writers
- * and the CLI, and keeps every rank's files.
+ * and the CLI, and keeps every rank's files; overlapping shards fail the step on
+ * every rank; a manifest whose shards overlap, moved between ranks, or whose dtype
+ * or shape disagrees with the rank files is refused (reads, verify). Also the
+ * golden store whose rank files hold box tables (FORMAT.md, "Box table").
  */
 #include <stdatomic.h>
 #include <stdio.h>
@@ -35,6 +38,7 @@ typedef struct job {
   uint32_t full_every; /* 0: the default */
   int expect_open;     /* what amber_global_writer_open must return */
   const char *open_msg; /* and a part of its message */
+  int overlap;          /* every rank declares the same rows */
 } job;
 
 static void rank_main(const amber_comm *c, void *arg) {
@@ -53,6 +57,7 @@ static void rank_main(const amber_comm *c, void *arg) {
   }
   int64_t g[2] = {ROWS, COLS}, off[2], sh[2];
   rows(c->rank, c->size, off, sh);
+  if (jb->overlap) off[0] = 0, sh[0] = ROWS / c->size; /* same rows, volumes add up */
   float w[ROWS * COLS], b = 0.5f;
   RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
   int64_t one = 1;
@@ -62,14 +67,22 @@ static void rank_main(const amber_comm *c, void *arg) {
     for (int64_t i = 0; i < sh[0]; i++)
       for (int64_t j = 0; j < COLS; j++) w[i * COLS + j] = wval(off[0] + i, j, s);
     b = (float)s;
-    RCHECK(amber_global_writer_save(gw, s, 0) == 0);
+    rc = amber_global_writer_save(gw, s, 0);
+    if (jb->overlap) {
+      RCHECK(rc == AMBER_EMISMATCH);
+      RCHECK(strstr(amber_last_error(gw), "tensor 'w'") && strstr(amber_last_error(gw), "overlap") &&
+             strstr(amber_last_error(gw), "rank 0") && strstr(amber_last_error(gw), "rank 1"));
+      if (c->rank == 1) fprintf(stderr, "  (expected) %s\n", amber_last_error(gw));
+    } else {
+      RCHECK(rc == 0);
+    }
   }
   amber_global_writer_close(gw);
 }
 
 static void run(const char *path, int n, uint64_t first, uint64_t last, int expect_open,
                 const char *open_msg) {
-  job jb = {path, first, last, 0, expect_open, open_msg};
+  job jb = {path, first, last, 0, expect_open, open_msg, 0};
   atomic_store(&rank_fails, 0);
   tc_run(n, rank_main, &jb);
   CHECK(atomic_load(&rank_fails) == 0);
@@ -108,6 +121,12 @@ static size_t count_files(const char *path, int rank) {
   char dir[4200];
   snprintf(dir, sizeof dir, "%s/rank-%05d", path, rank);
   return (size_t)tu_system("exit $(ls %s | grep -c '^ckpt-.*\\.amber$')", dir);
+}
+
+static void path_of(char *buf, size_t len, const char *store, const char *fmt, uint64_t v) {
+  char name[256];
+  snprintf(name, sizeof name, fmt, (unsigned long long)v);
+  snprintf(buf, len, "%s/%s", store, name);
 }
 
 /* The CLI on `path`: exit status of `amber ARGS`, its output in *out (malloc'd). */
@@ -185,9 +204,167 @@ static void test_first_commit_crash_without_global_is_an_empty_store(void) {
   CHECK(count_files(p, 0) == 2 && count_files(p, 1) == 2);
 }
 
+/* ---- overlapping and moved shards ---- */
+
+static void test_overlapping_shards_fail_the_step_on_every_rank(void) {
+  const char *p = tu_tmpdir();
+  job jb = {p, 1, 1, 0, 0, NULL, 1};
+  atomic_store(&rank_fails, 0);
+  tc_run(2, rank_main, &jb);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_step_info *gs = NULL;
+  size_t n = 9;
+  CHECK_OK(amber_global_list(p, &gs, &n));
+  CHECK(n == 0);
+  amber_free(gs);
+}
+
+/* Rewrites the manifest of `step` through `fn` (checksum recomputed, as a tool or
+ * an attacker would). */
+static void patch_manifest(const char *p, uint64_t step, void (*fn)(amber__manifest *)) {
+  amber__manifest m;
+  amber__err e;
+  CHECK_OK(amber__global_load_manifest(p, step, &e, &m));
+  fn(&m);
+  uint8_t *b = NULL;
+  size_t len = 0;
+  CHECK_OK(amber__manifest_encode(&m, &e, &b, &len));
+  char f[4200];
+  path_of(f, sizeof f, p, "step-%020llu.manifest", step);
+  CHECK(tu_write_file(f, b, len) == 0);
+  free(b);
+  amber__manifest_free(&m);
+}
+
+static amber__mtensor *tensor_w(amber__manifest *m) {
+  for (uint32_t i = 0; i < m->ntensors; i++)
+    if (!strcmp(m->tensors[i].name, "w")) return &m->tensors[i];
+  return &m->tensors[0];
+}
+static void swap_ranks(amber__manifest *m) {
+  amber__mtensor *t = tensor_w(m);
+  uint32_t r = t->shards[0].rank;
+  t->shards[0].rank = t->shards[1].rank, t->shards[1].rank = r;
+}
+static void swap_offsets(amber__manifest *m) {
+  amber__mtensor *t = tensor_w(m);
+  int64_t o = t->shards[0].off[0];
+  t->shards[0].off[0] = t->shards[1].off[0], t->shards[1].off[0] = o;
+}
+static void same_rows(amber__manifest *m) { /* volumes still add up */
+  tensor_w(m)->shards[1].off[0] = 0;
+}
+static void other_dtype(amber__manifest *m) {
+  tensor_w(m)->dtype = AMBER_I32;
+}
+static void other_shape(amber__manifest *m) { /* the same volume, rows and columns swapped */
+  amber__mtensor *t = tensor_w(m);
+  t->shape[0] = COLS, t->shape[1] = ROWS;
+  t->shards[1].off[0] = 0, t->shards[1].off[1] = ROWS / 2;
+  t->shards[0].shape[0] = t->shards[1].shape[0] = COLS;
+  t->shards[0].shape[1] = t->shards[1].shape[1] = ROWS / 2;
+}
+
+static void test_manifest_with_overlapping_moved_or_mismatched_shards_is_refused(void) {
+  static const struct {
+    const char *what;
+    void (*fn)(amber__manifest *);
+    const char *says;
+  } cases[] = {{"ranks swapped", swap_ranks, "moved or swapped"},
+               {"offsets swapped", swap_offsets, "moved or swapped"},
+               {"overlapping rows", same_rows, "overlap"},
+               {"another dtype", other_dtype, "another dtype or shape"},
+               {"another global shape", other_shape, "another"}};
+  for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+    const char *p = tu_tmpdir();
+    fprintf(stderr, "  %s:\n", cases[k].what);
+    run(p, 2, 1, 3, 0, NULL);
+    patch_manifest(p, 3, cases[k].fn);
+    CHECK(read_w(p, 3, 3) < 0);
+    CHECK(strstr(amber_last_error(NULL), cases[k].says) != NULL);
+    amber_global_reader *g = NULL;
+    int rc = amber_global_reader_open(&g, p, 3);
+    if (rc == 0) rc = amber_global_reader_verify(g);
+    CHECK(rc == AMBER_ECORRUPT);
+    amber_global_reader_close(g);
+    CHECK(read_w(p, 2, 2) == 0); /* the steps before are untouched */
+    CHECK(cli_says(p, "verify", 0, NULL));
+  }
+}
+
+/* ---- the box table, golden ---- */
+
+/* The bytes of the box table of `path`'s rank `r` file of `step`, parsed here by
+ * FORMAT.md's table (not by the library), must be: "w" at rank r's rows of a
+ * (ROWS, COLS) tensor, then, on rank 0, "b" at 0 of a (1) tensor. */
+static void check_box_table(const char *path, int r, uint64_t step) {
+  char dir[4300];
+  snprintf(dir, sizeof dir, "%.4200s/rank-%05d", path, r);
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  amber_store *st = NULL;
+  amber_reader *rd = NULL;
+  CHECK_OK(amber_store_open(&st, dir, &so));
+  if (st) CHECK_OK(amber_reader_open(&rd, st, step, NULL));
+  size_t li;
+  amber_tensor_info ti;
+  uint8_t t[256];
+  if (!rd || amber_reader_find(rd, "amber.boxes", &li) != 0 ||
+      amber_reader_info(rd, li, &ti) != 0 || ti.dtype != AMBER_U8 || ti.nbytes > sizeof t) {
+    CHECK(!"a box table in the rank's file");
+    amber_reader_close(rd);
+    amber_store_close(st);
+    return;
+  }
+  CHECK(li == amber_reader_count(rd) - 1); /* after the rank's own tensors */
+  CHECK_OK(amber_reader_read(rd, li, t, ti.nbytes));
+  size_t want = 16 + (4 + 1 + 32) + (r == 0 ? 4 + 1 + 16 : 0);
+  CHECK(ti.nbytes == want);
+  CHECK(!memcmp(t, "AMBERBX1", 8) && amber__get32(t + 8) == (r == 0 ? 2u : 1u) &&
+        amber__get32(t + 12) == 0);
+  const uint8_t *b = t + 16;
+  CHECK(amber__get16(b) == 1 && b[2] == 2 && b[3] == 0 && b[4] == 'w');
+  CHECK(amber__get64(b + 5) == ROWS && amber__get64(b + 13) == COLS);
+  CHECK(amber__get64(b + 21) == (uint64_t)(ROWS / 2 * r) && amber__get64(b + 29) == 0);
+  if (r == 0) {
+    b += 37;
+    CHECK(amber__get16(b) == 1 && b[2] == 1 && b[3] == 0 && b[4] == 'b');
+    CHECK(amber__get64(b + 5) == 1 && amber__get64(b + 13) == 0);
+  }
+  amber_reader_close(rd);
+  amber_store_close(st);
+}
+
+/* A golden multi-rank store whose rank files hold box tables: 3 steps at 2 ranks
+ * (full, delta, delta), "w" by rows and "b" replicated. Its values load, each rank
+ * file's table holds its boxes byte for byte, and swapping the ranks of "w"'s
+ * shards in a copy of its manifest is refused. With AMBER_WRITE_GOLDEN set,
+ * (re)writes it into tests/golden/. */
+static void test_golden_store_with_box_tables_loads_and_holds_them(void) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/tests/golden/v1.3-ranks2-boxes", AMBER_SOURCE_DIR);
+  if (getenv("AMBER_WRITE_GOLDEN")) {
+    tu_rm_rf(p);
+    run(p, 2, 1, 3, 0, NULL);
+    tu_system("find %s -name .lock -delete", p);
+  }
+  for (uint64_t s = 1; s <= 3; s++) CHECK(read_w(p, s, s) == 0);
+  for (int r = 0; r < 2; r++)
+    for (uint64_t s = 1; s <= 3; s++) check_box_table(p, r, s);
+  const char *copy = tu_tmpdir();
+  CHECK(tu_system("cp -r %s/. %s", p, copy) == 0);
+  patch_manifest(copy, 3, swap_ranks);
+  CHECK(read_w(copy, 3, 3) == AMBER_ECORRUPT);
+  CHECK(read_w(copy, 2, 2) == 0);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_store_without_global_is_refused_everywhere_and_keeps_its_files);
   TEST_RUN(test_first_commit_crash_without_global_is_an_empty_store);
+  TEST_RUN(test_overlapping_shards_fail_the_step_on_every_rank);
+  TEST_RUN(test_manifest_with_overlapping_moved_or_mismatched_shards_is_refused);
+  TEST_RUN(test_golden_store_with_box_tables_loads_and_holds_them);
   return tu_finish();
 }
