@@ -932,17 +932,23 @@ typedef struct amber_global_step_info {
   uint32_t world_size;
   uint64_t parent;      /* previous global step, AMBER_NO_STEP for the first/full */
   uint64_t bytes;       /* the step's files of every rank, and its manifest */
-  uint64_t reserved[4];
+  uint32_t flags;       /* AMBER_CKPT_DAMAGED: its manifest cannot be read or fails its
+                           checks, or is missing though GLOBAL names the step; kind,
+                           world_size and bytes are then 0, parent AMBER_NO_STEP */
+  uint32_t reserved0;
+  uint64_t reserved[3];
 } amber_global_step_info;
 
 /* 1 when `path` is a multi-rank store (it holds a global LATEST or manifest), else 0. */
 AMBER_API int amber_global_is_store(const char *path);
 /* Lists the committed global steps of store `path`, oldest first, up to and
- * including the latest. *out (release with amber_free) gets *count entries. 0
- * entries for a store without a committed step; AMBER_ECORRUPT for a store whose
- * GLOBAL is damaged, or missing while it holds committed steps (more than the one
- * manifest and rank file each that a crash in its first commit leaves): it is
- * refused until GLOBAL is restored. */
+ * including the latest (GLOBAL's). *out (release with amber_free) gets *count
+ * entries. A step whose manifest is damaged is listed, flagged AMBER_CKPT_DAMAGED,
+ * and the listing goes on; a manifest removed while the listing runs (a prune)
+ * is left out. 0 entries for a store without a committed step; AMBER_ECORRUPT for
+ * a store whose GLOBAL is damaged, or missing while it holds committed steps (more
+ * than the one manifest and rank file each that a crash in its first commit
+ * leaves): it is refused until GLOBAL is restored. */
 AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
                                 size_t *count);
 
@@ -979,8 +985,9 @@ typedef struct amber_global_tensor {
  * at any world size: not collective, any process may call it. Reads and checks
  * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged, or
  * when its shards overlap or leave part of a tensor uncovered; AMBER_ECORRUPT also
- * when GLOBAL is missing or damaged as amber_global_list says; AMBER_ENOENT for a
- * step after GLOBAL's). Each rank's part is opened on first use and checked
+ * when GLOBAL is missing or damaged as amber_global_list says, or names a step
+ * whose manifest is missing; AMBER_ENOENT for a step after GLOBAL's or without a
+ * manifest). Each rank's part is opened on first use and checked
  * against the manifest: its tensors' dtype and shape, and the box each holds of
  * its global tensor, which the global writer records in the rank's file. */
 AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,

@@ -157,10 +157,10 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   uint64_t s = gw->latest;
   while (s != AMBER_NO_STEP && n < UINT32_MAX) {
     amber__manifest m;
-    /* A parent whose manifest retention removed: the chain's length is unknown, so
-     * the next step is full (a chain stays bounded across resumes). */
-    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0)
-      return s == gw->latest ? n : UINT32_MAX;
+    /* A manifest that cannot be read (a parent's that retention removed, or a
+     * damaged one): the chain's length is unknown, so the next step is full (a
+     * chain stays bounded across resumes, and starts afresh after damage). */
+    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) return UINT32_MAX;
     uint32_t kind = m.kind;
     if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
       amber__manifest_free(&m);

@@ -55,6 +55,12 @@ int amber_global_reader_open(amber_global_reader **out, const char *path, uint64
     rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no global step %llu (the latest is %llu)",
                      path, (unsigned long long)step, (unsigned long long)latest);
   if (rc == 0) rc = amber__global_load_manifest(path, step, &g->err, &g->m);
+  if (rc == AMBER_ENOENT && step == latest)
+    rc = amber__fail(&g->err, AMBER_ECORRUPT, "%s: GLOBAL names step %llu, but its manifest "
+                     "is missing", path, (unsigned long long)step);
+  else if (rc == AMBER_ENOENT && step < latest)
+    rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no global step %llu (no manifest: pruned, "
+                     "or never committed)", path, (unsigned long long)step);
   if (rc == 0 && g->m.step != step)
     rc = amber__fail(&g->err, AMBER_ECORRUPT, "%s: manifest of step %llu says step %llu", path,
                      (unsigned long long)step, (unsigned long long)g->m.step);
@@ -394,53 +400,71 @@ static int cmp_u64(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
-  *out = NULL, *count = 0;
-  uint64_t latest;
-  int rc = amber__global_state(path, NULL, &latest);
-  if (rc == AMBER_ENOENT) return 0;
-  if (rc < 0) return rc;
+/* The steps of the manifests in `path` up to `latest`, sorted: *steps (malloc'd). */
+static int manifest_steps(const char *path, uint64_t latest, uint64_t **steps, size_t *n) {
+  *steps = NULL, *n = 0;
   DIR *d = opendir(path);
   if (!d) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", path, strerror(errno));
-  uint64_t *steps = NULL;
-  size_t n = 0, cap = 0;
+  size_t cap = 0;
   struct dirent *de;
   while ((de = readdir(d))) {
-    unsigned long long s;
-    char tail[16];
-    if (strlen(de->d_name) != 34 || sscanf(de->d_name, "step-%20llu.%15s", &s, tail) != 2 ||
-        strcmp(tail, "manifest") || s > latest)
-      continue;
-    if (n == cap) {
-      uint64_t *ns = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
+    uint64_t s;
+    if (!amber__parse_manifest_name(de->d_name, &s) || s > latest) continue;
+    if (*n == cap) {
+      uint64_t *ns = realloc(*steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
       if (!ns) {
-        closedir(d), free(steps);
+        closedir(d), free(*steps), *steps = NULL;
         return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
       }
-      steps = ns;
+      *steps = ns;
     }
-    steps[n++] = s;
+    (*steps)[(*n)++] = s;
   }
   closedir(d);
-  qsort(steps, n, sizeof *steps, cmp_u64);
-  amber_global_step_info *info = calloc(n ? n : 1, sizeof *info);
+  if (*n) qsort(*steps, *n, sizeof **steps, cmp_u64);
+  return 0;
+}
+
+int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
+  *out = NULL, *count = 0;
+  uint64_t latest, again, *steps = NULL;
+  size_t n = 0;
+  int rc;
+  /* GLOBAL's step without its manifest is damage, unless a writer moved GLOBAL on
+   * (and retention removed the manifest) while the listing ran: then list again. */
+  for (int tries = 0;; tries++) {
+    rc = amber__global_state(path, NULL, &latest);
+    if (rc == AMBER_ENOENT) return 0;
+    if (rc == 0) rc = manifest_steps(path, latest, &steps, &n);
+    if (rc < 0) return rc;
+    if ((n && steps[n - 1] == latest) || tries == 3 ||
+        amber__global_read_latest(path, NULL, &again) < 0 || again == latest)
+      break;
+    free(steps);
+  }
+  int missing = !n || steps[n - 1] != latest;
+  amber_global_step_info *info = calloc(n + 1, sizeof *info);
   if (!info) {
     free(steps);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   }
-  for (size_t i = 0; i < n; i++) {
+  size_t k = 0;
+  for (size_t i = 0; i < n + (size_t)missing; i++) {
+    uint64_t s = i < n ? steps[i] : latest;
     amber__manifest m;
-    rc = amber__global_load_manifest(path, steps[i], NULL, &m);
-    if (rc < 0) {
-      free(steps), free(info);
-      return rc;
+    rc = i < n ? amber__global_load_manifest(path, s, NULL, &m) : AMBER_ENOENT;
+    if (rc == AMBER_ENOENT && s != latest) continue; /* removed since the directory was read */
+    amber_global_step_info *e = &info[k++];
+    e->step = s, e->parent = AMBER_NO_STEP;
+    if (rc == 0 && m.step == s) {
+      e->kind = m.kind, e->world_size = m.world, e->parent = m.parent;
+      for (uint32_t r = 0; r < m.world; r++) e->bytes += m.ranks[r].bytes;
+    } else {
+      e->flags = AMBER_CKPT_DAMAGED;
     }
-    info[i].step = m.step, info[i].kind = m.kind, info[i].world_size = m.world;
-    info[i].parent = m.parent;
-    for (uint32_t r = 0; r < m.world; r++) info[i].bytes += m.ranks[r].bytes;
-    amber__manifest_free(&m);
+    if (rc == 0) amber__manifest_free(&m);
   }
   free(steps);
-  *out = info, *count = n;
+  *out = info, *count = k;
   return 0;
 }

@@ -4,9 +4,12 @@
  * (tests/comm_threads.h): a store without GLOBAL is refused by readers, writers
  * and the CLI, and keeps every rank's files; overlapping shards fail the step on
  * every rank; a manifest whose shards overlap, moved between ranks, or whose dtype
- * or shape disagrees with the rank files is refused (reads, verify). Also the
+ * or shape disagrees with the rank files is refused (reads, verify); a damaged or
+ * missing manifest is listed as damaged and the older steps stay readable; a
+ * manifest removed while a listing runs is left out of it. Also the
  * golden store whose rank files hold box tables (FORMAT.md, "Box table").
  */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -288,8 +291,89 @@ static void test_manifest_with_overlapping_moved_or_mismatched_shards_is_refused
     CHECK(rc == AMBER_ECORRUPT);
     amber_global_reader_close(g);
     CHECK(read_w(p, 2, 2) == 0); /* the steps before are untouched */
-    CHECK(cli_says(p, "verify", 0, NULL));
+    CHECK(cli_says(p, "verify", 0, "step 3: FAILED"));
   }
+}
+
+/* ---- damaged and missing manifests in the listing ---- */
+
+static void check_listing(const char *p, int damaged3) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &gs, &n));
+  CHECK(n == 3);
+  for (size_t i = 0; i < n && n == 3; i++) {
+    CHECK(gs[i].step == i + 1);
+    CHECK(!(gs[i].flags & AMBER_CKPT_DAMAGED) == !(damaged3 && i == 2));
+  }
+  amber_free(gs);
+}
+
+static void test_damaged_or_missing_manifest_is_listed_and_older_steps_read(void) {
+  static const char *how[] = {"flipped", "truncated", "deleted"};
+  for (int k = 0; k < 3; k++) {
+    const char *p = tu_tmpdir();
+    fprintf(stderr, "  latest manifest %s:\n", how[k]);
+    run(p, 2, 1, 3, 0, NULL);
+    check_listing(p, 0);
+    char f[4200];
+    path_of(f, sizeof f, p, "step-%020llu.manifest", 3);
+    if (k == 0) CHECK(tu_flip_byte(f, TU_MIDDLE, 0x04) == 0);
+    if (k == 1) CHECK(truncate(f, 100) == 0);
+    if (k == 2) CHECK(unlink(f) == 0);
+    check_listing(p, 1);
+    CHECK(read_w(p, AMBER_LATEST, 3) == AMBER_ECORRUPT);
+    if (k == 2) CHECK(strstr(amber_last_error(NULL), "GLOBAL names step 3") != NULL);
+    CHECK(read_w(p, 2, 2) == 0);
+    CHECK(cli_says(p, "ls", 1, "damaged"));
+    CHECK(cli_says(p, "ls --json", 1, "\"damaged\": true"));
+    CHECK(cli_says(p, "verify", 0, "step 3: FAILED"));
+    CHECK(cli_says(p, "verify", 0, "step 2: ok"));
+    char args[4300];
+    snprintf(args, sizeof args, "export --step 2 -o %s/x.safetensors", tu_tmpdir());
+    CHECK(cli_says(p, args, 1, NULL));
+  }
+}
+
+/* A manifest removed while a listing runs (a prune beside it) is left out of the
+ * listing: here one is moved away and back as fast as possible while the listing
+ * runs again and again; it must never fail nor flag a step. */
+static atomic_int toggling;
+
+static void *toggle_main(void *arg) {
+  const char *p = arg;
+  char f[4200], away[4300];
+  path_of(f, sizeof f, p, "step-%020llu.manifest", 1);
+  snprintf(away, sizeof away, "%s.away", f);
+  while (atomic_load(&toggling)) {
+    rename(f, away);
+    rename(away, f);
+  }
+  return NULL;
+}
+
+static void test_manifest_removed_while_listing_is_left_out(void) {
+  const char *p = tu_tmpdir();
+  run(p, 1, 1, 3, 0, NULL);
+  atomic_store(&toggling, 1);
+  pthread_t th;
+  pthread_create(&th, NULL, toggle_main, (void *)p);
+  int fails = 0, flagged = 0, seen = 0;
+  for (int i = 0; i < 4000; i++) {
+    amber_global_step_info *gs = NULL;
+    size_t n = 0;
+    if (amber_global_list(p, &gs, &n) < 0) {
+      if (!fails++) fprintf(stderr, "  listing failed: %s\n", amber_last_error(NULL));
+      continue;
+    }
+    for (size_t j = 0; j < n; j++) flagged += (gs[j].flags & AMBER_CKPT_DAMAGED) != 0;
+    seen += n == 2;
+    amber_free(gs);
+  }
+  atomic_store(&toggling, 0);
+  pthread_join(th, NULL);
+  fprintf(stderr, "  %d listings without step 1, %d failed, %d flags\n", seen, fails, flagged);
+  CHECK(fails == 0 && flagged == 0);
 }
 
 /* ---- the box table, golden ---- */
@@ -365,6 +449,8 @@ int main(void) {
   TEST_RUN(test_first_commit_crash_without_global_is_an_empty_store);
   TEST_RUN(test_overlapping_shards_fail_the_step_on_every_rank);
   TEST_RUN(test_manifest_with_overlapping_moved_or_mismatched_shards_is_refused);
+  TEST_RUN(test_damaged_or_missing_manifest_is_listed_and_older_steps_read);
+  TEST_RUN(test_manifest_removed_while_listing_is_left_out);
   TEST_RUN(test_golden_store_with_box_tables_loads_and_holds_them);
   return tu_finish();
 }
