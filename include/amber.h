@@ -756,10 +756,16 @@ typedef struct amber_global_writer amber_global_writer;
  * the share makes the whole step full), its keep_last to the global steps
  * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
- * usable until amber_global_writer_close. A directory that holds a single-rank store
- * (LATEST) is refused with AMBER_EINVAL, on every rank, and a store whose GLOBAL is
- * damaged, or missing while it holds committed steps, with AMBER_ECORRUPT (as
- * amber_global_list), nothing removed. */
+ * usable until amber_global_writer_close. Every rank returns the same result: a
+ * failure on one rank (the code of the lowest failing rank, its message "rank R:
+ * REASON") fails the open on all. Refused, with nothing created or changed: a
+ * directory that holds a single-rank store (LATEST; AMBER_EINVAL); a store whose
+ * GLOBAL is damaged, or missing while it holds committed steps (AMBER_ECORRUPT, as
+ * amber_global_list); a store in use, whose rank store another process holds
+ * (AMBER_ELOCKED: a global writer of another job, or maintenance). A rank store
+ * whose LATEST is missing or damaged gets it back from the newest manifest that
+ * names its file (the file must carry the manifest's state id, else
+ * AMBER_ECORRUPT). */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);
@@ -987,7 +993,8 @@ typedef struct amber_global_tensor {
  * when its shards overlap or leave part of a tensor uncovered; AMBER_ECORRUPT also
  * when GLOBAL is missing or damaged as amber_global_list says, or names a step
  * whose manifest is missing; AMBER_ENOENT for a step after GLOBAL's or without a
- * manifest). Each rank's part is opened on first use and checked
+ * manifest). Each rank's part is opened, on first use, as the manifest names it
+ * (its step and state id: the rank store's LATEST is not needed), and checked
  * against the manifest: its tensors' dtype and shape, and the box each holds of
  * its global tensor, which the global writer records in the rank's file. */
 AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,

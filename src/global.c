@@ -10,6 +10,7 @@
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -195,6 +196,157 @@ static void learn_share(amber_global_writer *gw) {
   amber__cadence_learn(&gw->share, full_bytes, deltas, delta_bytes);
 }
 
+/* One round of open: every rank's outcome `rc` (its message in gw->err when it
+ * failed) goes to every rank, and each returns the lowest failing rank's code,
+ * with the message "rank R: REASON", the same on every rank. Collective. */
+static int agree(amber_global_writer *gw, int rc) {
+  char msg[sizeof gw->err.msg];
+  if (rc < 0) {
+    snprintf(msg, sizeof msg, "%s", gw->err.msg);
+    amber__fail(&gw->err, rc, "rank %d: %s", gw->comm.rank, msg);
+  }
+  size_t ml = rc < 0 ? strlen(gw->err.msg) : 0;
+  uint8_t *mine = malloc(4 + ml), *all = NULL;
+  uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
+  int crc = mine && lens ? 0 : AMBER_ENOMEM;
+  if (crc == 0) {
+    amber__put32(mine, (uint32_t)rc);
+    memcpy(mine + 4, gw->err.msg, ml);
+    crc = amber__comm_allgatherv(&gw->comm, &gw->err, mine, 4 + ml, &all, lens,
+                                 lens + gw->comm.size);
+  }
+  free(mine);
+  if (crc < 0) {
+    free(lens);
+    return amber__fail(&gw->err, crc, "%s: opening the global writer: a collective failed (%s)",
+                       gw->path, amber_strerror(crc));
+  }
+  const uint64_t *offs = lens + gw->comm.size;
+  int brc = 0;
+  for (int r = 0; r < gw->comm.size && brc == 0; r++) {
+    if (lens[r] < 4) continue;
+    brc = (int)amber__get32(all + offs[r]);
+    if (brc < 0 && r != gw->comm.rank)
+      amber__fail(&gw->err, brc, "%.*s", (int)(lens[r] - 4), (const char *)all + offs[r] + 4);
+  }
+  free(all);
+  free(lens);
+  return brc < 0 ? brc : 0;
+}
+
+/* What open checks before it changes anything: the directory is not a single-rank
+ * store's, the store's global state is sound (a store without GLOBAL that holds
+ * committed steps is refused, never taken for empty), and this rank's store, when
+ * it exists, is held by no other writer (its lock is kept from here on). */
+static int check_store(amber_global_writer *gw) {
+  char single[4200];
+  struct stat sb;
+  snprintf(single, sizeof single, "%s/LATEST", gw->path);
+  if (stat(single, &sb) == 0)
+    return amber__fail(&gw->err, AMBER_EINVAL,
+                       "%s holds a store written by one process (LATEST): a multi-rank store "
+                       "needs a directory of its own", gw->path);
+  int rc = amber__global_state(gw->path, &gw->err, &gw->latest);
+  if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
+  if (rc < 0 || stat(gw->rankdir, &sb) < 0) return rc; /* made once every rank agrees */
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_NOCREATE;
+  rc = amber__store_open(&gw->st, gw->rankdir, &so, 0);
+  if (rc == AMBER_ELOCKED)
+    return amber__fail(&gw->err, rc, "the store %s is in use: %s/.lock is held by another "
+                       "process (a global writer of another job, or amber prune or compact)",
+                       gw->path, gw->rankdir);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(NULL)) : 0;
+}
+
+/* Rank 0, at open: removes the manifests of steps after the latest global commit,
+ * which a crash between a manifest and GLOBAL leaves (GLOBAL never named them),
+ * once GLOBAL's own manifest confirms it. Rank 0 holds rank-00000's lock, so no
+ * other global writer or maintenance runs. */
+static void remove_stale_manifests(amber_global_writer *gw) {
+  amber__manifest m;
+  if (gw->latest != AMBER_NO_STEP) {
+    if (amber__global_load_manifest(gw->path, gw->latest, NULL, &m) < 0) return;
+    amber__manifest_free(&m);
+  }
+  DIR *d = opendir(gw->path);
+  if (!d) return;
+  struct dirent *de;
+  int removed = 0;
+  uint64_t s;
+  while ((de = readdir(d)))
+    if (amber__parse_manifest_name(de->d_name, &s) &&
+        (gw->latest == AMBER_NO_STEP || s > gw->latest))
+      removed += unlinkat(dirfd(d), de->d_name, 0) == 0;
+  closedir(d);
+  if (removed) amber__fsync_dir(gw->path);
+}
+
+/* A rank store whose LATEST is missing or unreadable while its files are there
+ * (damage, or a hand that removed it) gets LATEST back from the manifests: the
+ * newest committed global step whose manifest names this rank's file gives its
+ * step and state id, once that file is there with that state id. Without this a
+ * writable open would take a lone committed file for a first commit's leftover
+ * and remove it. When no manifest names this rank's files, they belong to no
+ * committed step and the store is left to the usual rules (amber__store_state).
+ * Called with the rank store's lock held, before its stale files are cleaned. */
+static int repair_rank_latest(amber_global_writer *gw) {
+  uint64_t s, id;
+  int rc = amber__read_latest(gw->st, NULL, &s, &id);
+  if ((rc != AMBER_ENOENT && rc != AMBER_ECORRUPT) || gw->latest == AMBER_NO_STEP ||
+      (rc == AMBER_ENOENT && amber__count_ckpt_files(gw->rankdir, NULL) == 0))
+    return 0; /* sound, empty, or unreadable: remove_leftovers says so */
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  if (amber_global_list(gw->path, &gs, &n) < 0) n = 0;
+  uint32_t me = (uint32_t)gw->comm.rank;
+  int found = 0;
+  uint64_t g = 0;
+  for (size_t i = n; i-- > 0 && !found;) {
+    amber__manifest m;
+    if ((gs[i].flags & AMBER_CKPT_DAMAGED) ||
+        amber__global_load_manifest(gw->path, gs[i].step, NULL, &m) < 0)
+      continue;
+    if (me < m.world && (m.ranks[me].flags & AMBER__RANK_PRESENT))
+      found = 1, g = m.step, s = m.ranks[me].step, id = m.ranks[me].hash;
+    amber__manifest_free(&m);
+  }
+  amber_free(gs);
+  if (!found) return 0;
+  if (!amber__ckpt_has_state(gw->st, s, id))
+    return amber__fail(&gw->err, AMBER_ECORRUPT,
+                       "%s: LATEST is %s, and checkpoint %llu (state id %016llx), which the "
+                       "manifest of global step %llu names, is missing or another file: the "
+                       "rank's store is damaged", gw->rankdir,
+                       rc == AMBER_ENOENT ? "missing" : "damaged", (unsigned long long)s,
+                       (unsigned long long)id, (unsigned long long)g);
+  return amber__write_latest(gw->st, &gw->err, s, id);
+}
+
+/* The second round of open, once every rank found the store sound and free: this
+ * rank's store made (when new) and locked, its LATEST repaired from the manifests
+ * when damaged, what crashed writers left removed (files after the last global
+ * commit too), and on rank 0 the manifests of steps GLOBAL never named. */
+static int prepare_rank_store(amber_global_writer *gw) {
+  int rc;
+  if (!gw->st) {
+    if (mkdir_p(gw->rankdir) < 0)
+      return amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s",
+                         gw->rankdir, strerror(errno));
+    amber_store_opts so;
+    amber_store_opts_init(&so);
+    if ((rc = amber__store_open(&gw->st, gw->rankdir, &so, 0)) < 0)
+      return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
+  }
+  if ((rc = repair_rank_latest(gw)) < 0) return rc;
+  if ((rc = amber__store_clean(gw->st)) < 0)
+    return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
+  if ((rc = remove_leftovers(gw)) < 0) return rc;
+  if (gw->comm.rank == 0) remove_stale_manifests(gw);
+  return 0;
+}
+
 int amber_global_writer_open(amber_global_writer **out, const char *path,
                              const amber_comm *comm, const amber_writer_opts *opts) {
   *out = NULL;
@@ -218,37 +370,19 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   gw->keep_last = gw->opts.keep_last;
   gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
   amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
-  char single[4200];
-  struct stat sb;
-  snprintf(single, sizeof single, "%s/LATEST", path);
-  if (stat(single, &sb) == 0) { /* every rank sees it: every rank fails here */
-    rc = amber__fail(&gw->err, AMBER_EINVAL,
-                     "%s holds a store written by one process (LATEST): a multi-rank store "
-                     "needs a directory of its own", path);
-    goto fail;
+  /* Two rounds, each ended by an exchange of every rank's outcome, so that a
+   * failure anywhere fails the open everywhere, with its reason: first what
+   * changes nothing (a store in use by another job is left exactly as it was),
+   * then this rank's store made ready. */
+  rc = agree(gw, check_store(gw));
+  if (rc == 0) {
+    int lrc = prepare_rank_store(gw);
+    if (lrc == 0) {
+      gw->deltas = count_deltas(gw);
+      learn_share(gw);
+    }
+    rc = agree(gw, lrc);
   }
-  if (mkdir_p(gw->rankdir) < 0) {
-    rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
-                     strerror(errno));
-    goto fail;
-  }
-  /* a store without GLOBAL that holds committed steps is refused (every rank sees
-   * the same), never taken for empty: remove_leftovers would remove them */
-  rc = amber__global_state(path, &gw->err, &gw->latest);
-  if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
-  if (rc < 0) goto fail;
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  rc = amber_store_open(&gw->st, gw->rankdir, &so);
-  if (rc < 0) {
-    rc = amber__fail(&gw->err, rc, "rank %d: %s", comm->rank, amber_last_error(NULL));
-    goto fail;
-  }
-  rc = remove_leftovers(gw);
-  if (rc < 0) goto fail;
-  gw->deltas = count_deltas(gw);
-  learn_share(gw);
-  rc = comm->barrier(comm->ctx);
   if (rc < 0) goto fail;
   *out = gw;
   return 0;

@@ -6,8 +6,10 @@
  * every rank; a manifest whose shards overlap, moved between ranks, or whose dtype
  * or shape disagrees with the rank files is refused (reads, verify); a damaged or
  * missing manifest is listed as damaged and the older steps stay readable; a
- * manifest removed while a listing runs is left out of it. Also the
- * golden store whose rank files hold box tables (FORMAT.md, "Box table").
+ * manifest removed while a listing runs is left out of it; a rank store without
+ * LATEST still reads and a writer repairs it; a job that opens a store in use by
+ * another is refused on every rank and creates nothing there. Also the golden
+ * store whose rank files hold box tables (FORMAT.md, "Box table").
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -204,6 +206,9 @@ static void test_first_commit_crash_without_global_is_an_empty_store(void) {
   CHECK_RC(amber_global_reader_open(&g, p, AMBER_LATEST), AMBER_ENOENT);
   run(p, 2, 1, 2, 0, NULL);
   CHECK(read_w(p, AMBER_LATEST, 2) == 0);
+  char m5[4200];
+  path_of(m5, sizeof m5, p, "step-%020llu.manifest", 5);
+  CHECK(access(m5, F_OK) != 0); /* the uncommitted manifest is gone */
   CHECK(count_files(p, 0) == 2 && count_files(p, 1) == 2);
 }
 
@@ -376,6 +381,47 @@ static void test_manifest_removed_while_listing_is_left_out(void) {
   CHECK(fails == 0 && flagged == 0);
 }
 
+/* ---- a rank store without LATEST ---- */
+
+static void test_rank_latest_missing_or_damaged_reads_and_writer_repairs(void) {
+  for (int k = 0; k < 2; k++) {
+    const char *p = tu_tmpdir();
+    run(p, 2, 1, 3, 0, NULL); /* a full step, then deltas */
+    char latest[4200];
+    snprintf(latest, sizeof latest, "%s/rank-00001/LATEST", p);
+    if (k == 0) CHECK(unlink(latest) == 0);
+    else CHECK(tu_write_file(latest, "garbage\n", 8) == 0);
+    CHECK(read_w(p, AMBER_LATEST, 3) == 0);
+    CHECK(read_w(p, 1, 1) == 0);
+    CHECK(cli_says(p, "verify", 1, NULL));
+    run(p, 2, 4, 4, 0, NULL); /* LATEST back from the manifests, then a step */
+    CHECK(count_files(p, 1) == 4);
+    CHECK(read_w(p, 3, 3) == 0 && read_w(p, 4, 4) == 0);
+    size_t len = 0;
+    char *txt = (char *)tu_read_file(latest, &len);
+    CHECK(txt && len > 2 && !strncmp(txt, "4 ", 2));
+    free(txt);
+  }
+}
+
+/* One step, one file per rank: without LATEST a rank store looks like a first
+ * commit's leftover, which a writable open removes. The manifest says otherwise:
+ * neither the next writer nor maintenance removes it. */
+static void test_lone_committed_rank_file_without_latest_is_kept(void) {
+  const char *p = tu_tmpdir();
+  run(p, 2, 1, 1, 0, NULL);
+  char latest[4200];
+  snprintf(latest, sizeof latest, "%s/rank-00001/LATEST", p);
+  CHECK(unlink(latest) == 0);
+  size_t removed = 9;
+  CHECK_OK(amber_global_prune(p, 5, &removed));
+  CHECK(count_files(p, 1) == 1);
+  CHECK(read_w(p, 1, 1) == 0);
+  run(p, 2, 2, 2, 0, NULL);
+  CHECK(count_files(p, 1) == 2);
+  CHECK(read_w(p, 1, 1) == 0 && read_w(p, 2, 2) == 0);
+}
+
 /* ---- the box table, golden ---- */
 
 /* The bytes of the box table of `path`'s rank `r` file of `step`, parsed here by
@@ -443,6 +489,51 @@ static void test_golden_store_with_box_tables_loads_and_holds_them(void) {
   CHECK(read_w(copy, 2, 2) == 0);
 }
 
+/* ---- a store in use ---- */
+
+static atomic_int holder_state; /* 1: the 2-rank job holds its writers; 2: release them */
+
+static void holder_main(const amber_comm *c, void *arg) {
+  amber_global_writer *gw = NULL;
+  RCHECK(amber_global_writer_open(&gw, arg, c, NULL) == 0);
+  float w[ROWS * COLS] = {0};
+  int64_t g[2] = {ROWS, COLS}, off[2], sh[2];
+  rows(c->rank, c->size, off, sh);
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, g, off, sh, w, 0) == 0);
+  RCHECK(amber_global_writer_save(gw, 1, 0) == 0);
+  c->barrier(c->ctx);
+  if (c->rank == 0) atomic_store(&holder_state, 1);
+  while (atomic_load(&holder_state) != 2) usleep(1000);
+  amber_global_writer_close(gw);
+}
+
+static void *holder_job(void *arg) {
+  tc_run(2, holder_main, arg);
+  return NULL;
+}
+
+static void test_store_in_use_is_refused_on_every_rank_and_left_untouched(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  atomic_store(&holder_state, 0);
+  pthread_t th;
+  pthread_create(&th, NULL, holder_job, (void *)p);
+  while (atomic_load(&holder_state) != 1) usleep(1000);
+  job jb = {p, 1, 1, 0, AMBER_ELOCKED, "in use", 0};
+  tc_run(3, rank_main, &jb);
+  char r2[4200];
+  snprintf(r2, sizeof r2, "%s/rank-00002", p);
+  CHECK(access(r2, F_OK) != 0); /* nothing created */
+  atomic_store(&holder_state, 2);
+  pthread_join(th, NULL);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  CHECK_OK(amber_global_list(p, &gs, &n));
+  CHECK(n == 1 && gs[0].world_size == 2);
+  amber_free(gs);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_store_without_global_is_refused_everywhere_and_keeps_its_files);
@@ -451,6 +542,9 @@ int main(void) {
   TEST_RUN(test_manifest_with_overlapping_moved_or_mismatched_shards_is_refused);
   TEST_RUN(test_damaged_or_missing_manifest_is_listed_and_older_steps_read);
   TEST_RUN(test_manifest_removed_while_listing_is_left_out);
+  TEST_RUN(test_rank_latest_missing_or_damaged_reads_and_writer_repairs);
+  TEST_RUN(test_lone_committed_rank_file_without_latest_is_kept);
+  TEST_RUN(test_store_in_use_is_refused_on_every_rank_and_left_untouched);
   TEST_RUN(test_golden_store_with_box_tables_loads_and_holds_them);
   return tu_finish();
 }
