@@ -3,8 +3,10 @@
  * input is decoded as it is, and once more with its length field and checksum
  * recomputed, so that mutations reach the table parsers behind the checksum. A
  * decoded manifest is encoded again and must give the same bytes; a failure must
- * come with a message. Built as a libFuzzer target (AMBER_FUZZ) and, with
- * fuzz/replay.c, as a plain test over tests/corpus/manifest/.
+ * come with a message. The input is also decoded as a rank file's box table
+ * (the other table src/manifest.c parses), which must encode again to as many
+ * bytes. Built as a libFuzzer target (AMBER_FUZZ) and, with fuzz/replay.c, as a
+ * plain test over tests/corpus/manifest/.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -39,8 +41,33 @@ static void one(const uint8_t *in, size_t len) {
   amber__manifest_free(&m);
 }
 
+static void boxes(const uint8_t *in, size_t len) {
+  amber__box *b = NULL;
+  size_t n = 0;
+  amber__err e;
+  e.msg[0] = 0;
+  if (amber__boxes_decode(&e, "fuzz", in, len, &b, &n) < 0) {
+    if (!e.msg[0]) {
+      fprintf(stderr, "fuzz_manifest: box table failure without a message\n");
+      abort();
+    }
+    return;
+  }
+  uint8_t *out;
+  size_t olen;
+  if (amber__boxes_encode(b, n, &e, &out, &olen) == 0) {
+    if (olen != len) {
+      fprintf(stderr, "fuzz_manifest: a box table encodes to another size\n");
+      abort();
+    }
+    free(out);
+  }
+  free(b);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   one(data, size);
+  boxes(data, size);
   if (size >= AMBER__MF_HEADER + 8 && size < (1u << 24)) {
     uint8_t *c = malloc(size);
     if (!c) return 0;

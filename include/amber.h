@@ -756,8 +756,16 @@ typedef struct amber_global_writer amber_global_writer;
  * the share makes the whole step full), its keep_last to the global steps
  * (amber_global_writer_prune_status). What a rank that died in an earlier save left (files of steps
  * after the last global commit) is removed here. `comm` is copied; it must stay
- * usable until amber_global_writer_close. A directory that holds a single-rank store
- * (LATEST) is refused with AMBER_EINVAL, on every rank. */
+ * usable until amber_global_writer_close. Every rank returns the same result: a
+ * failure on one rank (the code of the lowest failing rank, its message "rank R:
+ * REASON") fails the open on all. Refused, with nothing created or changed: a
+ * directory that holds a single-rank store (LATEST; AMBER_EINVAL); a store whose
+ * GLOBAL is damaged, or missing while it holds committed steps (AMBER_ECORRUPT, as
+ * amber_global_list); a store in use, whose rank store another process holds
+ * (AMBER_ELOCKED: a global writer of another job, or maintenance). A rank store
+ * whose LATEST is missing or damaged gets it back from the newest manifest that
+ * names its file (the file must carry the manifest's state id, else
+ * AMBER_ECORRUPT). */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);
@@ -930,13 +938,23 @@ typedef struct amber_global_step_info {
   uint32_t world_size;
   uint64_t parent;      /* previous global step, AMBER_NO_STEP for the first/full */
   uint64_t bytes;       /* the step's files of every rank, and its manifest */
-  uint64_t reserved[4];
+  uint32_t flags;       /* AMBER_CKPT_DAMAGED: its manifest cannot be read or fails its
+                           checks, or is missing though GLOBAL names the step; kind,
+                           world_size and bytes are then 0, parent AMBER_NO_STEP */
+  uint32_t reserved0;
+  uint64_t reserved[3];
 } amber_global_step_info;
 
 /* 1 when `path` is a multi-rank store (it holds a global LATEST or manifest), else 0. */
 AMBER_API int amber_global_is_store(const char *path);
 /* Lists the committed global steps of store `path`, oldest first, up to and
- * including the latest. *out (release with amber_free) gets *count entries. */
+ * including the latest (GLOBAL's). *out (release with amber_free) gets *count
+ * entries. A step whose manifest is damaged is listed, flagged AMBER_CKPT_DAMAGED,
+ * and the listing goes on; a manifest removed while the listing runs (a prune)
+ * is left out. 0 entries for a store without a committed step; AMBER_ECORRUPT for
+ * a store whose GLOBAL is damaged, or missing while it holds committed steps (more
+ * than the one manifest and rank file each that a crash in its first commit
+ * leaves): it is refused until GLOBAL is restored. */
 AMBER_API int amber_global_list(const char *path, amber_global_step_info **out,
                                 size_t *count);
 
@@ -971,7 +989,14 @@ typedef struct amber_global_tensor {
 
 /* Opens global step `step` (AMBER_LATEST: the latest) of store `path` for reading,
  * at any world size: not collective, any process may call it. Reads and checks
- * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged). */
+ * the manifest (AMBER_ECORRUPT/EFORMAT with the file named when it is damaged, or
+ * when its shards overlap or leave part of a tensor uncovered; AMBER_ECORRUPT also
+ * when GLOBAL is missing or damaged as amber_global_list says, or names a step
+ * whose manifest is missing; AMBER_ENOENT for a step after GLOBAL's or without a
+ * manifest). Each rank's part is opened, on first use, as the manifest names it
+ * (its step and state id: the rank store's LATEST is not needed), and checked
+ * against the manifest: its tensors' dtype and shape, and the box each holds of
+ * its global tensor, which the global writer records in the rank's file. */
 AMBER_API int amber_global_reader_open(amber_global_reader **out, const char *path,
                                        uint64_t step);
 /* Closes the reader and the rank stores it opened. Accepts NULL. Thread safety: a
@@ -1013,7 +1038,8 @@ AMBER_API int amber_global_reader_read_many(amber_global_reader *g, size_t count
  * none. AMBER_ERANGE when the step's world size has no such rank. */
 AMBER_API int amber_global_reader_meta(amber_global_reader *g, uint32_t rank,
                                        const char **json, size_t *len);
-/* Checks the manifest and every rank's files that the step needs. */
+/* Checks the manifest and every rank's files that the step needs: each rank's
+ * part against the manifest (as a read does) and every chunk of its chain. */
 AMBER_API int amber_global_reader_verify(amber_global_reader *g);
 
 #ifdef __cplusplus

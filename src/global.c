@@ -10,6 +10,7 @@
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -49,6 +50,8 @@ struct amber_global_writer {
   size_t nt;
   char **pol;
   size_t npol;
+  uint8_t *boxes; /* the box table of this rank's files (its last tensor), or NULL */
+  size_t boxes_len;
   char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
   size_t meta_len;
   int has_meta;
@@ -155,10 +158,10 @@ static uint32_t count_deltas(amber_global_writer *gw) {
   uint64_t s = gw->latest;
   while (s != AMBER_NO_STEP && n < UINT32_MAX) {
     amber__manifest m;
-    /* A parent whose manifest retention removed: the chain's length is unknown, so
-     * the next step is full (a chain stays bounded across resumes). */
-    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0)
-      return s == gw->latest ? n : UINT32_MAX;
+    /* A manifest that cannot be read (a parent's that retention removed, or a
+     * damaged one): the chain's length is unknown, so the next step is full (a
+     * chain stays bounded across resumes, and starts afresh after damage). */
+    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) return UINT32_MAX;
     uint32_t kind = m.kind;
     if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
       amber__manifest_free(&m);
@@ -193,6 +196,157 @@ static void learn_share(amber_global_writer *gw) {
   amber__cadence_learn(&gw->share, full_bytes, deltas, delta_bytes);
 }
 
+/* One round of open: every rank's outcome `rc` (its message in gw->err when it
+ * failed) goes to every rank, and each returns the lowest failing rank's code,
+ * with the message "rank R: REASON", the same on every rank. Collective. */
+static int agree(amber_global_writer *gw, int rc) {
+  char msg[sizeof gw->err.msg];
+  if (rc < 0) {
+    snprintf(msg, sizeof msg, "%s", gw->err.msg);
+    amber__fail(&gw->err, rc, "rank %d: %s", gw->comm.rank, msg);
+  }
+  size_t ml = rc < 0 ? strlen(gw->err.msg) : 0;
+  uint8_t *mine = malloc(4 + ml), *all = NULL;
+  uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
+  int crc = mine && lens ? 0 : AMBER_ENOMEM;
+  if (crc == 0) {
+    amber__put32(mine, (uint32_t)rc);
+    memcpy(mine + 4, gw->err.msg, ml);
+    crc = amber__comm_allgatherv(&gw->comm, &gw->err, mine, 4 + ml, &all, lens,
+                                 lens + gw->comm.size);
+  }
+  free(mine);
+  if (crc < 0) {
+    free(lens);
+    return amber__fail(&gw->err, crc, "%s: opening the global writer: a collective failed (%s)",
+                       gw->path, amber_strerror(crc));
+  }
+  const uint64_t *offs = lens + gw->comm.size;
+  int brc = 0;
+  for (int r = 0; r < gw->comm.size && brc == 0; r++) {
+    if (lens[r] < 4) continue;
+    brc = (int)amber__get32(all + offs[r]);
+    if (brc < 0 && r != gw->comm.rank)
+      amber__fail(&gw->err, brc, "%.*s", (int)(lens[r] - 4), (const char *)all + offs[r] + 4);
+  }
+  free(all);
+  free(lens);
+  return brc < 0 ? brc : 0;
+}
+
+/* What open checks before it changes anything: the directory is not a single-rank
+ * store's, the store's global state is sound (a store without GLOBAL that holds
+ * committed steps is refused, never taken for empty), and this rank's store, when
+ * it exists, is held by no other writer (its lock is kept from here on). */
+static int check_store(amber_global_writer *gw) {
+  char single[4200];
+  struct stat sb;
+  snprintf(single, sizeof single, "%s/LATEST", gw->path);
+  if (stat(single, &sb) == 0)
+    return amber__fail(&gw->err, AMBER_EINVAL,
+                       "%s holds a store written by one process (LATEST): a multi-rank store "
+                       "needs a directory of its own", gw->path);
+  int rc = amber__global_state(gw->path, &gw->err, &gw->latest);
+  if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
+  if (rc < 0 || stat(gw->rankdir, &sb) < 0) return rc; /* made once every rank agrees */
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_NOCREATE;
+  rc = amber__store_open(&gw->st, gw->rankdir, &so, 0);
+  if (rc == AMBER_ELOCKED)
+    return amber__fail(&gw->err, rc, "the store %s is in use: %s/.lock is held by another "
+                       "process (a global writer of another job, or amber prune or compact)",
+                       gw->path, gw->rankdir);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(NULL)) : 0;
+}
+
+/* Rank 0, at open: removes the manifests of steps after the latest global commit,
+ * which a crash between a manifest and GLOBAL leaves (GLOBAL never named them),
+ * once GLOBAL's own manifest confirms it. Rank 0 holds rank-00000's lock, so no
+ * other global writer or maintenance runs. */
+static void remove_stale_manifests(amber_global_writer *gw) {
+  amber__manifest m;
+  if (gw->latest != AMBER_NO_STEP) {
+    if (amber__global_load_manifest(gw->path, gw->latest, NULL, &m) < 0) return;
+    amber__manifest_free(&m);
+  }
+  DIR *d = opendir(gw->path);
+  if (!d) return;
+  struct dirent *de;
+  int removed = 0;
+  uint64_t s;
+  while ((de = readdir(d)))
+    if (amber__parse_manifest_name(de->d_name, &s) &&
+        (gw->latest == AMBER_NO_STEP || s > gw->latest))
+      removed += unlinkat(dirfd(d), de->d_name, 0) == 0;
+  closedir(d);
+  if (removed) amber__fsync_dir(gw->path);
+}
+
+/* A rank store whose LATEST is missing or unreadable while its files are there
+ * (damage, or a hand that removed it) gets LATEST back from the manifests: the
+ * newest committed global step whose manifest names this rank's file gives its
+ * step and state id, once that file is there with that state id. Without this a
+ * writable open would take a lone committed file for a first commit's leftover
+ * and remove it. When no manifest names this rank's files, they belong to no
+ * committed step and the store is left to the usual rules (amber__store_state).
+ * Called with the rank store's lock held, before its stale files are cleaned. */
+static int repair_rank_latest(amber_global_writer *gw) {
+  uint64_t s, id;
+  int rc = amber__read_latest(gw->st, NULL, &s, &id);
+  if ((rc != AMBER_ENOENT && rc != AMBER_ECORRUPT) || gw->latest == AMBER_NO_STEP ||
+      (rc == AMBER_ENOENT && amber__count_ckpt_files(gw->rankdir, NULL) == 0))
+    return 0; /* sound, empty, or unreadable: remove_leftovers says so */
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  if (amber_global_list(gw->path, &gs, &n) < 0) n = 0;
+  uint32_t me = (uint32_t)gw->comm.rank;
+  int found = 0;
+  uint64_t g = 0;
+  for (size_t i = n; i-- > 0 && !found;) {
+    amber__manifest m;
+    if ((gs[i].flags & AMBER_CKPT_DAMAGED) ||
+        amber__global_load_manifest(gw->path, gs[i].step, NULL, &m) < 0)
+      continue;
+    if (me < m.world && (m.ranks[me].flags & AMBER__RANK_PRESENT))
+      found = 1, g = m.step, s = m.ranks[me].step, id = m.ranks[me].hash;
+    amber__manifest_free(&m);
+  }
+  amber_free(gs);
+  if (!found) return 0;
+  if (!amber__ckpt_has_state(gw->st, s, id))
+    return amber__fail(&gw->err, AMBER_ECORRUPT,
+                       "%s: LATEST is %s, and checkpoint %llu (state id %016llx), which the "
+                       "manifest of global step %llu names, is missing or another file: the "
+                       "rank's store is damaged", gw->rankdir,
+                       rc == AMBER_ENOENT ? "missing" : "damaged", (unsigned long long)s,
+                       (unsigned long long)id, (unsigned long long)g);
+  return amber__write_latest(gw->st, &gw->err, s, id);
+}
+
+/* The second round of open, once every rank found the store sound and free: this
+ * rank's store made (when new) and locked, its LATEST repaired from the manifests
+ * when damaged, what crashed writers left removed (files after the last global
+ * commit too), and on rank 0 the manifests of steps GLOBAL never named. */
+static int prepare_rank_store(amber_global_writer *gw) {
+  int rc;
+  if (!gw->st) {
+    if (mkdir_p(gw->rankdir) < 0)
+      return amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s",
+                         gw->rankdir, strerror(errno));
+    amber_store_opts so;
+    amber_store_opts_init(&so);
+    if ((rc = amber__store_open(&gw->st, gw->rankdir, &so, 0)) < 0)
+      return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
+  }
+  if ((rc = repair_rank_latest(gw)) < 0) return rc;
+  if ((rc = amber__store_clean(gw->st)) < 0)
+    return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
+  if ((rc = remove_leftovers(gw)) < 0) return rc;
+  if (gw->comm.rank == 0) remove_stale_manifests(gw);
+  return 0;
+}
+
 int amber_global_writer_open(amber_global_writer **out, const char *path,
                              const amber_comm *comm, const amber_writer_opts *opts) {
   *out = NULL;
@@ -216,35 +370,19 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   gw->keep_last = gw->opts.keep_last;
   gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
   amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
-  char single[4200];
-  struct stat sb;
-  snprintf(single, sizeof single, "%s/LATEST", path);
-  if (stat(single, &sb) == 0) { /* every rank sees it: every rank fails here */
-    rc = amber__fail(&gw->err, AMBER_EINVAL,
-                     "%s holds a store written by one process (LATEST): a multi-rank store "
-                     "needs a directory of its own", path);
-    goto fail;
+  /* Two rounds, each ended by an exchange of every rank's outcome, so that a
+   * failure anywhere fails the open everywhere, with its reason: first what
+   * changes nothing (a store in use by another job is left exactly as it was),
+   * then this rank's store made ready. */
+  rc = agree(gw, check_store(gw));
+  if (rc == 0) {
+    int lrc = prepare_rank_store(gw);
+    if (lrc == 0) {
+      gw->deltas = count_deltas(gw);
+      learn_share(gw);
+    }
+    rc = agree(gw, lrc);
   }
-  if (mkdir_p(gw->rankdir) < 0) {
-    rc = amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s", gw->rankdir,
-                     strerror(errno));
-    goto fail;
-  }
-  rc = amber__global_read_latest(path, &gw->err, &gw->latest);
-  if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
-  if (rc < 0) goto fail;
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  rc = amber_store_open(&gw->st, gw->rankdir, &so);
-  if (rc < 0) {
-    rc = amber__fail(&gw->err, rc, "rank %d: %s", comm->rank, amber_last_error(NULL));
-    goto fail;
-  }
-  rc = remove_leftovers(gw);
-  if (rc < 0) goto fail;
-  gw->deltas = count_deltas(gw);
-  learn_share(gw);
-  rc = comm->barrier(comm->ctx);
   if (rc < 0) goto fail;
   *out = gw;
   return 0;
@@ -264,6 +402,7 @@ void amber_global_writer_close(amber_global_writer *gw) {
   free(gw->t);
   free(gw->pol);
   free(gw->meta);
+  free(gw->boxes);
   free(gw->path);
   free(gw);
 }
@@ -324,6 +463,9 @@ static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': invalid declaration",
                        name ? name : "(null)");
   int repl = (flags & AMBER_SHARD_REPLICATED) != 0;
+  if (!strcmp(name, AMBER__BOXES_NAME))
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': the name is amber's own (each "
+                       "rank's file records its boxes under it)", name);
   if (!repl && ndim && (!offsets || !local_shape))
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': offsets and local shape needed",
                        name);
@@ -427,10 +569,37 @@ int amber_global_writer_set_units(amber_global_writer *gw, const double *units, 
   return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
-/* (Re)creates the rank's writer from the declarations. */
+/* The box table of this rank's files: every tensor it writes, with where it lies
+ * in its global tensor (declarations are fixed by then, so it is made once). */
+static int make_boxes(amber_global_writer *gw) {
+  if (gw->boxes) return 0;
+  size_t n = 0;
+  amber__box *b = calloc(gw->nt ? gw->nt : 1, sizeof *b);
+  if (!b) return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  for (size_t i = 0; i < gw->nt; i++) {
+    const gtensor *t = &gw->t[i];
+    if (!t->local) continue;
+    b[n].name = t->name, b[n].name_len = strlen(t->name), b[n].ndim = t->ndim;
+    memcpy(b[n].shape, t->gshape, sizeof b[n].shape);
+    memcpy(b[n].off, t->off, sizeof b[n].off);
+    n++;
+  }
+  int rc = amber__boxes_encode(b, n, &gw->err, &gw->boxes, &gw->boxes_len);
+  free(b);
+  return rc;
+}
+
+/* (Re)creates the rank's writer from the declarations. Its tensors are the local
+ * ones in declaration order (local_index), then the box table, when it holds any:
+ * a u8 tensor, always exact, unchanged from step to step (an UNCHANGED chunk in
+ * a delta). */
 static int ensure_writer(amber_global_writer *gw) {
   if (gw->w) return 0;
-  int rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
+  int nlocal = 0;
+  for (size_t i = 0; i < gw->nt; i++) nlocal |= gw->t[i].local;
+  int rc = nlocal ? make_boxes(gw) : 0;
+  if (rc < 0) return rc;
+  rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
   if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
   for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
   for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++)
@@ -441,6 +610,10 @@ static int ensure_writer(amber_global_writer *gw) {
     } else if (gw->t[i].local)
       rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
                             gw->t[i].lshape, gw->t[i].data, NULL);
+  if (rc == 0 && nlocal) {
+    int64_t len = (int64_t)gw->boxes_len;
+    rc = amber_writer_add(gw->w, AMBER__BOXES_NAME, AMBER_U8, 1, &len, gw->boxes, NULL);
+  }
   if (rc == 0) rc = push_units(gw);
   if (rc < 0) {
     rc = amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w));
@@ -781,23 +954,11 @@ static int build_manifest(amber_global_writer *gw, const uint8_t *all, const uin
   }
   m->kind = allfull ? AMBER_KIND_FULL : AMBER_KIND_DELTA;
   if (allfull) m->parent = AMBER_NO_STEP;
-  /* The shards must tile: their volumes add up to the tensor's (overlaps and gaps
-   * are told apart by the reader, which counts the elements it covers). */
+  /* The shards must tile each tensor (no overlap, no gap), as every reader of the
+   * manifest checks again. */
   for (uint32_t i = 0; i < m->ntensors; i++) {
-    const amber__mtensor *t = &m->tensors[i];
-    uint64_t want = 1, have = 0;
-    for (uint32_t d = 0; d < t->ndim; d++) want *= (uint64_t)t->shape[d];
-    for (uint32_t s = 0; s < t->nshards; s++) {
-      uint64_t v = 1;
-      for (uint32_t d = 0; d < t->ndim; d++) v *= (uint64_t)t->shards[s].shape[d];
-      have += v;
-    }
-    if (have != want) {
-      snprintf(why, wl, "tensor '%s': the ranks' shards hold %llu of its %llu elements "
-               "(gaps or overlaps)", t->name, (unsigned long long)have,
-               (unsigned long long)want);
-      return AMBER_EMISMATCH;
-    }
+    int rc = amber__mtensor_check_tiling(&m->tensors[i], why, wl);
+    if (rc < 0) return rc;
   }
   return 0;
 }

@@ -63,6 +63,10 @@ typedef struct amber__manifest {
   amber__mtensor *tensors;
 } amber__manifest;
 
+/* The shards of `t` tile it: no two share an element, and their volumes add up to
+ * the tensor's (each lies inside it). 0, or AMBER_EMISMATCH with `why` naming the
+ * tensor and, for an overlap, both shards (AMBER_ENOMEM). */
+int amber__mtensor_check_tiling(const amber__mtensor *t, char *why, size_t wl);
 /* Encodes `m`: *out (malloc'd) of *len bytes. */
 int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **out,
                            size_t *len);
@@ -72,7 +76,49 @@ int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, s
                            amber__manifest *m);
 void amber__manifest_free(amber__manifest *m);
 
+/* ---- the box table of a rank's file (src/manifest.c) ----
+ *
+ * The global writer adds to each rank's file a u8 tensor AMBER__BOXES_NAME that
+ * records, for every tensor of the file, the box it holds of its global tensor;
+ * the global reader checks each manifest shard against it, so that a manifest
+ * whose shards were moved or swapped between ranks is refused (FORMAT.md, "Many
+ * ranks"). */
+
+#define AMBER__BOXES_NAME "amber.boxes"
+#define AMBER__BOXES_MAGIC "AMBERBX1"
+#define AMBER__BOXES_HEADER 16
+/* A box table holds at most this many bytes (a reader refuses a larger one). */
+#define AMBER__BOXES_MAX (UINT64_C(1) << 30)
+
+typedef struct amber__box {
+  const char *name; /* name_len bytes, not NUL-terminated */
+  size_t name_len;
+  uint32_t ndim;
+  int64_t shape[AMBER_MAX_DIMS]; /* the global tensor's */
+  int64_t off[AMBER_MAX_DIMS];   /* where the file's tensor lies in it */
+} amber__box;
+
+/* Encodes `n` boxes: *out (malloc'd) of *len bytes. */
+int amber__boxes_encode(const amber__box *b, size_t n, amber__err *e, uint8_t **out,
+                        size_t *len);
+/* Decodes and checks a table of `len` bytes (`what` names it in messages): *out
+ * (malloc'd; names point into `in`, which must outlive it) gets *count boxes,
+ * sorted by name, for amber__boxes_find. */
+int amber__boxes_decode(amber__err *e, const char *what, const uint8_t *in, size_t len,
+                        amber__box **out, size_t *count);
+const amber__box *amber__boxes_find(const amber__box *b, size_t n, const char *name);
+
 /* ---- store paths and the global LATEST (src/manifest.c) ---- */
+
+/* 1 when `name` is a manifest's file name ("step-<20 digits>.manifest"), its step
+ * in *step. */
+int amber__parse_manifest_name(const char *name, uint64_t *step);
+/* The latest committed global step of `store`, as amber__store_state is for one
+ * store: 0 and *step; AMBER_ENOENT when it has none (no GLOBAL, and at most what a
+ * crash in the first global commit leaves: one manifest, one file per rank
+ * store); AMBER_ECORRUPT when GLOBAL is damaged, or missing while the store holds
+ * more (the message says what). */
+int amber__global_state(const char *store, amber__err *e, uint64_t *step);
 
 void amber__global_manifest_path(const char *store, uint64_t step, char *buf, size_t len);
 void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len);

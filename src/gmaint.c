@@ -28,7 +28,10 @@ static void ranks_close(ranks *rs) {
 
 /* Opens STORE/rank-00000, rank-00001, ... up to the first that does not exist
  * (ranks are numbered without gaps): AMBER_ELOCKED, naming the rank, while a
- * global writer holds one of them. */
+ * global writer holds one of them. Only the locks: what crashed writers left is
+ * the global writer's to remove, which first repairs a rank's LATEST from the
+ * manifests (a plain writable open would take a lone committed file under a
+ * missing LATEST for a first commit's leftover). */
 static int ranks_open(const char *path, ranks *rs) {
   memset(rs, 0, sizeof *rs);
   amber_store_opts so;
@@ -45,7 +48,7 @@ static int ranks_open(const char *path, ranks *rs) {
       return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
     }
     rs->st = ns;
-    int rc = amber_store_open(&rs->st[rs->n], p, &so);
+    int rc = amber__store_open(&rs->st[rs->n], p, &so, 0);
     if (rc < 0) {
       rc = amber__fail(NULL, rc, "rank %u: %s", r, amber_last_error(NULL));
       ranks_close(rs);
@@ -110,7 +113,7 @@ int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
 int amber_global_compact(const char *path, uint64_t step, size_t *compacted) {
   if (compacted) *compacted = 0;
   uint64_t latest;
-  int rc = amber__global_read_latest(path, NULL, &latest);
+  int rc = amber__global_state(path, NULL, &latest);
   if (rc == AMBER_ENOENT)
     return amber__fail(NULL, rc, "%s: no global step committed (no GLOBAL)", path);
   if (rc < 0) return rc;

@@ -2,7 +2,8 @@
  * greader.c - reading a global step of a multi-rank store at any world size: the
  * manifest's tensor table, and any region of a global tensor assembled from the
  * shards that overlap it, each read through its rank's own store (its chain, its
- * checksums). Also the listing of global steps. Nothing here is collective.
+ * checksums), from the file the manifest names, checked to hold what the manifest
+ * says it holds. Also the listing of global steps. Nothing here is collective.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -22,6 +23,12 @@ struct amber_global_reader {
   amber__rpool *rp;   /* the workers of every read, made by the first */
   amber__part *parts; /* a read's (box, shard) pairs, kept between reads */
   size_t parts_cap;
+  /* The manifest's shards by rank, made by the first rank part opened: rank r's
+   * (tensor, shard) pairs are owned[first[r] .. first[r + 1]). */
+  uint64_t *first;
+  struct owned {
+    uint32_t t, s;
+  } *owned;
 };
 
 int amber_global_is_store(const char *path) {
@@ -40,13 +47,19 @@ int amber_global_reader_open(amber_global_reader **out, const char *path, uint64
     free(g);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   }
-  int rc = 0;
-  if (step == AMBER_LATEST) {
-    rc = amber__global_read_latest(path, &g->err, &step);
-    if (rc == AMBER_ENOENT)
-      rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no committed global step", path);
-  }
+  uint64_t latest;
+  int rc = amber__global_state(path, &g->err, &latest);
+  if (rc == 0 && step == AMBER_LATEST) step = latest;
+  if (rc == 0 && step > latest)
+    rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no global step %llu (the latest is %llu)",
+                     path, (unsigned long long)step, (unsigned long long)latest);
   if (rc == 0) rc = amber__global_load_manifest(path, step, &g->err, &g->m);
+  if (rc == AMBER_ENOENT && step == latest)
+    rc = amber__fail(&g->err, AMBER_ECORRUPT, "%s: GLOBAL names step %llu, but its manifest "
+                     "is missing", path, (unsigned long long)step);
+  else if (rc == AMBER_ENOENT && step < latest)
+    rc = amber__fail(&g->err, AMBER_ENOENT, "%s: no global step %llu (no manifest: pruned, "
+                     "or never committed)", path, (unsigned long long)step);
   if (rc == 0 && g->m.step != step)
     rc = amber__fail(&g->err, AMBER_ECORRUPT, "%s: manifest of step %llu says step %llu", path,
                      (unsigned long long)step, (unsigned long long)g->m.step);
@@ -74,6 +87,8 @@ void amber_global_reader_close(amber_global_reader *g) {
   free(g->st);
   amber__rpool_destroy(g->rp);
   free(g->parts);
+  free(g->first);
+  free(g->owned);
   amber__manifest_free(&g->m);
   free(g->path);
   free(g);
@@ -108,36 +123,139 @@ int amber_global_reader_find(const amber_global_reader *g, const char *name, siz
                      (unsigned long long)g->m.step);
 }
 
-/* Opens rank r's part of the step and checks it is the one the manifest names. */
+/* The manifest's shards grouped by rank (a counting sort, once per reader). */
+static int index_owners(amber_global_reader *g) {
+  if (g->first) return 0;
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < g->m.ntensors; i++) total += g->m.tensors[i].nshards;
+  uint64_t *first = calloc((size_t)g->m.world + 1, sizeof *first);
+  struct owned *o = malloc((size_t)(total ? total : 1) * sizeof *o);
+  if (!first || !o) {
+    free(first), free(o);
+    return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+  }
+  for (uint32_t i = 0; i < g->m.ntensors; i++)
+    for (uint32_t s = 0; s < g->m.tensors[i].nshards; s++) first[g->m.tensors[i].shards[s].rank + 1]++;
+  for (uint32_t r = 0; r < g->m.world; r++) first[r + 1] += first[r];
+  uint64_t *fill = calloc((size_t)g->m.world + 1, sizeof *fill);
+  if (!fill) {
+    free(first), free(o);
+    return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+  }
+  for (uint32_t i = 0; i < g->m.ntensors; i++)
+    for (uint32_t s = 0; s < g->m.tensors[i].nshards; s++) {
+      uint32_t r = g->m.tensors[i].shards[s].rank;
+      o[first[r] + fill[r]++] = (struct owned){i, s};
+    }
+  free(fill);
+  g->first = first, g->owned = o;
+  return 0;
+}
+
+/* The box table of rank r's file (the tensor AMBER__BOXES_NAME): *boxes (malloc'd,
+ * names pointing into *buf) and *n; *boxes NULL for a file without one (written
+ * before the global writer recorded boxes). */
+static int read_boxes(amber_global_reader *g, uint32_t r, amber_reader *rd, uint8_t **buf,
+                      amber__box **boxes, size_t *n) {
+  *buf = NULL, *boxes = NULL, *n = 0;
+  size_t li;
+  amber_tensor_info ti;
+  if (amber_reader_find(rd, AMBER__BOXES_NAME, &li) < 0) return 0;
+  int rc = amber_reader_info(rd, li, &ti);
+  if (rc == 0 && (ti.dtype != AMBER_U8 || ti.ndim != 1 || ti.nbytes > AMBER__BOXES_MAX))
+    rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds a "
+                     "malformed %s tensor", r, (unsigned long long)g->m.ranks[r].step,
+                     AMBER__BOXES_NAME);
+  if (rc == 0 && !(*buf = malloc((size_t)ti.nbytes + 1)))
+    rc = amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+  if (rc == 0 && (rc = amber_reader_read(rd, li, *buf, ti.nbytes)) < 0)
+    rc = amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(rd));
+  if (rc == 0) {
+    char what[64];
+    snprintf(what, sizeof what, "rank %u: the %s of step %llu", r, AMBER__BOXES_NAME,
+             (unsigned long long)g->m.ranks[r].step);
+    rc = amber__boxes_decode(&g->err, what, *buf, (size_t)ti.nbytes, boxes, n);
+  }
+  if (rc < 0) free(*buf), *buf = NULL;
+  return rc;
+}
+
+/* Rank r's part holds what the manifest says: each of its shards as a tensor of
+ * the manifest's dtype and the shard's shape, and, where the file records its
+ * boxes, at the shard's offsets of a global tensor of the manifest's shape, with
+ * no box the manifest does not name (a manifest whose shards were moved or
+ * swapped between ranks is refused before any of them is read). */
+static int check_part(amber_global_reader *g, uint32_t r, amber_reader *rd) {
+  int rc = index_owners(g);
+  if (rc < 0) return rc;
+  uint8_t *buf;
+  amber__box *boxes;
+  size_t nb;
+  if ((rc = read_boxes(g, r, rd, &buf, &boxes, &nb)) < 0) return rc;
+  char path[4200];
+  amber__global_manifest_path(g->path, g->m.step, path, sizeof path);
+  uint64_t mine = g->first[r + 1] - g->first[r];
+  if (boxes && nb != mine)
+    rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds %zu "
+                     "shards, %s names %llu", r, (unsigned long long)g->m.ranks[r].step, nb,
+                     path, (unsigned long long)mine);
+  for (uint64_t k = g->first[r]; rc == 0 && k < g->first[r + 1]; k++) {
+    const amber__mtensor *t = &g->m.tensors[g->owned[k].t];
+    const amber__mshard *sh = &t->shards[g->owned[k].s];
+    size_t li;
+    amber_tensor_info ti;
+    rc = amber_reader_find(rd, t->name, &li);
+    if (rc == 0) rc = amber_reader_info(rd, li, &ti);
+    if (rc < 0) {
+      rc = amber__fail(&g->err, rc, "rank %u: its file lacks tensor '%s': %s", r, t->name,
+                       amber_last_error(rd));
+      break;
+    }
+    int same = ti.dtype == t->dtype && ti.ndim == t->ndim;
+    for (uint32_t d = 0; same && d < t->ndim; d++) same = ti.shape[d] == sh->shape[d];
+    if (!same) {
+      rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds tensor "
+                       "'%s' with another dtype or shape than %s says", r,
+                       (unsigned long long)g->m.ranks[r].step, t->name, path);
+      break;
+    }
+    if (!boxes) continue;
+    const amber__box *b = amber__boxes_find(boxes, nb, t->name);
+    same = b && b->ndim == t->ndim;
+    for (uint32_t d = 0; same && d < t->ndim; d++)
+      same = b->shape[d] == t->shape[d] && b->off[d] == sh->off[d];
+    if (!same)
+      rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds tensor "
+                       "'%s' at another box than %s says (its shards were moved or swapped)",
+                       r, (unsigned long long)g->m.ranks[r].step, t->name, path);
+  }
+  free(boxes);
+  free(buf);
+  return rc;
+}
+
+/* Opens rank r's part of the step: the file the manifest names (its step and state
+ * id; the rank store's LATEST is not read), its chain checked on the way, and its
+ * contents checked against the manifest. */
 static int rank_reader(amber_global_reader *g, uint32_t r, amber_reader **out) {
   if (g->rd[r]) return *out = g->rd[r], 0;
-  char dir[4200];
+  char dir[4200], mpath[4200];
   amber__global_rank_path(g->path, r, dir, sizeof dir);
+  amber__global_manifest_path(g->path, g->m.step, mpath, sizeof mpath);
   amber_store_opts so;
   amber_store_opts_init(&so);
   so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
   int rc = amber_store_open(&g->st[r], dir, &so);
   if (rc < 0)
     return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
-  rc = amber_reader_open(&g->rd[r], g->st[r], g->m.ranks[r].step, NULL);
-  if (rc < 0) {
-    rc = amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
-    amber_store_close(g->st[r]); /* a later read opens it again */
-    g->st[r] = NULL;
-    return rc;
-  }
-  amber_ckpt_info ci;
-  rc = amber_reader_ckpt_info(g->rd[r], &ci);
-  if (rc == 0 && ci.hash != g->m.ranks[r].hash)
-    rc = amber__fail(&g->err, AMBER_ECORRUPT,
-                     "rank %u: %s step %llu is not the file the manifest names (state id "
-                     "%016llx, manifest %016llx)", r, dir,
-                     (unsigned long long)g->m.ranks[r].step, (unsigned long long)ci.hash,
-                     (unsigned long long)g->m.ranks[r].hash);
+  rc = amber__reader_open_at(&g->rd[r], g->st[r], g->m.ranks[r].step, g->m.ranks[r].hash,
+                             mpath);
+  if (rc < 0) rc = amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(NULL));
+  if (rc == 0) rc = check_part(g, r, g->rd[r]);
   if (rc < 0) {
     amber_reader_close(g->rd[r]);
     g->rd[r] = NULL;
-    amber_store_close(g->st[r]);
+    amber_store_close(g->st[r]); /* a later read opens it again */
     g->st[r] = NULL;
     return rc;
   }
@@ -187,19 +305,9 @@ static int plan_box(amber_global_reader *g, size_t index, const int64_t *offsets
     amber_reader *r;
     int rc = rank_reader(g, sh->rank, &r);
     if (rc < 0) return amber__fail(&g->err, rc, "tensor '%s': %s", t->name, g->err.msg);
-    size_t li;
-    amber_tensor_info ti;
-    rc = amber_reader_find(r, t->name, &li);
-    if (rc == 0) rc = amber_reader_info(r, li, &ti);
-    if (rc < 0)
-      return amber__fail(&g->err, rc, "tensor '%s': rank %u's file lacks it: %s", t->name,
-                         sh->rank, amber_last_error(r));
-    int same = ti.dtype == t->dtype && ti.ndim == t->ndim;
-    for (uint32_t d = 0; same && d < t->ndim; d++) same = ti.shape[d] == sh->shape[d];
-    if (!same)
-      return amber__fail(&g->err, AMBER_ECORRUPT,
-                         "tensor '%s': rank %u's file holds another shape than its manifest",
-                         t->name, sh->rank);
+    size_t li; /* there, as its rank's part was checked when it was opened */
+    if ((rc = amber_reader_find(r, t->name, &li)) < 0)
+      return amber__fail(&g->err, rc, "%s", amber_last_error(r));
     pt.r = r;
     pt.tensor = li;
     pt.ndim = t->ndim;
@@ -286,53 +394,71 @@ static int cmp_u64(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
-  *out = NULL, *count = 0;
-  uint64_t latest;
-  int rc = amber__global_read_latest(path, NULL, &latest);
-  if (rc == AMBER_ENOENT) return 0;
-  if (rc < 0) return rc;
+/* The steps of the manifests in `path` up to `latest`, sorted: *steps (malloc'd). */
+static int manifest_steps(const char *path, uint64_t latest, uint64_t **steps, size_t *n) {
+  *steps = NULL, *n = 0;
   DIR *d = opendir(path);
   if (!d) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", path, strerror(errno));
-  uint64_t *steps = NULL;
-  size_t n = 0, cap = 0;
+  size_t cap = 0;
   struct dirent *de;
   while ((de = readdir(d))) {
-    unsigned long long s;
-    char tail[16];
-    if (strlen(de->d_name) != 34 || sscanf(de->d_name, "step-%20llu.%15s", &s, tail) != 2 ||
-        strcmp(tail, "manifest") || s > latest)
-      continue;
-    if (n == cap) {
-      uint64_t *ns = realloc(steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
+    uint64_t s;
+    if (!amber__parse_manifest_name(de->d_name, &s) || s > latest) continue;
+    if (*n == cap) {
+      uint64_t *ns = realloc(*steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
       if (!ns) {
-        closedir(d), free(steps);
+        closedir(d), free(*steps), *steps = NULL;
         return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
       }
-      steps = ns;
+      *steps = ns;
     }
-    steps[n++] = s;
+    (*steps)[(*n)++] = s;
   }
   closedir(d);
-  qsort(steps, n, sizeof *steps, cmp_u64);
-  amber_global_step_info *info = calloc(n ? n : 1, sizeof *info);
+  if (*n) qsort(*steps, *n, sizeof **steps, cmp_u64);
+  return 0;
+}
+
+int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
+  *out = NULL, *count = 0;
+  uint64_t latest, again, *steps = NULL;
+  size_t n = 0;
+  int rc;
+  /* GLOBAL's step without its manifest is damage, unless a writer moved GLOBAL on
+   * (and retention removed the manifest) while the listing ran: then list again. */
+  for (int tries = 0;; tries++) {
+    rc = amber__global_state(path, NULL, &latest);
+    if (rc == AMBER_ENOENT) return 0;
+    if (rc == 0) rc = manifest_steps(path, latest, &steps, &n);
+    if (rc < 0) return rc;
+    if ((n && steps[n - 1] == latest) || tries == 3 ||
+        amber__global_read_latest(path, NULL, &again) < 0 || again == latest)
+      break;
+    free(steps);
+  }
+  int missing = !n || steps[n - 1] != latest;
+  amber_global_step_info *info = calloc(n + 1, sizeof *info);
   if (!info) {
     free(steps);
     return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   }
-  for (size_t i = 0; i < n; i++) {
+  size_t k = 0;
+  for (size_t i = 0; i < n + (size_t)missing; i++) {
+    uint64_t s = i < n ? steps[i] : latest;
     amber__manifest m;
-    rc = amber__global_load_manifest(path, steps[i], NULL, &m);
-    if (rc < 0) {
-      free(steps), free(info);
-      return rc;
+    rc = i < n ? amber__global_load_manifest(path, s, NULL, &m) : AMBER_ENOENT;
+    if (rc == AMBER_ENOENT && s != latest) continue; /* removed since the directory was read */
+    amber_global_step_info *e = &info[k++];
+    e->step = s, e->parent = AMBER_NO_STEP;
+    if (rc == 0 && m.step == s) {
+      e->kind = m.kind, e->world_size = m.world, e->parent = m.parent;
+      for (uint32_t r = 0; r < m.world; r++) e->bytes += m.ranks[r].bytes;
+    } else {
+      e->flags = AMBER_CKPT_DAMAGED;
     }
-    info[i].step = m.step, info[i].kind = m.kind, info[i].world_size = m.world;
-    info[i].parent = m.parent;
-    for (uint32_t r = 0; r < m.world; r++) info[i].bytes += m.ranks[r].bytes;
-    amber__manifest_free(&m);
+    if (rc == 0) amber__manifest_free(&m);
   }
   free(steps);
-  *out = info, *count = n;
+  *out = info, *count = k;
   return 0;
 }

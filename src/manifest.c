@@ -1,10 +1,13 @@
 /*
- * manifest.c - the manifest of a global step and the global LATEST pointer of a
- * multi-rank store, both ways (docs/FORMAT.md, "Many ranks"): the one place that
- * encodes and decodes their bytes. A manifest is read from files that may be
- * damaged or hostile: every count is checked against the bytes left before
- * anything is allocated.
+ * manifest.c - the bytes of a multi-rank store, both ways (docs/FORMAT.md, "Many
+ * ranks"): the manifest of a global step, the global LATEST pointer (and what a
+ * store without it holds), and the box table that binds a rank's checkpoint file
+ * to the shards it holds. The one place that encodes and decodes them. They are
+ * read from files that may be damaged or hostile: every count is checked against
+ * the bytes left before anything is allocated, and a manifest's shards must tile
+ * each tensor before anything reads through them.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -25,6 +28,38 @@ void amber__global_manifest_path(const char *store, uint64_t step, char *buf, si
 
 void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len) {
   snprintf(buf, len, "%s/rank-%05u", store, rank);
+}
+
+int amber__parse_manifest_name(const char *name, uint64_t *step) {
+  if (strlen(name) != 34 || strncmp(name, "step-", 5) || strcmp(name + 25, ".manifest"))
+    return 0;
+  uint64_t v = 0;
+  for (int i = 5; i < 25; i++)
+    if (name[i] < '0' || name[i] > '9' || amber__mul_overflow(v, 10, &v) ||
+        amber__add_overflow(v, (uint64_t)(name[i] - '0'), &v))
+      return 0;
+  *step = v;
+  return 1;
+}
+
+/* "rank-" and at least five digits: a rank store's directory. */
+static int parse_rank_name(const char *name, uint32_t *rank) {
+  if (strncmp(name, "rank-", 5) || strlen(name) < 10 || strlen(name) > 12) return 0;
+  uint32_t v = 0;
+  for (const char *c = name + 5; *c; c++) {
+    if (*c < '0' || *c > '9') return 0;
+    v = v * 10 + (uint32_t)(*c - '0');
+  }
+  *rank = v;
+  return 1;
+}
+
+/* "[a, b, ...]" of n values. */
+static void dims_text(const int64_t *v, uint32_t n, char *buf, size_t len) {
+  size_t o = (size_t)snprintf(buf, len, "[");
+  for (uint32_t d = 0; d < n && o < len; d++)
+    o += (size_t)snprintf(buf + o, len - o, "%s%lld", d ? ", " : "", (long long)v[d]);
+  if (o < len) snprintf(buf + o, len - o, "]");
 }
 
 static uint64_t shard_size(uint32_t ndim) {
@@ -82,6 +117,91 @@ int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **ou
   amber__put64(p, amber__xxh3(b, (size_t)n - 8));
   *out = b;
   *len = (size_t)n;
+  return 0;
+}
+
+static int boxes_overlap(const amber__mshard *a, const amber__mshard *b, uint32_t ndim) {
+  for (uint32_t d = 0; d < ndim; d++)
+    if (a->off[d] >= b->off[d] + b->shape[d] || b->off[d] >= a->off[d] + a->shape[d]) return 0;
+  return 1;
+}
+
+typedef struct sweep_key {
+  int64_t key;
+  uint32_t shard;
+} sweep_key;
+
+static int cmp_key(const void *a, const void *b) {
+  const sweep_key *x = a, *y = b;
+  if (x->key != y->key) return x->key < y->key ? -1 : 1;
+  return x->shard < y->shard ? -1 : x->shard > y->shard;
+}
+
+/* Two shards that share an element, found by a sweep along the dimension where the
+ * boxes start at the most distinct offsets (the one the tensor is split along):
+ * sorted by where they start there, a box can only meet the ones that start
+ * before it ends. *a gets UINT32_MAX when none do. */
+static int find_overlap(const amber__mtensor *t, uint32_t *a, uint32_t *b) {
+  *a = *b = UINT32_MAX;
+  sweep_key *k = malloc((t->nshards ? t->nshards : 1) * sizeof *k);
+  if (!k) return AMBER_ENOMEM;
+  size_t n = 0;
+  for (uint32_t s = 0; s < t->nshards; s++) {
+    int empty = 0;
+    for (uint32_t d = 0; d < t->ndim; d++) empty |= t->shards[s].shape[d] == 0;
+    if (!empty) k[n++].shard = s;
+  }
+  uint32_t best = 0;
+  size_t most = 0;
+  for (uint32_t d = 0; d < t->ndim && n > 1; d++) {
+    for (size_t i = 0; i < n; i++) k[i].key = t->shards[k[i].shard].off[d];
+    qsort(k, n, sizeof *k, cmp_key);
+    size_t distinct = 1;
+    for (size_t i = 1; i < n; i++) distinct += k[i].key != k[i - 1].key;
+    if (distinct > most) most = distinct, best = d;
+  }
+  for (size_t i = 0; i < n; i++) k[i].key = t->ndim ? t->shards[k[i].shard].off[best] : 0;
+  qsort(k, n, sizeof *k, cmp_key);
+  for (size_t i = 0; i < n && *a == UINT32_MAX; i++) {
+    const amber__mshard *x = &t->shards[k[i].shard];
+    int64_t end = t->ndim ? x->off[best] + x->shape[best] : 1;
+    for (size_t j = i + 1; j < n && k[j].key < end; j++)
+      if (boxes_overlap(x, &t->shards[k[j].shard], t->ndim)) {
+        *a = k[i].shard < k[j].shard ? k[i].shard : k[j].shard;
+        *b = k[i].shard < k[j].shard ? k[j].shard : k[i].shard;
+        break;
+      }
+  }
+  free(k);
+  return 0;
+}
+
+int amber__mtensor_check_tiling(const amber__mtensor *t, char *why, size_t wl) {
+  uint32_t a, b;
+  if (find_overlap(t, &a, &b) < 0)
+    return snprintf(why, wl, "out of memory"), AMBER_ENOMEM;
+  if (a != UINT32_MAX) {
+    const amber__mshard *x = &t->shards[a], *y = &t->shards[b];
+    char xo[200], xs[200], yo[200], ys[200];
+    dims_text(x->off, t->ndim, xo, sizeof xo), dims_text(x->shape, t->ndim, xs, sizeof xs);
+    dims_text(y->off, t->ndim, yo, sizeof yo), dims_text(y->shape, t->ndim, ys, sizeof ys);
+    snprintf(why, wl, "tensor '%s': the shards of rank %u (offsets %s, shape %s) and rank %u "
+             "(offsets %s, shape %s) overlap", t->name, x->rank, xo, xs, y->rank, yo, ys);
+    return AMBER_EMISMATCH;
+  }
+  /* disjoint boxes inside the tensor tile it when their volumes add up to it */
+  uint64_t want = 1, have = 0;
+  for (uint32_t d = 0; d < t->ndim; d++) want *= (uint64_t)t->shape[d];
+  for (uint32_t s = 0; s < t->nshards; s++) {
+    uint64_t v = 1;
+    for (uint32_t d = 0; d < t->ndim; d++) v *= (uint64_t)t->shards[s].shape[d];
+    have += v; /* disjoint and inside: the sum never passes the tensor's volume */
+  }
+  if (have != want) {
+    snprintf(why, wl, "tensor '%s': its shards hold %llu of its %llu elements (they do not "
+             "tile it)", t->name, (unsigned long long)have, (unsigned long long)want);
+    return AMBER_EMISMATCH;
+  }
   return 0;
 }
 
@@ -203,6 +323,10 @@ int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, s
                      t->name, s, sh->rank);
       }
     }
+    char why[512];
+    int trc = amber__mtensor_check_tiling(t, why, sizeof why);
+    if (trc == AMBER_ENOMEM) return bad(m, amber__fail(e, trc, "%s: out of memory", what));
+    if (trc < 0) return BAD("%s: %s", what, why);
   }
   if (p != end) return BAD("%s: %zu unexpected bytes after the tensor table", what,
                            (size_t)(end - p));
@@ -247,6 +371,39 @@ int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
   rc = amber__manifest_decode(e, path, b, len, m);
   free(b);
   return rc;
+}
+
+int amber__global_state(const char *store, amber__err *e, uint64_t *step) {
+  int rc = amber__global_read_latest(store, e, step);
+  if (rc != AMBER_ENOENT) return rc;
+  /* No GLOBAL: a crash in the first global commit leaves at most one manifest and
+   * one file in each rank store (their parts of that step). More cannot come from
+   * a crash: the store lost GLOBAL, and is refused (a writer would take it for
+   * empty and remove every rank's committed files). */
+  size_t manifests = 0, files = 0;
+  uint32_t rank = 0;
+  DIR *d = opendir(store);
+  struct dirent *de;
+  while (d && (de = readdir(d))) {
+    uint64_t s;
+    uint32_t r;
+    if (amber__parse_manifest_name(de->d_name, &s)) {
+      manifests++;
+    } else if (parse_rank_name(de->d_name, &r)) {
+      char p[4200];
+      snprintf(p, sizeof p, "%s/%s", store, de->d_name);
+      size_t n = amber__count_ckpt_files(p, NULL);
+      if (n > files) files = n, rank = r;
+    }
+  }
+  if (d) closedir(d);
+  if (manifests >= 2 || files >= 2)
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s/GLOBAL is missing, but the store holds %zu step manifest%s and "
+                       "rank-%05u holds %zu checkpoint file%s: the store is damaged (restore "
+                       "GLOBAL, or move the store away)", store, manifests,
+                       manifests == 1 ? "" : "s", rank, files, files == 1 ? "" : "s");
+  return amber__fail(e, AMBER_ENOENT, "%s: no committed global step", store);
 }
 
 int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step) {
@@ -294,4 +451,77 @@ int amber__global_write_latest(const char *store, amber__err *e, uint64_t step) 
   amber__put64(b + 8, step);
   amber__put64(b + 16, amber__xxh3(b, 16));
   return amber__write_file_durable(store, path, e, b, sizeof b);
+}
+
+/* ---- the box table of a rank's file ---- */
+
+static int cmp_box(const void *a, const void *b) {
+  const amber__box *x = a, *y = b;
+  size_t n = x->name_len < y->name_len ? x->name_len : y->name_len;
+  int c = memcmp(x->name, y->name, n);
+  return c ? c : (x->name_len > y->name_len) - (x->name_len < y->name_len);
+}
+
+int amber__boxes_encode(const amber__box *b, size_t n, amber__err *e, uint8_t **out,
+                        size_t *len) {
+  size_t total = AMBER__BOXES_HEADER;
+  for (size_t i = 0; i < n; i++) total += 4 + b[i].name_len + 16 * (size_t)b[i].ndim;
+  uint8_t *buf = calloc(1, total), *p = buf + AMBER__BOXES_HEADER;
+  if (!buf) return amber__fail(e, AMBER_ENOMEM, "box table: out of memory");
+  memcpy(buf, AMBER__BOXES_MAGIC, 8);
+  amber__put32(buf + 8, (uint32_t)n);
+  for (size_t i = 0; i < n; i++) {
+    amber__put16(p, (uint16_t)b[i].name_len);
+    p[2] = (uint8_t)b[i].ndim;
+    memcpy(p + 4, b[i].name, b[i].name_len);
+    p += 4 + b[i].name_len;
+    for (uint32_t d = 0; d < b[i].ndim; d++, p += 8) amber__put64(p, (uint64_t)b[i].shape[d]);
+    for (uint32_t d = 0; d < b[i].ndim; d++, p += 8) amber__put64(p, (uint64_t)b[i].off[d]);
+  }
+  *out = buf;
+  *len = total;
+  return 0;
+}
+
+int amber__boxes_decode(amber__err *e, const char *what, const uint8_t *in, size_t len,
+                        amber__box **out, size_t *count) {
+  *out = NULL, *count = 0;
+  if (len < AMBER__BOXES_HEADER || memcmp(in, AMBER__BOXES_MAGIC, 8) || amber__get32(in + 12))
+    return amber__fail(e, AMBER_ECORRUPT, "%s: not a box table (bad magic or reserved field)",
+                       what);
+  uint32_t n = amber__get32(in + 8);
+  const uint8_t *p = in + AMBER__BOXES_HEADER, *end = in + len;
+  if ((uint64_t)n * 4 > (uint64_t)(end - p))
+    return amber__fail(e, AMBER_ECORRUPT, "%s: %u boxes do not fit the table's %zu bytes", what,
+                       n, len);
+  amber__box *b = calloc(n ? n : 1, sizeof *b);
+  if (!b) return amber__fail(e, AMBER_ENOMEM, "%s: out of memory", what);
+  for (uint32_t i = 0; i < n; i++) {
+    if (end - p < 4) goto bad;
+    b[i].name_len = amber__get16(p);
+    b[i].ndim = p[2];
+    if (!b[i].name_len || b[i].ndim > AMBER_MAX_DIMS || p[3] ||
+        (uint64_t)(end - p) - 4 < b[i].name_len + 16 * (uint64_t)b[i].ndim)
+      goto bad;
+    b[i].name = (const char *)p + 4;
+    p += 4 + b[i].name_len;
+    for (uint32_t d = 0; d < b[i].ndim; d++, p += 8) b[i].shape[d] = (int64_t)amber__get64(p);
+    for (uint32_t d = 0; d < b[i].ndim; d++, p += 8) b[i].off[d] = (int64_t)amber__get64(p);
+  }
+  if (p != end) goto bad;
+  qsort(b, n, sizeof *b, cmp_box);
+  for (uint32_t i = 1; i < n; i++)
+    if (!cmp_box(&b[i - 1], &b[i])) goto bad;
+  *out = b, *count = n;
+  return 0;
+bad:
+  free(b);
+  return amber__fail(e, AMBER_ECORRUPT, "%s: malformed box table", what);
+}
+
+const amber__box *amber__boxes_find(const amber__box *b, size_t n, const char *name) {
+  amber__box key;
+  memset(&key, 0, sizeof key);
+  key.name = name, key.name_len = strlen(name);
+  return bsearch(&key, b, n, sizeof *b, cmp_box);
 }

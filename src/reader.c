@@ -101,7 +101,18 @@ static int same_layout(amber__err *e, const amber__ckpt *child, const amber__ckp
   return 0;
 }
 
-static int open_one(amber_reader **out, amber_store *st, uint64_t step);
+static int open_chain(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
+                      const char *who);
+
+static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
+  return open_chain(out, st, step, 0, NULL);
+}
+
+int amber__reader_open_at(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
+                          const char *who) {
+  *out = NULL;
+  return open_chain(out, st, step, state, who ? who : "its caller");
+}
 
 size_t amber_reader_skipped(const amber_reader *r) {
   return r ? r->skipped : 0;
@@ -158,21 +169,30 @@ int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
   return rc;
 }
 
-static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
+/* Opens the chain of `step`. `who` NULL: the step is checked against LATEST (and
+ * its file against LATEST's state id when it is LATEST's step); else `who` names
+ * what gives `state`, which the step's file must carry, and LATEST is not read. */
+static int open_chain(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
+                      const char *who) {
   amber_reader *r = calloc(1, sizeof *r);
   if (!r) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   r->st = st;
-  uint64_t latest, latest_state;
-  int rc = amber__store_state(st, &r->err, &latest, &latest_state);
-  if (!rc && step == AMBER_LATEST) step = latest;
-  if (!rc && step > latest)
-    rc = amber__fail(&r->err, AMBER_ENOENT,
-                     "step %" PRIu64 " is not committed in %s (latest is %" PRIu64 ")", step,
-                     st->path, latest);
+  int rc = 0, check_state = 1;
+  uint64_t want_state = state;
+  if (!who) {
+    uint64_t latest, latest_state;
+    rc = amber__store_state(st, &r->err, &latest, &latest_state);
+    if (!rc && step == AMBER_LATEST) step = latest;
+    if (!rc && step > latest)
+      rc = amber__fail(&r->err, AMBER_ENOENT,
+                       "step %" PRIu64 " is not committed in %s (latest is %" PRIu64 ")", step,
+                       st->path, latest);
+    want_state = step == latest ? latest_state : 0;
+    check_state = step == latest;
+    who = "LATEST";
+  }
   /* Walk back to the full checkpoint; the chain is built newest first. */
   size_t cap = 0;
-  uint64_t want_state = step == latest ? latest_state : 0;
-  int check_state = step == latest;
   while (!rc) {
     if (r->nchain == cap) {
       cap = cap ? 2 * cap : 8;
@@ -191,7 +211,7 @@ static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
                        "%s: state id %016" PRIx64 " differs from the %016" PRIx64
                        " that %s names",
                        c->path, c->ftr.state_id, want_state,
-                       r->nchain == 1 ? "LATEST" : r->chain[r->nchain - 2].path);
+                       r->nchain == 1 ? who : r->chain[r->nchain - 2].path);
       break;
     }
     if (r->nchain > 1 && (rc = same_layout(&r->err, &r->chain[r->nchain - 2], c)) != 0) break;

@@ -126,10 +126,8 @@ int amber__commit_file(amber_store *st, amber__err *e, const char *tmp, uint64_t
   return 0;
 }
 
-/* Number of ckpt-*.amber files (committed or not); *only receives the step of
- * the last one seen. */
-static size_t count_ckpt_files(amber_store *st, uint64_t *only) {
-  DIR *d = opendir(st->path);
+size_t amber__count_ckpt_files(const char *dir, uint64_t *only) {
+  DIR *d = opendir(dir);
   if (!d) return 0;
   struct dirent *e;
   uint64_t step;
@@ -148,7 +146,7 @@ int amber__store_state(amber_store *st, amber__err *e, uint64_t *step, uint64_t 
   if (rc != AMBER_ENOENT) return rc;
   /* No LATEST: one checkpoint file is what a crash in the very first commit
    * leaves (never committed: the store is empty); more cannot come from a crash. */
-  size_t n = count_ckpt_files(st, NULL);
+  size_t n = amber__count_ckpt_files(st->path, NULL);
   if (n >= 2)
     return amber__fail(e, AMBER_ECORRUPT,
                        "%s/LATEST is missing but the store holds %zu checkpoint files "
@@ -157,8 +155,7 @@ int amber__store_state(amber_store *st, amber__err *e, uint64_t *step, uint64_t 
   return amber__fail(e, AMBER_ENOENT, "store %s has no committed checkpoint", st->path);
 }
 
-/* 1 when checkpoint `step`'s file exists and its footer holds `state`. */
-static int latest_file_matches(amber_store *st, uint64_t step, uint64_t state) {
+int amber__ckpt_has_state(amber_store *st, uint64_t step, uint64_t state) {
   char path[4200];
   amber__ckpt_path(st, step, NULL, path, sizeof path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -178,11 +175,11 @@ static int latest_file_matches(amber_store *st, uint64_t step, uint64_t state) {
  * LATEST, and the lone file of a first commit that never reached LATEST. Only
  * when LATEST is confirmed by its own file: a damaged LATEST must never make a
  * committed checkpoint look uncommitted. Called with the lock held. */
-static int clean_stale(amber_store *st) {
+int amber__store_clean(amber_store *st) {
   uint64_t latest = 0, state = 0, lone = 0;
   int rc = amber__read_latest(st, &st->err, &latest, &state);
-  int trust = rc == 0 && latest_file_matches(st, latest, state);
-  int first_commit = rc == AMBER_ENOENT && count_ckpt_files(st, &lone) == 1;
+  int trust = rc == 0 && amber__ckpt_has_state(st, latest, state);
+  int first_commit = rc == AMBER_ENOENT && amber__count_ckpt_files(st->path, &lone) == 1;
   DIR *d = opendir(st->path);
   if (!d)
     return amber__fail(&st->err, amber__errno_code(errno), "cannot list %s: %s", st->path,
@@ -203,6 +200,11 @@ static int clean_stale(amber_store *st) {
 }
 
 int amber_store_open(amber_store **out, const char *path, const amber_store_opts *opts) {
+  return amber__store_open(out, path, opts, 1);
+}
+
+int amber__store_open(amber_store **out, const char *path, const amber_store_opts *opts,
+                      int clean) {
   amber_store_opts def;
   if (!opts) {
     amber_store_opts_init(&def);
@@ -270,7 +272,7 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
                            "store %s is open for writing by another process or handle", path);
       return amber__fail(NULL, AMBER_EIO, "cannot lock %s: %s", path, strerror(err));
     }
-    int rc = clean_stale(st);
+    int rc = clean ? amber__store_clean(st) : 0;
     if (rc) {
       amber_store_close(st);
       return rc;

@@ -39,12 +39,32 @@ int amber__write_latest(amber_store *st, amber__err *e, uint64_t step, uint64_t 
  * commit); AMBER_ECORRUPT when LATEST is malformed, or missing while two or
  * more checkpoint files exist. */
 int amber__store_state(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state);
+/* amber_store_open; with `clean` 0 a writable open takes the lock but leaves
+ * what crashed writers left (amber__store_clean removes it later): for a caller
+ * that first repairs LATEST from what it knows (a multi-rank store's manifests),
+ * so that a committed file never looks like a first commit's leftover. */
+int amber__store_open(amber_store **out, const char *path, const amber_store_opts *opts,
+                      int clean);
+/* Removes *.tmp files, files after a confirmed LATEST and the lone file of an
+ * unfinished first commit (what amber_store_open does when writable). Lock held. */
+int amber__store_clean(amber_store *st);
+/* Number of ckpt-*.amber files in directory `dir` (committed or not; 0 when it
+ * cannot be read); *only (may be NULL) receives the step of the last one seen. */
+size_t amber__count_ckpt_files(const char *dir, uint64_t *only);
+/* 1 when checkpoint `step`'s file exists and its footer holds state id `state`. */
+int amber__ckpt_has_state(amber_store *st, uint64_t step, uint64_t state);
 /* Commits a finished temporary file `tmp` as checkpoint `step`. */
 int amber__commit_file(amber_store *st, amber__err *e, const char *tmp, uint64_t step);
 /* amber_store_list and amber_store_prune, reporting into `e`. */
 int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, size_t *count);
 int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_t *removed);
 
+/* Opens a reader of step `step`, whose file must carry state id `state`, without
+ * LATEST: for a caller that knows the step from elsewhere (a multi-rank store's
+ * manifest, named `who` in messages). The chain is checked as amber_reader_open
+ * checks it. */
+int amber__reader_open_at(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
+                          const char *who);
 /* The index of the step a reader opened (for compaction). */
 amber__index *amber__reader_index(amber_reader *r);
 

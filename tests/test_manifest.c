@@ -1,8 +1,9 @@
 /*
  * test_manifest.c - the manifest parser against damaged and hostile manifests
  * (docs/FORMAT.md, "Many ranks"): every truncation, a flipped byte, counts far
- * beyond the file, shards outside their tensor, a newer format; each a clear
- * error and never a crash or a huge allocation. Also writes the fuzz corpus seeds
+ * beyond the file, shards outside their tensor or overlapping, a newer format;
+ * each a clear error and never a crash or a huge allocation. Also the tiling check
+ * and the box table of a rank's file. Also writes the fuzz corpus seeds
  * when AMBER_WRITE_CORPUS names a directory.
  */
 #include <stdio.h>
@@ -139,6 +140,117 @@ static void test_shard_outside_its_tensor_or_unknown_rank_is_refused(void) {
   free(b);
 }
 
+/* Shards that stay inside the tensor and whose volumes add up to it, but overlap
+ * (and so leave part of it uncovered), or leave a gap: refused, naming the tensor,
+ * and for an overlap both shards. */
+static void test_overlapping_or_gapped_shards_are_refused(void) {
+  size_t len;
+  uint8_t *b = sample(&len);
+  char msg[1100];
+  size_t shard1 = AMBER__MF_HEADER + 2 * AMBER__MF_RANK + AMBER__MF_TENSOR + 1 + 16 + 40;
+  uint8_t *c = malloc(len);
+  memcpy(c, b, len);
+  amber__put64(c + shard1 + 8, 0); /* rank 1's rows 2..3 moved onto rank 0's 0..1 */
+  reseal(c, len);
+  CHECK(decode(c, len, msg, sizeof msg) == AMBER_ECORRUPT);
+  CHECK(strstr(msg, "M: tensor 'w'") && strstr(msg, "overlap") && strstr(msg, "rank 0") &&
+        strstr(msg, "rank 1"));
+  memcpy(c, b, len);
+  amber__put64(c + shard1 + 24, 1); /* rank 1 holds one row: row 3 is nobody's */
+  reseal(c, len);
+  CHECK(decode(c, len, msg, sizeof msg) == AMBER_ECORRUPT);
+  CHECK(strstr(msg, "tensor 'w'") && strstr(msg, "do not tile"));
+  free(c);
+  free(b);
+}
+
+/* The tiling check against random block grids of 1 to 3 dimensions, the blocks in
+ * random order: every grid passes; moving one block onto another of the same
+ * shape (the volumes still add up) is found, whichever dimensions the grid
+ * splits. */
+static void test_tiling_check_finds_any_overlap_in_block_grids(void) {
+  uint64_t rs = 42;
+  for (int trial = 0; trial < 300; trial++) {
+    amber__mtensor t;
+    memset(&t, 0, sizeof t);
+    t.name = "t";
+    t.ndim = 1 + (uint32_t)(tu_rand(&rs) % 3);
+    int64_t parts[3] = {1, 1, 1}, len[3];
+    uint32_t n = 1;
+    for (uint32_t d = 0; d < t.ndim; d++) {
+      parts[d] = 1 + (int64_t)(tu_rand(&rs) % 5);
+      len[d] = 1 + (int64_t)(tu_rand(&rs) % 3);
+      t.shape[d] = parts[d] * len[d];
+      n *= (uint32_t)parts[d];
+    }
+    amber__mshard sh[125];
+    memset(sh, 0, sizeof sh);
+    for (uint32_t i = 0; i < n; i++) {
+      uint32_t k = i;
+      sh[i].rank = i;
+      for (uint32_t d = 0; d < t.ndim; d++) {
+        sh[i].off[d] = (int64_t)(k % (uint32_t)parts[d]) * len[d];
+        sh[i].shape[d] = len[d];
+        k /= (uint32_t)parts[d];
+      }
+    }
+    for (uint32_t i = n; i > 1; i--) { /* shuffle */
+      uint32_t j = (uint32_t)(tu_rand(&rs) % i);
+      amber__mshard x = sh[i - 1];
+      sh[i - 1] = sh[j], sh[j] = x;
+    }
+    t.nshards = n, t.shards = sh;
+    char why[512];
+    CHECK(amber__mtensor_check_tiling(&t, why, sizeof why) == 0);
+    if (n < 2) continue;
+    uint32_t a = (uint32_t)(tu_rand(&rs) % n), b = (uint32_t)(tu_rand(&rs) % (n - 1));
+    b += b >= a;
+    memcpy(sh[b].off, sh[a].off, sizeof sh[b].off);
+    CHECK(amber__mtensor_check_tiling(&t, why, sizeof why) == AMBER_EMISMATCH);
+    CHECK(strstr(why, "overlap") != NULL);
+  }
+}
+
+/* A rank file's box table (FORMAT.md, "Many ranks"): round trip, sorted by name
+ * for lookups; every truncation, a reserved byte, a repeated name refused. */
+static void test_box_table_round_trips_and_malformed_tables_are_refused(void) {
+  amber__box bx[2];
+  memset(bx, 0, sizeof bx);
+  bx[0].name = "w", bx[0].name_len = 1, bx[0].ndim = 2;
+  bx[0].shape[0] = 4, bx[0].shape[1] = 3, bx[0].off[0] = 2;
+  bx[1].name = "b", bx[1].name_len = 1, bx[1].ndim = 1, bx[1].shape[0] = 3;
+  uint8_t *b = NULL;
+  size_t len = 0;
+  amber__err e;
+  CHECK_OK(amber__boxes_encode(bx, 2, &e, &b, &len));
+  CHECK(len == AMBER__BOXES_HEADER + (4 + 1 + 32) + (4 + 1 + 16));
+  CHECK(b && !memcmp(b, "AMBERBX1", 8) && amber__get32(b + 8) == 2);
+  amber__box *got = NULL;
+  size_t n = 0;
+  CHECK_OK(amber__boxes_decode(&e, "T", b, len, &got, &n));
+  const amber__box *w = amber__boxes_find(got, n, "w");
+  CHECK(n == 2 && w && w->ndim == 2 && w->shape[1] == 3 && w->off[0] == 2 && w->off[1] == 0);
+  CHECK(amber__boxes_find(got, n, "x") == NULL);
+  free(got);
+  for (size_t k = 0; k < len; k++) {
+    e.msg[0] = 0;
+    CHECK(amber__boxes_decode(&e, "T", b, k, &got, &n) == AMBER_ECORRUPT);
+    CHECK(strstr(e.msg, "T:") != NULL);
+  }
+  uint8_t *c = malloc(len + 1);
+  memcpy(c, b, len);
+  c[AMBER__BOXES_HEADER + 3] = 1; /* reserved byte of the first box */
+  CHECK(amber__boxes_decode(&e, "T", c, len, &got, &n) == AMBER_ECORRUPT);
+  memcpy(c, b, len);
+  c[len] = 0; /* a byte after the last box */
+  CHECK(amber__boxes_decode(&e, "T", c, len + 1, &got, &n) == AMBER_ECORRUPT);
+  memcpy(c, b, len);
+  c[AMBER__BOXES_HEADER + 4] = 'b'; /* "w" renamed "b": a name twice */
+  CHECK(amber__boxes_decode(&e, "T", c, len, &got, &n) == AMBER_ECORRUPT);
+  free(c);
+  free(b);
+}
+
 static void test_newer_format_and_reserved_bits_are_refused(void) {
   size_t len;
   uint8_t *b = sample(&len);
@@ -188,6 +300,15 @@ static void write_corpus(const char *dir) {
   snprintf(p, sizeof p, "%s/hugeworld", dir);
   tu_write_file(p, b, len);
   free(b);
+  amber__box bx;
+  memset(&bx, 0, sizeof bx);
+  bx.name = "w", bx.name_len = 1, bx.ndim = 2, bx.shape[0] = 4, bx.shape[1] = 3, bx.off[0] = 2;
+  amber__err e;
+  if (amber__boxes_encode(&bx, 1, &e, &b, &len) == 0) {
+    snprintf(p, sizeof p, "%s/boxes", dir);
+    tu_write_file(p, b, len);
+    free(b);
+  }
 }
 
 int main(void) {
@@ -198,6 +319,9 @@ int main(void) {
   TEST_RUN(test_flipped_byte_fails_the_checksum);
   TEST_RUN(test_huge_counts_are_refused_before_allocating);
   TEST_RUN(test_shard_outside_its_tensor_or_unknown_rank_is_refused);
+  TEST_RUN(test_overlapping_or_gapped_shards_are_refused);
+  TEST_RUN(test_tiling_check_finds_any_overlap_in_block_grids);
+  TEST_RUN(test_box_table_round_trips_and_malformed_tables_are_refused);
   TEST_RUN(test_newer_format_and_reserved_bits_are_refused);
   TEST_RUN(test_damaged_manifest_on_disk_names_the_file);
   return tu_finish();

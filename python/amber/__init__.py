@@ -724,7 +724,8 @@ class _Comm(Structure):
 
 class _GlobalStepInfo(Structure):
     _fields_ = [("step", c_uint64), ("kind", c_uint32), ("world_size", c_uint32),
-                ("parent", c_uint64), ("bytes", c_uint64), ("reserved", c_uint64 * 4)]
+                ("parent", c_uint64), ("bytes", c_uint64), ("flags", c_uint32),
+                ("reserved0", c_uint32), ("reserved", c_uint64 * 3)]
 
 
 class _GlobalTensor(Structure):
@@ -1031,17 +1032,21 @@ class GlobalWriter(_Handle):
 
 class GlobalStepInfo:
     """A committed global step: step, kind ("full"/"delta"), world_size, parent,
-    bytes (every rank's files and the manifest)."""
-    __slots__ = ("step", "kind", "world_size", "parent", "bytes")
+    bytes (every rank's files and the manifest), damaged: its manifest cannot be
+    read (then kind and world_size are None; GlobalReader says why)."""
+    __slots__ = ("step", "kind", "world_size", "parent", "bytes", "damaged")
 
     def __init__(self, c):
         self.step, self.world_size, self.bytes = c.step, c.world_size, c.bytes
-        self.kind = "full" if c.kind == KIND_FULL else "delta"
+        self.damaged = bool(c.flags & CKPT_DAMAGED)
+        self.kind = None if self.damaged else "full" if c.kind == KIND_FULL else "delta"
+        self.world_size = None if self.damaged else c.world_size
         self.parent = None if c.parent == NO_STEP else c.parent
 
     def __repr__(self):
         return (f"GlobalStepInfo(step={self.step}, kind={self.kind!r}, "
-                f"world_size={self.world_size}, parent={self.parent}, bytes={self.bytes})")
+                f"world_size={self.world_size}, parent={self.parent}, bytes={self.bytes}"
+                f"{', damaged=True' if self.damaged else ''})")
 
 
 class GlobalTensorInfo:

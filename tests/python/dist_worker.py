@@ -436,6 +436,166 @@ def scenario_retention(rank, world, d):
             assert "step 6: rank" in e.message and "step 5: rank" in e.message, e.message
 
 
+# ---- issue 30: a damaged multi-rank store, at 2 ranks ----
+
+DAMAGES = ("noglobal", "flipped", "truncated", "nomanifest", "swapped", "ranklatest")
+
+
+def _manifest(store, step):
+    return f"{store}/step-{step:020d}.manifest"
+
+
+def _swap_shards(path):
+    """Swaps the ranks of the two shards of the first tensor that two equal shards
+    hold, in the manifest at `path`, and reseals it (its checksum recomputed, as a
+    tool would): parsed by docs/FORMAT.md's tables, hashed with the system's xxHash."""
+    import ctypes
+    import ctypes.util
+    import struct
+    b = bytearray(open(path, "rb").read())
+    world, _, ntensors = struct.unpack_from("<III", b, 32)
+    pos = 56 + 32 * world
+    for _ in range(ntensors):
+        name_len, _, ndim, _, nshards = struct.unpack_from("<HBBII", b, pos)
+        pos += 16 + name_len + 8 * ndim
+        shards = [pos + i * (8 + 16 * ndim) for i in range(nshards)]
+        shapes = [b[s + 8 + 8 * ndim:s + 8 + 16 * ndim] for s in shards]
+        if nshards == 2 and shapes[0] == shapes[1]:
+            r0, r1 = (struct.unpack_from("<I", b, s)[0] for s in shards)
+            struct.pack_into("<I", b, shards[0], r1)
+            struct.pack_into("<I", b, shards[1], r0)
+            break
+        pos += nshards * (8 + 16 * ndim)
+    else:
+        raise AssertionError("no tensor held by two equal shards")
+    xxh = ctypes.CDLL(ctypes.util.find_library("xxhash"))
+    xxh.XXH3_64bits.restype = ctypes.c_uint64
+    xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    struct.pack_into("<Q", b, len(b) - 8, xxh.XXH3_64bits(bytes(b[:-8]), len(b) - 8))
+    open(path, "wb").write(bytes(b))
+
+
+def _damage(d, case):
+    """A copy of DIR/s damaged as `case` says (rank 0; the test's CLI reads them too)."""
+    import shutil
+    p = f"{d}/{case}"
+    shutil.copytree(f"{d}/s", p)
+    if case == "noglobal":
+        os.unlink(f"{p}/GLOBAL")
+    elif case == "flipped":
+        b = bytearray(open(_manifest(p, 6), "rb").read())
+        b[len(b) // 2] ^= 0x10
+        open(_manifest(p, 6), "wb").write(bytes(b))
+    elif case == "truncated":
+        os.truncate(_manifest(p, 6), 100)
+    elif case == "nomanifest":  # GLOBAL names step 6, which has no manifest
+        os.unlink(_manifest(p, 6))
+    elif case == "swapped":
+        _swap_shards(_manifest(p, 6))
+    elif case == "ranklatest":
+        os.unlink(f"{p}/rank-00001/LATEST")
+
+
+def _fails(fn, *words):
+    """fn() raises, with every word in its message (DCP's CheckpointException, a
+    BaseException, carries each rank's failure)."""
+    try:
+        fn()
+    except BaseException as e:
+        text = f"{e} " + " ".join(str(x) for x in getattr(e, "failures", {}).values())
+        assert all(w in text for w in words), (words, text)
+        return text
+    raise AssertionError(f"no failure, expected one saying {words}")
+
+
+def _same(got, want, what):
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs ({what})"
+
+
+def scenario_damage(rank, world, d):
+    """2 ranks save steps 1-6, then load copies of the store damaged one way each
+    (issue 30): without GLOBAL every load, fallback or not, and the next save are
+    refused and every rank file stays; with the latest manifest flipped, truncated,
+    removed (GLOBAL names it) or with two shards swapped between the ranks, a load
+    of it fails, load(fallback=True) loads step 5 and dcp.load of it fails while
+    dcp.load of step 5 loads; without rank 1's LATEST the latest step loads and
+    the next save (step 7) commits. Also two ranks that declare the same rows
+    through the global writer fail the step on both, naming both shards."""
+    import torch.distributed.checkpoint as dcp  # noqa: F401  (dcp.load in _dcp_load)
+    from amber._dist import TorchComm
+    torch.manual_seed(100 + rank)
+    model, opt = build(0)
+    saved = {}
+    with Checkpointer(f"{d}/s", full_share=-1) as ck:
+        for step in range(1, 7):
+            train_step(model, opt)
+            ck.save(step, {"model": model, "optim": opt, "extra": {"step": step}})
+            ck.wait()
+            if step >= 5:
+                saved[step] = full_state(model, opt)
+    if rank == 0:
+        torch.save(saved[5], f"{d}/damage-5.pt")
+        for case in DAMAGES:
+            _damage(d, case)
+    dist.barrier()
+    model, opt = build(3)
+    train_step(model, opt)
+    state = {"model": model, "optim": opt, "extra": {}}
+
+    def files(p, r):
+        return sorted(f for f in os.listdir(f"{p}/rank-0000{r}") if f.endswith(".amber"))
+
+    p = f"{d}/noglobal"
+    before = [files(p, r) for r in range(world)]
+    with Checkpointer(p) as ck:
+        _fails(lambda: ck.load(state), "GLOBAL is missing")
+        _fails(lambda: ck.load(state, fallback=True), "GLOBAL is missing")
+        _fails(lambda: ck.save(7, state), "GLOBAL is missing")
+    _fails(lambda: _dcp_load(model, opt, p, extra=False), "GLOBAL is missing")
+    assert [files(p, r) for r in range(world)] == before and len(before[0]) == 6, before
+
+    for case, says in (("flipped", "checksum"), ("truncated", "manifest"),
+                       ("nomanifest", "GLOBAL names step 6"), ("swapped", "moved or swapped")):
+        p = f"{d}/{case}"
+        with Checkpointer(p) as ck:
+            assert [s.step for s in ck.steps()] == [1, 2, 3, 4, 5, 6], case
+            # (a manifest that decodes but lies about its shards lists as intact)
+            assert ck.steps()[-1].damaged == (case != "swapped"), case
+            assert not ck.steps()[-2].damaged, case
+            _fails(lambda: ck.load(state), says)
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                assert ck.load(state, fallback=True) == 5, case
+            assert ck.skipped == 1, (case, ck.skipped)
+            assert state["extra"] == {"step": 5}, (case, state["extra"])
+        _same(full_state(model, opt), saved[5], f"{case}: fallback")
+        _fails(lambda: _dcp_load(model, opt, p, extra=False), says)
+        model, opt = build(4)
+        train_step(model, opt)
+        _dcp_load(model, opt, f"{p}/step-5", extra=False)
+        _same(full_state(model, opt), saved[5], f"{case}: dcp.load of step 5")
+        state = {"model": model, "optim": opt, "extra": {}}
+
+    p = f"{d}/ranklatest"
+    with Checkpointer(p) as ck:
+        assert ck.load(state) == 6
+        _same(full_state(model, opt), saved[6], "without rank 1's LATEST")
+        ck.save(7, state)  # the writer puts rank 1's LATEST back from the manifests
+    assert os.path.exists(f"{p}/rank-00001/LATEST")
+    assert [s.step for s in amber.global_steps(p)] == list(range(1, 8))
+
+    # the same rows of a (256, 8) tensor declared by both ranks: the step fails on both
+    w = torch.full((128, 8), float(rank))
+    gw = amber.GlobalWriter(f"{d}/overlap", TorchComm(None))
+    try:
+        gw.add("w", amber.F32, (256, 8), (0, 0), (128, 8), w.data_ptr())
+        _fails(lambda: gw.save(1), "tensor 'w'", "overlap", "rank 0", "rank 1")
+    finally:
+        gw.close()
+    assert not amber.global_steps(f"{d}/overlap")
+
+
 def _dcp_state(model, opt):
     from torch.distributed.checkpoint.state_dict import get_state_dict
     msd, osd = get_state_dict(model, opt)

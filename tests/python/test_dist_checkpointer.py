@@ -228,3 +228,49 @@ def test_a_rank_killed_during_saves_is_named_by_the_survivor(tmp_path):
     assert took < 30, took
     v = cli("verify", f"{d}/ks")
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_a_damaged_multi_rank_store_is_refused_or_falls_back_and_the_cli_says_why(tmp_path):
+    """Issue 30, at 2 ranks (dist_worker's "damage": the Checkpointer and dcp.load
+    with amber.dcp.Reader on copies of a store damaged one way each), then here: the
+    Checkpointer of one process (no process group) falls back past the damaged
+    latest manifest, and the CLI lists the damaged step, verify fails naming it
+    (and the swapped shards) while step 5 verifies and exports, and a store without
+    GLOBAL is refused by ls, verify and export."""
+    d = str(tmp_path)
+    ranks("damage", 2, d)
+    import warnings
+
+    import dist_worker
+    from amber.torch import Checkpointer
+    model = dist_worker.GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dist_worker.train_step(model, opt)
+    with Checkpointer(f"{d}/flipped") as ck, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ck.load({"model": model, "optim": opt, "extra": {}}, fallback=True) == 5
+        assert ck.skipped == 1
+    want = torch.load(f"{d}/damage-5.pt")
+    assert all(torch.equal(p, want[f"model/{n}"]) for n, p in model.named_parameters())
+
+    assert cli("verify", f"{d}/s").returncode == 0
+    for args in (("ls",), ("verify",), ("export", "-o", f"{d}/x.safetensors")):
+        r = cli(*args, f"{d}/noglobal")
+        assert r.returncode != 0 and "GLOBAL is missing" in r.stdout + r.stderr, (args, r)
+    for case, says in (("flipped", "checksum"), ("truncated", "manifest"),
+                       ("nomanifest", "GLOBAL names step 6"), ("swapped", "moved or swapped")):
+        ls = cli("ls", f"{d}/{case}", "--json")
+        assert ls.returncode == 0, (case, ls.stderr)
+        steps = json.loads(ls.stdout)
+        assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6], case
+        # a manifest that decodes but lies about the shards is found by verify
+        assert [s["damaged"] for s in steps] == [False] * 5 + [case != "swapped"], case
+        v = cli("verify", f"{d}/{case}")
+        assert v.returncode == 1 and "step 6: FAILED" in v.stdout and says in v.stdout, (case, v)
+        assert "step 5: ok" in v.stdout, (case, v.stdout)
+        assert cli("export", f"{d}/{case}", "-o", f"{d}/{case}.st").returncode != 0, case
+        ex = cli("export", f"{d}/{case}", "--step", "5", "-o", f"{d}/{case}-5.st")
+        assert ex.returncode == 0, (case, ex.stderr)
+    assert cli("verify", f"{d}/ranklatest").returncode == 0
+    assert [s["step"] for s in json.loads(cli("ls", f"{d}/ranklatest", "--json").stdout)] == \
+        list(range(1, 8))
