@@ -2,8 +2,8 @@
 CMake (scikit-build-core), `auditwheel repair` checks it and gives it its manylinux tag,
 the repaired wheel installs into a throwaway virtual environment, and from another
 directory, with no sys.path edits and no AMBER_LIBRARY, that environment's `amber` (its
-library found as package data) saves and loads a model, and its `amber` CLI lists the
-store. Every ELF file the wheel installs needs nothing but the C runtime and what the
+library found as package data) runs tests/wheel_smoke.py (the release builds' smoke
+test), saves and loads a model, and its `amber` CLI lists the store. Every ELF file the wheel installs needs nothing but the C runtime and what the
 wheel carries: zstd, xxHash and Jansson are linked in (AMBER_STATIC_DEPS), so the wheel
 installs on a machine without them."""
 import os
@@ -120,6 +120,9 @@ def test_wheel_repaired_installs_self_contained_and_saves_and_loads_from_another
         print("ok", amber.version())
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("AMBER_LIBRARY", "PYTHONPATH")}
+    # The release builds' smoke test (cibuildwheel's test-command), then PyTorch's way.
+    p = run([py, os.path.join(ROOT, "tests", "wheel_smoke.py")], cwd=work, env=env)
+    assert str(venv) in p.stdout, p.stdout
     p = run([py, "-c", script, str(venv)], cwd=work, env=env)
     assert p.stdout.startswith("ok"), p.stdout
     p = run([str(venv / "bin" / "amber"), "ls", "store"], cwd=work, env=env)
