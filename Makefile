@@ -49,8 +49,13 @@ demo-full: setup build
 bench: build
 	@$(BUILD)/amber bench --full
 
-install: build
-	@cmake --install $(BUILD)
+# Builds only what it installs (library, CLI, libamber_mpi where MPI is found), in a build
+# directory of its own configured without tests, examples and libamber_cuda (which only
+# the wheel carries), so it neither builds the test suite nor touches build/.
+install:
+	@cmake -S . -B $(BUILD)-install -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DAMBER_TESTS=OFF -DAMBER_EXAMPLES=OFF -DAMBER_CUDA=OFF $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD)-install -j $(JOBS)
+	@cmake --install $(BUILD)-install
 
 fuzz:
 	@$(MAKE) --no-print-directory build BUILD=build-fuzz CMAKE_FLAGS="-DCMAKE_C_COMPILER=clang -DAMBER_FUZZ=ON"
@@ -63,4 +68,4 @@ vecreport:
 	@gcc -std=c11 -D_GNU_SOURCE -O3 -Iinclude -Isrc -fopt-info-vec-optimized -c src/scan.c -o /dev/null 2>&1 | sort -u
 
 clean:
-	rm -rf build build-asan build-tsan build-fuzz
+	rm -rf build build-asan build-tsan build-fuzz build-install

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # `make install` works for consumers: installs into a temporary prefix, then builds
-# and runs a program against it through pkg-config and through find_package(amber).
+# and runs a program against it through pkg-config and through find_package(amber);
+# where libamber_mpi was built (MPI found), builds examples/train_mpi.c against it
+# through `pkg-config amber_mpi` and, where mpirun is there, runs it at 2 ranks.
 set -euo pipefail
 build=$1
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -53,4 +55,19 @@ C
 cmake -S "$tmp/cm" -B "$tmp/cm/b" -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null
 cmake --build "$tmp/cm/b" >/dev/null
 "$tmp/cm/b/use"
+if [ -e "$tmp/prefix/lib/libamber_mpi.so" ]; then
+  [ -e "$tmp/prefix/lib/pkgconfig/amber_mpi.pc" ] || { echo "missing after install: lib/pkgconfig/amber_mpi.pc"; exit 1; }
+  cc -D_GNU_SOURCE "$src/examples/train_mpi.c" $(pkg-config --cflags --libs amber_mpi) -lm \
+     -Wl,-rpath,"$tmp/prefix/lib" -o "$tmp/train_mpi"
+  if command -v mpirun >/dev/null; then
+    OMPI_MCA_btl_vader_single_copy_mechanism=none timeout -k 10 120 \
+      mpirun --allow-run-as-root --oversubscribe -np 2 "$tmp/train_mpi" "$tmp/mpi-store" --steps 3 \
+      >"$tmp/mpi.log" 2>&1 || { cat "$tmp/mpi.log"; echo "train_mpi failed"; exit 1; }
+    echo "train_mpi built with pkg-config amber_mpi, ran at 2 ranks"
+  else
+    echo "train_mpi built with pkg-config amber_mpi (no mpirun: not run)"
+  fi
+else
+  echo "no libamber_mpi (MPI not found at configure): amber_mpi.pc part skipped"
+fi
 echo "1 passed, 0 failed"

@@ -29,6 +29,23 @@ import threading
 import weakref
 from ctypes import (POINTER, Structure, byref, c_char_p, c_double, c_int, c_int32,
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
+from importlib import metadata as _metadata
+
+
+def __getattr__(name):
+    """amber.__version__: the version of the installed distribution amber-ckpt (what pip
+    installed, wheel or editable), or, from a source tree that is not installed, the
+    version the loaded libamber reports. Looked up on first use (the metadata lookup
+    costs a scan of sys.path, which `import amber` need not pay)."""
+    if name != "__version__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        v = _metadata.version("amber-ckpt")
+    except _metadata.PackageNotFoundError:
+        v = version()
+    globals()["__version__"] = v
+    return v
+
 
 __all__ = [
     "AmberError", "PruneWarning", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
