@@ -523,7 +523,7 @@ def scenario_damage(rank, world, d):
     the next save (step 7) commits. Also two ranks that declare the same rows
     through the global writer fail the step on both, naming both shards."""
     import torch.distributed.checkpoint as dcp  # noqa: F401  (dcp.load in _dcp_load)
-    from amber._dist import TorchComm
+    from amber.torch._comm import TorchComm
     torch.manual_seed(100 + rank)
     model, opt = build(0)
     saved = {}
