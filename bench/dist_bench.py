@@ -29,6 +29,15 @@ with a floor prints the ratio the floor itself shows.
 
     dist_bench.py [--ranks 2,4] [--repeat 1] [--deltas 2] [--policy lossy-compact] [--quick]
                   [--json FILE] [--markdown] [--out DIR] [--timeout S]
+    dist_bench.py --save-calls [--ranks 2,4] [--deltas 4] [--baseline TREE] [--quick]
+
+--save-calls measures only what a steady delta's save() call costs the training
+thread (the call alone, wall and thread CPU time, median over the overlapped deltas,
+the slowest rank's), for one process (the same model, unsharded, in a store of one
+process) and at each world size of --ranks, so that the cost at many ranks stands next
+to the one-process cost in the same run; with --baseline TREE the same runs once more
+with the amber of another checkout TREE (its python/ and build/libamber.so), e.g. the
+code before a change.
 
 More ranks than cores oversubscribe the CPUs: the figures then include the ranks'
 contention for them (the report prints both numbers).
@@ -55,6 +64,101 @@ log = logger("dist_bench")
 
 
 # ---------------------------------------------------------------- one rank
+def _use_tree(tree):
+    """Imports amber from checkout `tree` instead of the installed one (--baseline)."""
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not type(f).__module__.startswith("_editable")]
+    sys.path.insert(0, os.path.join(tree, "python"))
+    os.environ["AMBER_LIBRARY"] = os.path.join(tree, "build", "libamber.so")
+
+
+def calls_worker(a):
+    """--save-calls: a full save, then --deltas pairs of deltas; the save() calls of the
+    overlapped ones, timed. World size 1: the unsharded model in one process."""
+    if a.tree:
+        _use_tree(a.tree)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from amber.torch import Checkpointer
+
+    rank, world = a.rank, a.world
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"file://{a.init}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=a.timeout))
+    torch.manual_seed(0)
+    model = quick_model() if a.quick else GPT2Small()
+    if world > 1:
+        for b in model.h:
+            fully_shard(b)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1 + rank)
+
+    def grads():
+        for p in model.parameters():
+            loc = p.to_local() if isinstance(p, DTensor) else p
+            if p.grad is None:
+                g = torch.empty_like(loc)
+                p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape,
+                                            stride=p.stride(), run_check=False) \
+                    if isinstance(p, DTensor) else g
+            (p.grad.to_local() if isinstance(p, DTensor) else p.grad).normal_(0, 1e-3,
+                                                                               generator=gen)
+    grads()
+    opt.step()
+    state = {"model": model, "optim": opt}
+    store = os.path.join(a.out, f"calls-{world}-{'base' if a.tree else 'this'}")
+    calls = []
+    barrier = dist.barrier if world > 1 else None
+    with Checkpointer(store, policy=a.policy, full_every=1000, full_share=-1) as ck:
+        amber_full(ck, state, 1)
+        amber_deltas(ck, state, 1, 2 * a.deltas, grads, opt.step, barrier, calls)
+    calls = calls[1:] or calls  # the first overlapped delta may still plan
+    out = {"save_call": statistics.median(t for t, _ in calls),
+           "save_cpu": statistics.median(c for _, c in calls)}
+    if world > 1:
+        got = [None] * world
+        dist.all_gather_object(got, out)
+        out = {k: max(g[k] for g in got) for k in out}
+    if rank == 0:
+        with open(a.result, "w") as fh:
+            json.dump(out, fh)
+    if world > 1:
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def save_calls(a, worlds):
+    """--save-calls: the runs, this checkout's and --baseline's, and their table."""
+    trees = [("this checkout", None)] + ([("baseline " + a.baseline, a.baseline)]
+                                        if a.baseline else [])
+    res = {}
+    for label, tree in trees:
+        for w in [1] + worlds:
+            res[(label, w)] = spawn(a, "calls", w, w, os.path.join(a.out, f"calls-{w}.json"),
+                                    tree)
+    lines = [f"save() of a steady delta ({'GPT-2 small' if not a.quick else 'quick model'}"
+             f" + AdamW, policy {a.policy!r}; median over {max(1, a.deltas - 1)} calls, the "
+             "slowest rank's):", ""]
+    lines.append(row(["", "ranks", "save() ms", "CPU ms", "vs one process"], a.markdown,
+                     (16, 6, 10, 10)))
+    if a.markdown:
+        lines.insert(3, "|---|---|---|---|---|")
+    for label, _ in trees:
+        one = res[(label, 1)]["save_call"]
+        for w in [1] + worlds:
+            f = res[(label, w)]
+            lines.append(row([label, str(w), f"{1e3 * f['save_call']:.2f}",
+                              f"{1e3 * f['save_cpu']:.2f}", f"{f['save_call'] / one:.2f}x"],
+                             a.markdown, (16, 6, 10, 10)))
+    return "\n".join(lines), {f"{k[0]}|{k[1]}": v for k, v in res.items()}
+
+
 def worker(a):
     import torch
     import torch.distributed as dist
@@ -258,8 +362,9 @@ def worker(a):
 
 
 # ---------------------------------------------------------------- the run
-def spawn(a, phase, world, saved_at, result):
-    """Runs `phase` on `world` ranks of this script; kills them all past --timeout."""
+def spawn(a, phase, world, saved_at, result, tree=None):
+    """Runs `phase` on `world` ranks of this script (with another checkout's amber:
+    `tree`); kills them all past --timeout."""
     init = os.path.join(a.out, f"rdzv-{phase}-{world}-{saved_at}")
     if os.path.exists(init):
         os.unlink(init)
@@ -270,7 +375,8 @@ def spawn(a, phase, world, saved_at, result):
                         "--saved-at", str(saved_at), "--result", result, "--out", a.out,
                         "--repeat", str(a.repeat), "--deltas", str(a.deltas),
                         "--policy", a.policy, "--lr", str(a.lr),
-                        "--timeout", str(a.timeout)] + args for r in range(world)],
+                        "--timeout", str(a.timeout)] + args +
+                       (["--tree", tree] if tree else []) for r in range(world)],
                       a.timeout, env=env)
     if any(codes):
         raise SystemExit(f"dist_bench: {phase} at {world} ranks failed (exit codes {codes})")
@@ -374,7 +480,11 @@ def main():
     add_run_args(ap)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per spawned phase")
     # a spawned rank's own arguments
-    ap.add_argument("--worker", choices=("save", "load"), help=argparse.SUPPRESS)
+    ap.add_argument("--save-calls", action="store_true",
+                    help="only the cost of a delta's save() call, one process and --ranks")
+    ap.add_argument("--baseline", help="with --save-calls: also another checkout's amber")
+    ap.add_argument("--worker", choices=("save", "load", "calls"), help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--init", help=argparse.SUPPRESS)
@@ -383,12 +493,19 @@ def main():
     a = ap.parse_args()
     if a.worker:
         a.phase = a.worker
-        return worker(a)
+        return calls_worker(a) if a.worker == "calls" else worker(a)
     worlds = [int(x) for x in a.ranks.split(",")]
     if a.repeat < 1 or a.deltas < 1 or any(w < 1 for w in worlds):
         ap.error("--repeat, --deltas and --ranks must be >= 1")
     shutil.rmtree(a.out, ignore_errors=True)
     os.makedirs(a.out)
+    if a.save_calls:
+        try:
+            text, res = save_calls(a, worlds)
+        finally:
+            shutil.rmtree(a.out, ignore_errors=True)
+        emit("amber dist_bench --save-calls", text, res, a.json)
+        return
     import torch
     config = {"ranks": worlds, "policy": a.policy, "lr": a.lr, "repeat": a.repeat,
               "deltas": a.deltas, "cpus": os.cpu_count(), "torch": torch.__version__,

@@ -75,7 +75,7 @@ def test_wheel_repaired_installs_self_contained_and_saves_and_loads_from_another
     assert re.search(r"-py3-none-manylinux_\d+_\d+_x86_64\.whl$", whl.name), whl.name
     names = subprocess.run([sys.executable, "-m", "zipfile", "-l", str(whl)], capture_output=True,
                            text=True, check=True).stdout
-    assert "amber/libamber.so" in names and "amber/torch.py" in names, names
+    assert "amber/libamber.so" in names and "amber/torch/__init__.py" in names, names
     # Linked in, not grafted: here (Debian's -dev packages ship the static archives)
     # auditwheel found nothing to copy into the wheel.
     assert "amber_ckpt.libs/" not in names, names

@@ -240,8 +240,8 @@ def plan_of(state: dict, flat, meta: dict, spans: dict, items: list) -> Optional
         entry = meta["entries"][key]
         kind, data = "dynamic", None
         if isinstance(value, torch.nn.Module):
-            if not names.plain[id(value)]:
-                return None
+            # any module whose state dict is its parameters and buffers under the names
+            # encoded (FSDP2's sharded DTensors too), checked below; not DDP's "module."
             mods, expect = [], []
             keys = _module_slots(value, mods, expect)
             st = entry["state"]
@@ -259,11 +259,9 @@ def plan_of(state: dict, flat, meta: dict, spans: dict, items: list) -> Optional
             data = {"json": (json.dumps(key) + ":" + json.dumps(entry, allow_nan=False,
                                                                separators=SEP)).encode()}
         elif isinstance(value, torch.optim.Optimizer):
-            mod = names.owner(value)
             if type(value).state_dict is not torch.optim.Optimizer.state_dict or \
                     value._optimizer_state_dict_pre_hooks or \
-                    value._optimizer_state_dict_post_hooks or \
-                    (mod is not None and value.state and not names.plain[id(mod)]):
+                    value._optimizer_state_dict_post_hooks:
                 return None
             params, pnames = names.optimizer_params(value)
             by_name = dict(zip(pnames, params))

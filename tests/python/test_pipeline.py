@@ -1,0 +1,209 @@
+"""The shared parts of the save and load pipelines, in this process (the multi-process
+scenarios stay in test_dist_*.py): the Saver over either sink with the communicator of
+one process, the vote, the capture rule, the sources, the metadata conversions, and
+the save plan at a multi-rank store. Every front end runs these parts: the
+Checkpointer at any world size and amber.dcp's Writer."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import amber  # noqa: E402
+from amber.torch import Checkpointer  # noqa: E402
+from amber.torch import _comm, _meta  # noqa: E402
+from amber.torch._capture import CAPTURE_BYTES, Versions  # noqa: E402
+from amber.torch._encode import flatten  # noqa: E402
+from amber.torch._load import Load  # noqa: E402
+from amber.torch._options import Options  # noqa: E402
+from amber.torch._save import Saver, in_place_names  # noqa: E402
+from amber.torch._sink import GlobalSink, StoreSink  # noqa: E402
+from amber.torch._source import GlobalSource, StoreSource  # noqa: E402
+
+
+def save(sv, step, tensors, state=None, touch=None):
+    """One save through the Saver as the front ends run it; `touch` changes a tensor
+    between begin and the fence (a torn save)."""
+    items = [it for it in sv.items(tensors, state) if it is not None]
+    sv.declare(step, items, None)
+    sv.sink.set_meta(_meta.dumps({"format": sv.sink.meta_format, "entries": {}}))
+    names, ts = in_place_names(items)
+    sv.begin(step, False, Versions(names, ts), [it.source for it in items if it.source is not None],
+             any(it.in_place for it in items), {}, state)
+    if touch is not None:
+        touch()
+    sv.fence()
+    sv.wait()
+
+
+def restored(source, step, like):
+    """Every tensor of `like` ({name: tensor}) as `source` restores step `step`."""
+    out = {n: torch.zeros_like(t) for n, t in like.items()}
+    with source.open(step, False, _comm.SoloComm(), {}, 0) as s:
+        infos = {i.name: i for i in s.reader.tensors()}
+        ld = Load(s.reader, True, s.step, boxes=s.boxes)
+        ld.fresh = []
+        ld.inplace = [(infos[n].index, t, n, None) for n, t in out.items()]
+        ld.apply()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["store", "global"])
+def test_saver_writes_full_then_delta_and_refuses_a_torn_save(tmp_path, kind):
+    """The same Saver steps over a store of one process and a multi-rank store (with
+    the communicator of one process): a full save, a delta, a save torn by an
+    in-place change before the fence (AMBER_ECHANGED, nothing committed), then a
+    correct save again."""
+    opts = Options.make()
+    path = str(tmp_path / "s")
+    comm = _comm.SoloComm()
+    sink = StoreSink(path, opts.writer, opts.rules) if kind == "store" else \
+        GlobalSink(path, opts.writer, opts.rules, comm)
+    sv = Saver(sink, comm, opts)
+    w = torch.randn(100_000)
+    small = torch.randn(10)
+    tensors = [("w", w), ("small", small)]
+    save(sv, 1, tensors)
+    w[::7] += 1
+    save(sv, 2, tensors)
+    want = {"w": w.clone(), "small": small.clone()}
+    with pytest.raises(amber.AmberError) as ei:
+        save(sv, 3, tensors, touch=lambda: w.add_(1))
+    assert ei.value.name == "AMBER_ECHANGED" and "'w' changed in place" in str(ei.value)
+    w[::5] += 2
+    save(sv, 4, tensors)
+    steps = sink.steps()
+    assert [s.step for s in steps] == [1, 2, 4]
+    assert [s.kind for s in steps][:2] == ["full", "delta"]
+    source = StoreSource(path, sink.store) if kind == "store" else GlobalSource(path)
+    got2 = restored(source, 2, want)
+    assert all(torch.equal(got2[n], want[n]) for n in want)
+    got4 = restored(source, 4, want)
+    assert torch.equal(got4["w"], w) and torch.equal(got4["small"], small)
+    sv.close()
+
+
+def test_capture_rule_reads_large_and_owned_tensors_in_place_and_copies_the_rest(tmp_path):
+    opts = Options.make()
+    sv = Saver(StoreSink(str(tmp_path / "s"), opts.writer, opts.rules), _comm.SoloComm(), opts)
+    lin = torch.nn.Linear(4, 4)
+    bn = torch.nn.BatchNorm1d(4)
+    model = torch.nn.Sequential(lin, bn)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    big = torch.randn(CAPTURE_BYTES // 4 + 1)
+    with torch.inference_mode():
+        inf = torch.randn(CAPTURE_BYTES // 4 + 1)
+    state = {"model": model, "opt": opt}
+    tensors = [("weight", lin.weight), ("running_mean", bn.running_mean), ("big", big),
+               ("small", torch.randn(3)), ("inference", inf), ("strided", big[::2])]
+    got = {it.decl.name: it for it in sv.items(tensors, state)}
+    assert got["weight"].in_place and got["weight"].source is lin.weight  # an optimizer's: any size
+    assert got["big"].in_place                                            # above capture_bytes
+    for name in ("running_mean", "small", "inference", "strided"):       # copied now
+        it = got[name]
+        assert not it.in_place and it.source is not None
+        assert it.source.data_ptr() != it.local.data_ptr() and torch.equal(it.source, it.local)
+    # the staging buffers are reused from save to save
+    again = {it.decl.name: it for it in sv.items(tensors, state)}
+    assert again["small"].source is got["small"].source
+    sv.close()
+
+
+class _TwoRanks:
+    """A communicator of two ranks in this process: the other rank's vote is given."""
+    rank, size = 0, 2
+
+    def __init__(self, other_flags, other_err):
+        self.other_flags, self.other_err = other_flags, other_err
+
+    def allgather(self, data):
+        return bytes(data) + bytes([self.other_flags])
+
+    def gather_objects(self, obj):
+        return [obj, self.other_err]
+
+
+def test_vote_names_the_rank_that_failed_and_agrees_on_a_reopen():
+    flags, failure = _comm.vote(_TwoRanks(0x80, "TypeError: boom"), None, 0)
+    assert failure == (1, "TypeError: boom")
+    flags, failure = _comm.vote(_TwoRanks(1, None), None, 2)
+    assert failure is None and flags == [2, 1]
+    opts = Options.make()
+    sv = Saver(type("S", (), {"dist": True, "writer": None})(), _TwoRanks(0x80, "ValueError: x"),
+               opts)
+    with pytest.raises(amber.AmberError) as ei:
+        sv.vote(7, None, False, False)
+    assert ei.value.name == "AMBER_ECANCELED" and ei.value.rank == 1
+    assert "step 7 not committed: rank 1 failed: ValueError: x" in str(ei.value)
+    with pytest.raises(TypeError, match="mine"):  # one process: its own error, as it is
+        Saver(sv.sink, _comm.SoloComm(), opts).vote(7, TypeError("mine"), False, False)
+
+
+def _model_state():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    return {"model": m, "optim": opt, "extra": {"epoch": 3, "t": (1, 2.5)}}
+
+
+def test_metadata_conversions_between_the_checkpointer_and_dcp_formats():
+    """The Checkpointer's entries as amber.dcp's keys and objects (what the DCP Reader
+    offers: every tensor under its own name, values decoded), and amber.dcp's keys
+    and objects as the Checkpointer's entries (what a Checkpointer load of a
+    DCP-written step plans): the same tensors under the same names, the same values."""
+    state = _model_state()
+    flat, meta = flatten(state, False)
+    meta["format"] = _meta.TORCH
+    keys, objects = _meta.dcp_view(meta, 1)
+    tensors = {n for n, _ in flat.tensors}
+    assert {v for v in keys.values() if v not in objects} == tensors
+    assert objects[keys["extra.epoch"]] == 3
+    # a state dict as DCP users save it, named as amber.dcp's Writer names its items
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(state["model"], state["optim"])
+    dflat, mappings = flatten_state_dict({"model": msd, "optim": osd, "extra": state["extra"]})
+    names = {k: "/".join(str(p) for p in mappings[k]) for k in dflat}
+    dcp_objects = {names[k]: v for k, v in dflat.items() if not torch.is_tensor(v)}
+    back = _meta.dcp_entries(names, dcp_objects, state, 1)
+    assert set(back) == {"model", "optim", "extra"}
+    assert set(back["model"]["state"]) == set(meta["entries"]["model"]["state"])
+    assert back["optim"]["state"].keys() == meta["entries"]["optim"]["state"].keys()
+    assert back["extra"]["value"]["epoch"] == 3
+
+
+def test_checkpointer_on_a_multi_rank_store_in_one_process_plans_its_saves(tmp_path):
+    """One process on a multi-rank store (a GlobalSink with the communicator of one):
+    the same save plan as on one store (the second save does not walk the structure
+    again), deltas, and a load through the GlobalSource."""
+    path = str(tmp_path / "g")
+    state = _model_state()
+    with amber.GlobalWriter(path) as g:  # make it a multi-rank store (world size 1)
+        t = torch.zeros(1)
+        g.add("seed", amber.F32, (1,), (0,), (1,), t.data_ptr())
+        g.save(0)
+    with Checkpointer(path, full_share=-1) as ck:
+        assert isinstance(ck._sink, GlobalSink)
+        for step in (1, 2, 3):
+            state["optim"].step()
+            ck.save(step, state)
+            if step == 2:
+                assert ck._saveplan is not None  # made by step 1
+            ck.wait()
+        assert [s.kind for s in ck.steps()][-2:] == ["delta", "delta"]
+    want = {n: p.detach().clone() for n, p in state["model"].named_parameters()}
+    fresh = _model_state()
+    with Checkpointer(path, readonly=True) as ck:
+        assert ck.load(fresh) == 3
+    for n, p in fresh["model"].named_parameters():
+        assert torch.equal(p, want[n]), n
+
+
+def test_dcp_writer_runs_the_shared_saver(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    w = Writer()
+    dcp.save({"x": torch.randn(10)}, storage_writer=w, checkpoint_id=f"{tmp_path}/d/step-1")
+    assert isinstance(w._saver, Saver) and isinstance(w._saver.sink, StoreSink)
+    w.close()
