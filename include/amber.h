@@ -341,6 +341,12 @@ AMBER_API int amber_writer_set_meta(amber_writer *w, const char *json, size_t le
  * background but committed only when the caller says so with
  * amber_writer_confirm (see "Confirming a save" below). */
 #define AMBER_SAVE_CONFIRM (1u << 2)
+/* amber_global_writer_begin and _save only: the ranks have already agreed on full or
+ * delta (every rank passes the same AMBER_SAVE_FULL, having asked
+ * amber_global_writer_wants_full and exchanged the answers in a vote of its own), so
+ * begin makes no collective of its own to decide it. A caller that votes on other
+ * things before each step anyway (amber.torch does) saves a collective per step. */
+#define AMBER_SAVE_VOTED (1u << 3)
 
 /* Saves the declared tensors as checkpoint `step` and commits it: when this
  * returns 0 the checkpoint is durable and is the store's latest. The checkpoint
@@ -820,6 +826,13 @@ AMBER_API int amber_global_writer_save(amber_global_writer *gw, uint64_t step, u
  * memory as for amber_writer_begin/fence. */
 AMBER_API int amber_global_writer_begin(amber_global_writer *gw, uint64_t step,
                                         uint32_t flags);
+/* Whether this rank wants step `step` begun with `flags` to be full (asked for,
+ * after a failed step, the first step, the cadence): what begin's own vote would
+ * carry. The step is full on every rank when any rank wants it; a caller that
+ * exchanges the answers itself begins with AMBER_SAVE_VOTED and, where any rank
+ * wants it, AMBER_SAVE_FULL. Not collective. */
+AMBER_API int amber_global_writer_wants_full(const amber_global_writer *gw, uint64_t step,
+                                             uint32_t flags, int *full);
 AMBER_API int amber_global_writer_fence(amber_global_writer *gw);
 AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
 /* The verdict on a save begun with AMBER_SAVE_CONFIRM, as amber_writer_confirm, for

@@ -655,7 +655,7 @@ static int start_commit(amber_global_writer *gw) {
 static int check_request(amber_global_writer *gw, uint64_t step, uint32_t flags) {
   if (gw->busy || gw->committing)
     return amber__fail(caller_err(gw), AMBER_EBUSY, "a save is in progress (wait for it first)");
-  if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM))
+  if (flags & ~(uint32_t)(AMBER_SAVE_FULL | AMBER_SAVE_CONFIRM | AMBER_SAVE_VOTED))
     return amber__fail(&gw->err, AMBER_EINVAL, "global save: unsupported flags 0x%x", flags);
   if (gw->latest != AMBER_NO_STEP && step <= gw->latest)
     return amber__fail(&gw->err, AMBER_EEXIST, "step %llu is not after the latest step %llu",
@@ -683,6 +683,15 @@ static int vote_full(amber_global_writer *gw, int want, int *full) {
   return 0;
 }
 
+int amber_global_writer_wants_full(const amber_global_writer *gw, uint64_t step,
+                                   uint32_t flags, int *full) {
+  if (!gw || !full)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_wants_full: NULL argument");
+  (void)step;
+  *full = want_full(gw, flags);
+  return 0;
+}
+
 /* The rank writer's flags for a step of kind `full` begun with `flags`. */
 static uint32_t rank_flags(int full, uint32_t flags) {
   return (full ? AMBER_SAVE_FULL : 0u) | (flags & AMBER_SAVE_CONFIRM);
@@ -695,9 +704,12 @@ int amber_global_writer_begin(amber_global_writer *gw, uint64_t step, uint32_t f
   if (rc < 0) return rc;
   double t0 = amber__now();
   /* A planned step keeps the plan's kind, which every rank voted for already; the
-   * vote runs again so that every begin makes the same collectives, planned or not. */
-  rc = vote_full(gw, planned ? gw->plan.full : want_full(gw, flags), &gw->full);
-  if (rc < 0) return rc;
+   * vote runs again so that every begin makes the same collectives, planned or not.
+   * With AMBER_SAVE_VOTED the caller's own vote decided it, on every rank alike. */
+  if (flags & AMBER_SAVE_VOTED)
+    gw->full = planned ? gw->plan.full : (flags & AMBER_SAVE_FULL) != 0;
+  else if ((rc = vote_full(gw, planned ? gw->plan.full : want_full(gw, flags), &gw->full)) < 0)
+    return rc;
   gw->saved = 1, gw->busy = 1, gw->step = step, gw->begin_rc = 0, gw->begin_msg[0] = 0;
   gw->t_begin = t0;
   memset(&gw->stats, 0, sizeof gw->stats);

@@ -984,6 +984,60 @@ static void test_region_read_restores_only_the_chunks_it_needs(void) {
   amber_global_reader_close(g);
 }
 
+/* AMBER_SAVE_VOTED: the ranks agree on full or delta themselves (each asks
+ * amber_global_writer_wants_full; a step is full when any rank wants it) and begin
+ * takes the kind it is given, with no vote of its own. */
+static void voted_rank(const amber_comm *c, void *arg) {
+  const char *path = arg;
+  amber_global_writer *gw;
+  int rc = amber_global_writer_open(&gw, path, c, NULL);
+  RCHECK(rc == 0);
+  if (rc < 0) return;
+  int64_t gshape[2] = {ROWS, COLS}, off[2], shape[2];
+  part(c->rank, c->size, 0, off, shape);
+  float *w = malloc((size_t)(shape[0] * shape[1]) * sizeof *w + 1), b[BIAS];
+  int64_t bshape[1] = {BIAS};
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, gshape, off, shape, w, 0) == 0);
+  RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bshape, NULL, NULL, b,
+                                 AMBER_SHARD_REPLICATED) == 0);
+  /* step 1: every rank wants it full (the first); 2: none does; 3: forced by the caller
+   * (whatever the cadence says after a dense delta) */
+  int want[3] = {1, 0, -1};
+  uint32_t extra[3] = {0, 0, AMBER_SAVE_FULL};
+  for (uint64_t s = 1; s <= 3; s++) {
+    fill_w(w, off, shape, s);
+    for (int i = 0; i < BIAS; i++) b[i] = bval(i, s);
+    int full = -1;
+    RCHECK(amber_global_writer_wants_full(gw, s, 0, &full) == 0);
+    RCHECK(want[s - 1] < 0 || full == want[s - 1]);
+    uint32_t flags = AMBER_SAVE_VOTED | extra[s - 1] | (full ? AMBER_SAVE_FULL : 0);
+    RCHECK(amber_global_writer_begin(gw, s, flags) == 0);
+    RCHECK(amber_global_writer_wait(gw) == 0);
+  }
+  RCHECK(amber_global_writer_begin(gw, 4, AMBER_SAVE_VOTED | (1u << 7)) == AMBER_EINVAL);
+  amber_global_writer_close(gw);
+  free(w);
+}
+
+static void test_voted_begin_takes_the_kind_the_ranks_agreed_on(void) {
+  const char *p = tu_tmpdir();
+  atomic_store(&rank_fails, 0);
+  tc_run(2, voted_rank, (void *)p);
+  CHECK(atomic_load(&rank_fails) == 0);
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 3);
+  if (n == 3) {
+    CHECK(info[0].kind == AMBER_KIND_FULL);
+    CHECK(info[1].kind == AMBER_KIND_DELTA);
+    CHECK(info[2].kind == AMBER_KIND_FULL);
+  }
+  amber_free(info);
+  check_read(p, 2, 2, 2, 0, 0);
+  check_read(p, 3, 3, 1, 1, 0);
+}
+
 int main(void) {
   alarm(300); /* a rank stuck in a collective must not hang the suite */
   TEST_RUN(test_two_ranks_sharded_and_replicated_round_trip);
@@ -1011,5 +1065,6 @@ int main(void) {
   TEST_RUN(test_any_thread_comm_commits_split_saves_in_the_background);
   TEST_RUN(test_rank_metadata_set_data_and_confirm);
   TEST_RUN(test_region_read_restores_only_the_chunks_it_needs);
+  TEST_RUN(test_voted_begin_takes_the_kind_the_ranks_agreed_on);
   return tu_finish();
 }

@@ -70,6 +70,7 @@ WRITER_NO_DIRECT_IO = 1 << 1
 SAVE_FULL = 1 << 0
 SAVE_NO_REFERENCE = 1 << 1
 SAVE_CONFIRM = 1 << 2
+SAVE_VOTED = 1 << 3
 READER_FALLBACK = 1 << 0
 KIND_FULL, KIND_DELTA = 0, 1
 NO_STEP = LATEST = (1 << 64) - 1
@@ -762,6 +763,8 @@ _gw_add_policy = _fn("amber_global_writer_add_policy", c_int, _H, c_char_p)
 _gw_set_units = _fn("amber_global_writer_set_units", c_int, _H, POINTER(c_double), c_size_t)
 _gw_save = _fn("amber_global_writer_save", c_int, _H, c_uint64, c_uint32)
 _gw_begin = _fn("amber_global_writer_begin", c_int, _H, c_uint64, c_uint32)
+_gw_wants_full = _fn("amber_global_writer_wants_full", c_int, _H, c_uint64, c_uint32,
+                     POINTER(c_int))
 _gw_fence = _fn("amber_global_writer_fence", c_int, _H)
 _gw_wait = _fn("amber_global_writer_wait", c_int, _H)
 _gw_confirm = _fn("amber_global_writer_confirm", c_int, _H, c_int, c_char_p)
@@ -1014,11 +1017,23 @@ class GlobalWriter(_Handle):
         with self._lock:
             self._call(_gw_save(self._handle(), step, SAVE_FULL if full else 0), self._h)
 
-    def begin(self, step, full=False, confirm=False):
-        """Starts this rank's part of `step` (collective: one allgather)."""
-        flags = (SAVE_FULL if full else 0) | (SAVE_CONFIRM if confirm else 0)
+    def begin(self, step, full=False, confirm=False, voted=False):
+        """Starts this rank's part of `step` (collective: one allgather, which decides
+        full or delta; none with voted=True: the ranks agreed already, every rank
+        passing the same `full`, see wants_full)."""
+        flags = (SAVE_FULL if full else 0) | (SAVE_CONFIRM if confirm else 0) | \
+            (SAVE_VOTED if voted else 0)
         with self._lock:
             self._call(_gw_begin(self._handle(), step, flags), self._h)
+
+    def wants_full(self, step, full=False):
+        """Whether this rank wants `step` to be full (what begin's own vote carries;
+        not collective)."""
+        out = c_int()
+        with self._lock:
+            _check(_gw_wants_full(self._handle(), step, SAVE_FULL if full else 0, byref(out)),
+                   self._h)
+        return bool(out.value)
 
     def fence(self):
         with self._lock:

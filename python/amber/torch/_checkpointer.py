@@ -208,7 +208,7 @@ class Checkpointer:
             text = _meta.dumps(meta)
         except Exception as e:  # with many ranks, every rank must learn of it first
             err = e
-        sv.declare(step, items, err, self._step_rules(state))
+        sv.declare(step, items, err, self._step_rules(state), full=full)
         sink.set_meta(text)
         self._unit_map = None
         if self.options.has_units:
@@ -301,7 +301,7 @@ class Checkpointer:
             dyn_at = dict(at)
             return [dyn_at[i] if i in dyn_at else next(static) for i in range(len(sv.sig))]
         sv.declare(step, None, None, self._step_rules(state), items_fn=items,
-                   points=[(i, it.address) for i, it in at])
+                   points=[(i, it.address) for i, it in at], full=full)
         sink.set_meta(meta)
         if self._unit_map is not None:  # the learning rates of this step
             lrs = self._unit_map.lrs(state)

@@ -34,7 +34,7 @@ from ._naming import box, is_dtensor
 from ._options import Options
 from ._sink import Decl, Item, device_wanted, new_device_path
 
-_FLAG_REOPEN, _FLAG_DEVICE = 1, 2
+_FLAG_REOPEN, _FLAG_DEVICE, _FLAG_FULL = 1, 2, 4
 
 
 class Saver:
@@ -61,6 +61,9 @@ class Saver:
         self.busy = False      # a save begun and not yet waited for
         self.torn = None       # why the save in progress must not commit (set at the fence)
         self.units = None      # the units the writer has
+        self.voted = False     # the last vote decided full or delta (see vote)
+        self.vote_full = False
+        self._any_dev = False
 
     # -- declarations --
     def item(self, name: str, t: torch.Tensor, owned, buffers) -> Optional[Item]:
@@ -100,23 +103,34 @@ class Saver:
         return self.sink.writer is None or [it.decl for it in items] != self.sig
 
     # -- a save --
-    def vote(self, step: int, err: Optional[BaseException], changed: bool, dev: bool):
+    def vote(self, step: int, err: Optional[BaseException], changed: bool, dev: bool,
+             full: bool = False):
         """Every rank's readiness before any begins (one small all_gather; nothing with
         one process): a rank that could not prepare its part fails the step on every
-        rank, naming it (with one process its own error is raised as it is). Returns
-        (reopen: some rank's declarations changed, device: some rank selects on its
-        device)."""
+        rank, naming it (with one process its own error is raised as it is). It also
+        carries whether the rank wants the step full (its global writer's answer),
+        so that the writer's begin need not vote again. Returns (reopen: some rank's
+        declarations changed, device: some rank selects on its device); sets `voted`
+        (begin may take the vote's full) and `vote_full`."""
         if err is not None and self.comm.size == 1:
             raise err
+        wants = False
+        if err is None and not changed and self.sink.dist and self.sink.writer is not None:
+            wants = self.sink.writer.wants_full(step, full)
         got, failure = _comm.vote(self.comm, None if err is None else
                                   f"{type(err).__name__}: {err}",
-                                  (_FLAG_REOPEN if changed else 0) | (_FLAG_DEVICE if dev else 0))
+                                  (_FLAG_REOPEN if changed else 0) | (_FLAG_DEVICE if dev else 0)
+                                  | (_FLAG_FULL if wants else 0))
         if failure is not None:
             e = AmberError(_amber.ECANCELED, f"step {step} not committed: rank {failure[0]} "
                            f"failed: {failure[1]}", name="AMBER_ECANCELED")
             e.rank = failure[0]
             raise e from err
-        return any(f & _FLAG_REOPEN for f in got), any(f & _FLAG_DEVICE for f in got)
+        reopen, any_dev = any(f & _FLAG_REOPEN for f in got), any(f & _FLAG_DEVICE for f in got)
+        # every rank kept its writer and votes no device plan: every rank's full is known
+        self.voted = self.sink.dist and not reopen and not any_dev
+        self.vote_full = any(f & _FLAG_FULL for f in got)
+        return reopen, any_dev
 
     def reopen(self, items: list, extra_rules=()) -> None:
         """A new writer for a new set of tensors (collective with many ranks: every rank
@@ -142,14 +156,15 @@ class Saver:
                 self.ptrs[i] = addr
 
     def declare(self, step: int, items: Optional[list], err, extra_rules=(),
-                items_fn: Optional[Callable[[], list]] = None, points=None) -> None:
+                items_fn: Optional[Callable[[], list]] = None, points=None,
+                full: bool = False) -> None:
         """Votes, then reopens the writer or points it. `items`: this save's
         declarations; a save that knows its declarations are unchanged passes
         `points` (the addresses that may have moved) and `items_fn` (its items, should
         another rank's change make every rank reopen)."""
         changed = items is not None and self.changed(items)
         dev = bool(items) and any(it.decl.on_device for it in items)
-        reopen, self._any_dev = self.vote(step, err, changed, dev)
+        reopen, self._any_dev = self.vote(step, err, changed, dev, full)
         if reopen:
             self.reopen(items if items is not None else items_fn(), extra_rules)
         else:
@@ -195,10 +210,15 @@ class Saver:
             if self._any_dev:  # the kind of save, and its errors, now (amber.device)
                 flags, kind = sink.plan_device(self.dev, step, flags)
 
+            voted = self.voted and not self._any_dev
+
             def start():
                 if devs:
                     self.dev.select(sink.writer, kind, live)
-                sink.begin(step, bool(flags & _amber.SAVE_FULL), self.gated)
+                if voted:  # the vote decided full or delta on every rank alike
+                    sink.begin(step, self.vote_full, self.gated, voted=True)
+                else:
+                    sink.begin(step, bool(flags & _amber.SAVE_FULL), self.gated)
             if background:
                 self.dev_job = _device.Background(start, [t.device for t in devs.values()])
             elif devs and sink.dist:

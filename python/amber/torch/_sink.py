@@ -112,8 +112,11 @@ class _Sink:
     def set_units(self, units: list) -> None:
         self.writer.set_units(units)
 
-    def begin(self, step: int, full: bool, confirm: bool) -> None:
-        self.writer.begin(step, full=full, confirm=confirm)
+    def begin(self, step: int, full: bool, confirm: bool, voted: bool = False) -> None:
+        if voted:  # the ranks agreed on full or delta in their own vote (global writer)
+            self.writer.begin(step, full=full, confirm=confirm, voted=True)
+        else:
+            self.writer.begin(step, full=full, confirm=confirm)
 
     def fence(self) -> None:
         self.writer.fence()
