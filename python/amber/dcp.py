@@ -22,13 +22,20 @@ by "/" (an optimizer state from get_state_dict is "optim/state/<FQN>/exp_avg"), 
 the Checkpointer's patterns such as "*/exp_avg_sq" apply; optimizer step counters
 stay exact.
 
-What is stored: the tensors as amber tensors, and, in the checkpoint's JSON
-metadata (amber.dcp/1, amber.torch._meta), which DCP key each tensor is and the
-non-tensor values (DCP's "bytes" items: param_groups, counters, ...) encoded as
-amber.torch encodes plain data. No pickle is ever written: a non-tensor value that
-is not plain data (numbers, strings, None, lists, tuples, dicts, dtypes, small numpy
-arrays) is refused with a TypeError before anything is written. DCP's Metadata is
-rebuilt from that JSON and the store's tensor table on load.
+What is stored: one amber tensor per write item that DCP's planner makes of the state
+dict (a plain tensor whole, each local shard of a DTensor or a ShardedTensor, any
+tensor of DCP's checkpointable protocol), with the data the planner's resolve_data
+gives (dcp.save; dcp.async_save reads the staged state dict as DCP's default planner
+would); in the checkpoint's JSON metadata (amber.dcp/1, amber.torch._meta) which DCP
+key each item is, its path in the nested state dict (DCP's planner_data, so that
+DCP's loaders rebuild nested state dicts), and the non-tensor values that are plain
+data (numbers, strings, None, lists, tuples, dicts, dtypes, small numpy arrays),
+encoded as amber.torch encodes them. Any other value (bytes, a BytesIO, an object) is
+stored as the bytes DCP's planner makes of it (its torch.save), exactly and
+checksummed, as a u8 tensor, by rank 0 of many (DCP keeps one rank's value of a key):
+amber itself never pickles or unpickles; dcp.load hands the bytes back to DCP's
+planner, which does, and amber.torch's Checkpointer refuses such a value. DCP's
+Metadata is rebuilt from that JSON and the store's tensor table on load.
 
 Commit: a save is written and made durable, but becomes visible only in finish(),
 DCP's last step; a save that fails anywhere before makes nothing visible.
@@ -65,17 +72,21 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
     TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.utils import find_state_dict_object
 
 import amber as _amber
 from amber import AmberError, Store
 from amber.torch import _comm, _dtypes, _meta
 from amber.torch._capture import FenceHooks, Versions
+from amber.torch._naming import box, is_dtensor
 from amber.torch._options import Options
 from amber.torch._save import Saver, in_place_names
 from amber.torch._sink import GlobalSink, StoreSink
@@ -171,10 +182,16 @@ class Writer(StorageWriter, AsyncStager):
     """DCP StorageWriter (and AsyncStager) into an amber store.
 
     Writer(checkpoint_id=None, policy=None, full_every=None, full_share=None,
-           threads=0, chunk_elems=0, process_group=None)
+           threads=0, chunk_elems=0, process_group=None, overwrite=True)
       policy, full_every, full_share, threads, chunk_elems: as for
       amber.torch.Checkpointer ("exact" by default, "lossy", rules...).
-      checkpoint_id: optional default id; DCP's checkpoint_id= overrides it.
+      checkpoint_id: the default id ("STORE" or "STORE/step-N"), used by every save
+              that DCP gives no checkpoint_id= (DCP's overrides it for that save).
+      overwrite: False makes a save to "STORE/step-N" whose step N is committed
+              raise FileExistsError before anything is written (DCP's
+              FileSystemWriter(overwrite=False)). amber's committed steps are
+              immutable, so with True such a save raises too, with a message that
+              says so; "STORE" always names the next step.
       process_group: the ranks that save together, the group given to dcp.save
               (default: the world); with more than one rank the store is a
               multi-rank store (see the module's documentation). Every rank
@@ -187,9 +204,11 @@ class Writer(StorageWriter, AsyncStager):
     _synchronize_after_execute = False  # staging completes with stage()'s Future
 
     def __init__(self, checkpoint_id=None, policy=None, full_every=None, full_share=None,
-                 threads=0, chunk_elems=0, process_group=None):
+                 threads=0, chunk_elems=0, process_group=None, overwrite=True):
         super().__init__()
         self._pg = process_group
+        self._overwrite = bool(overwrite)
+        self._ready = False   # reset() ran for the save in progress
         self._options = Options.make(policy, full_every, full_share, threads=threads,
                                      chunk_elems=chunk_elems)
         self._comm = None     # amber's collectives, on a gloo group of its own (many ranks)
@@ -268,6 +287,9 @@ class Writer(StorageWriter, AsyncStager):
     # -- StorageWriter --
     def reset(self, checkpoint_id=None):
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
+        if cid is None:
+            raise ValueError("amber.dcp.Writer needs a checkpoint_id: Writer(\"STORE\") or "
+                             "dcp.save(..., checkpoint_id=\"STORE/step-N\")")
         path, step = parse_checkpoint_id(cid)
         # many ranks; or one process saving into a store that many ranks wrote (a step
         # of world size 1, which every world size loads)
@@ -280,13 +302,28 @@ class Writer(StorageWriter, AsyncStager):
                                  f"not {cid!r}")
             return
         self._use(path, many)
+        latest = self._saver.sink.latest()
         if step is None:
-            latest = self._saver.sink.latest()
             step = 0 if latest is None else latest + 1
+        elif latest is not None and step <= latest:
+            taken = any(s.step == step for s in self._saver.sink.steps())
+            if taken and not self._overwrite:
+                raise FileExistsError(f"amber.dcp.Writer: checkpoint {cid!r} exists and "
+                                      "overwrite=False")
+            raise FileExistsError(
+                f"amber.dcp.Writer: checkpoint {cid!r}: step {step} is "
+                f"{'committed' if taken else 'below'} the store's latest step {latest}, and "
+                "amber's committed steps are immutable (a later step can only follow the "
+                "latest; overwrite cannot replace one): save to a later step, or to "
+                f"checkpoint_id={path!r} for the next one")
         self._target = (self._saver.sink.path, step)
+        self._ready = True
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
-        pass
+        # dcp.save calls reset() only when it is given a checkpoint_id: every other save
+        # goes to the Writer's own id, the next step of its store for "STORE"
+        if not self._ready:
+            self.reset()
 
     def prepare_local_plan(self, plan):
         return plan
@@ -309,9 +346,14 @@ class Writer(StorageWriter, AsyncStager):
         fut = torch.futures.Future()
         try:
             if self._begun is None:  # dcp.save: the planner's state dict, begun now
-                self._begin_state(getattr(planner, "state_dict", None),
-                                  getattr(planner, "mappings", None) or {}, plan)
+                state = getattr(planner, "state_dict", None)
+                if state is None:
+                    raise TypeError("amber.dcp.Writer: the planner has no state_dict (a "
+                                    "planner other than DCP's DefaultSavePlanner?)")
+                self._begin_items(state, getattr(planner, "mappings", None) or {},
+                                  planner.resolve_data)
             names, _ = self._begun
+            self._check_plan(plan)
             if self._staged is not None:
                 self._staged.result()
             else:
@@ -319,8 +361,6 @@ class Writer(StorageWriter, AsyncStager):
             results = []
             for item in plan.items:
                 fqn = item.index.fqn
-                if fqn not in names:
-                    raise ValueError(f"amber.dcp.Writer: {fqn}: not in the staged state")
                 size = 0
                 if item.type != WriteItemType.BYTE_IO:
                     size = item.tensor_data.chunk.sizes.numel() * \
@@ -330,6 +370,7 @@ class Writer(StorageWriter, AsyncStager):
             if self._saver.sink.dist:  # the global commit: collective, here on every rank
                 self._saver.verdict()
                 self._begun = self._staged = None
+                self._ready = False
                 self._saver.wait()
             fut.set_result(results)
         except BaseException as e:
@@ -352,6 +393,7 @@ class Writer(StorageWriter, AsyncStager):
             self._abort()
             raise
         self._begun = self._staged = None
+        self._ready = False
 
     # -- AsyncStager --
     def stage(self, state_dict):
@@ -368,7 +410,17 @@ class Writer(StorageWriter, AsyncStager):
                              "dcp.async_save (or to Writer())")
         self._abort()
         self.reset(cid)
-        self._begin_state(state_dict, None, None)
+        flat, mappings = flatten_state_dict(state_dict)
+        flat = _flatten_sharded_tensors(flat)
+
+        def resolve(item):  # what DCP's default planner resolves, read at staging
+            obj = find_state_dict_object(flat, item.index)
+            if item.type != WriteItemType.BYTE_IO:
+                return obj
+            buf = io.BytesIO()
+            torch.save(obj, buf)  # DCP's own serialization of a value (no amber pickle)
+            return buf
+        self._begin_items(flat, mappings, resolve)
         fut = Future()
         self._staged = fut
 
@@ -386,39 +438,45 @@ class Writer(StorageWriter, AsyncStager):
             self._staged.result()
 
     # -- the save --
-    def _begin_state(self, state, mappings, plan):
-        """Begins the save of a DCP state dict (`mappings`: DCP's flattening of it, when
-        the planner made it; else it is flattened here), through the shared pipeline:
-        each tensor is declared as the Checkpointer declares it (a DTensor as this
-        rank's shard, a plain tensor written by rank 0 of many), every non-tensor
-        value encoded in the metadata. A failure here is this rank's vote: with many
-        ranks every rank learns of it before any begins."""
+    def _begin_items(self, flat, mappings, resolve):
+        """Begins the save of a DCP state dict (flattened, with DCP's `mappings`) through
+        the shared pipeline: one declaration per write item that DCP's planner makes of
+        it (create_default_local_save_plan: a plain tensor whole, a DTensor's or a
+        ShardedTensor's local shards, any tensor that implements DCP's checkpointable
+        protocol), its data as `resolve` (the planner's resolve_data) gives it. A plain
+        tensor, and a fully replicated DTensor, is written by rank 0 of many; a value
+        that is plain data goes into the metadata as JSON, any other value as the bytes
+        DCP's planner makes of it (rank 0's), a u8 tensor. A failure here is this
+        rank's vote: with many ranks every rank learns of it before any begins."""
         sv = self._saver
         step = self._target[1]
         err = items = text = None
-        tensors, objects, names = [], {}, {}
+        names, paths, encoded, pickled = {}, {}, {}, []
         try:
-            if state is None:
-                raise TypeError("amber.dcp.Writer: the planner has no state_dict (a planner "
-                                "other than DCP's DefaultSavePlanner?)")
-            flat = state
-            if mappings is None:
-                flat, mappings = flatten_state_dict(state)
-            for item in plan.items if plan is not None else ():
-                if item.index.fqn not in flat:
-                    raise ValueError(f"amber.dcp.Writer: {item.index.fqn}: in the plan, not in "
-                                     "the planner's state dict")
-            for fqn, v in flat.items():
-                name = _name(mappings.get(fqn, (fqn,)))
-                names[fqn] = name
-                if isinstance(v, torch.Tensor):
-                    tensors.append((name, v))
-                else:
-                    objects[name] = v
-            enc = Encoder()
-            encoded = {name: enc.enc(v, name) for name, v in objects.items()}
+            tensors, enc = [], Encoder()
+            for wi in create_default_local_save_plan(flat, True).items:
+                fqn = wi.index.fqn
+                path = tuple(mappings.get(fqn, (fqn,)))
+                name = _name(path)
+                names[fqn], paths[fqn] = name, list(path)
+                if wi.type == WriteItemType.BYTE_IO:
+                    try:
+                        encoded[name] = enc.enc(flat[fqn], name)  # plain data: JSON
+                    except TypeError:
+                        pickled.append(name)
+                        if sv.rank == 0:  # DCP keeps one rank's bytes of a value
+                            data = resolve(wi).getvalue()
+                            t = torch.frombuffer(bytearray(data), dtype=torch.uint8) \
+                                if data else torch.empty(0, dtype=torch.uint8)
+                            tensors.append((name, t, (t, (t.numel(),), (0,), (t.numel(),),
+                                                      True, False)))
+                    continue
+                tensors.append((name, flat[fqn], self._box_of(wi, flat[fqn], resolve(wi))))
+            if not sv.sink.dist:
+                tensors = self._whole(tensors)
             items = [it for it in sv.items(tensors) if it is not None]
-            meta = {"format": _meta.DCP, "step": step, "keys": names, "objects": encoded}
+            meta = {"format": _meta.DCP, "step": step, "keys": names, "objects": encoded,
+                    "paths": paths, "bytes": pickled}
             if sv.sink.dist:
                 meta["rank"] = sv.rank
             text = _meta.dumps(meta)
@@ -427,7 +485,7 @@ class Writer(StorageWriter, AsyncStager):
         sv.declare(step, items, err, (_STEP_RULE,))
         sv.sink.set_meta(text)
         if self._options.has_units:
-            sv.set_units(_units_of([it.decl.name for it in items], objects))
+            sv.set_units(_units_of([it.decl.name for it in items], encoded))
         vnames, vtensors = in_place_names(items)
         sv.begin(step, False, Versions(vnames, vtensors),
                  [it.source for it in items if it.source is not None],
@@ -435,8 +493,64 @@ class Writer(StorageWriter, AsyncStager):
                  {it.decl.name: it.local for it in items if it.decl.on_device}, gate=True)
         self._begun = (names, encoded)
 
+    def _box_of(self, wi, obj, t):
+        """(tensor read, global shape, offsets, local shape, writes, replicated) of
+        write item `wi` of value `obj`, whose data is `t`."""
+        td = wi.tensor_data
+        gshape, off, lshape = tuple(td.size), tuple(td.chunk.offsets), tuple(td.chunk.sizes)
+        many = self._saver.sink.dist
+        if wi.type == WriteItemType.TENSOR:  # a plain tensor: the same on every rank
+            return t, gshape, off, lshape, True, many
+        if is_dtensor(obj):  # its replicas of a shard: the rank at coordinate 0 writes it
+            _, _, _, _, writes, repl = box(obj)
+            if repl:
+                return t, gshape, off, lshape, True, many
+        else:
+            writes = True
+        return t, gshape, off, lshape, writes, False
+
+    def _whole(self, tensors):
+        """A store of one process holds whole tensors: the local shards of one tensor
+        (a wrapper of several, as LocalShardsWrapper) are assembled into a staging
+        buffer of the whole, when they tile it; else the save is refused."""
+        by, out = {}, []
+        for name, obj, at in tensors:
+            if not any(at[2]) and tuple(at[3]) == tuple(at[1]):
+                out.append((name, obj, at))
+            else:
+                by.setdefault(name, []).append(at)
+        for name, parts in by.items():
+            gshape, dtype = tuple(parts[0][1]), parts[0][0].dtype
+            volume = 1
+            for d in gshape:
+                volume *= d
+            if sum(p[0].numel() for p in parts) != volume or \
+                    any(p[0].dtype != dtype or tuple(p[1]) != gshape for p in parts):
+                raise NotImplementedError(
+                    f"amber.dcp.Writer: {name}: shards that do not make up the whole tensor "
+                    f"{list(gshape)} in a store of one process, which holds whole tensors: save "
+                    "under a process group, or into a multi-rank store")
+            buf = self._saver.stage.bufs.get(name)
+            if buf is None or tuple(buf.shape) != gshape or buf.dtype != dtype:
+                buf = self._saver.stage.bufs[name] = torch.empty(gshape, dtype=dtype)
+            with torch.no_grad():
+                for t, _, off, lshape, _, _ in parts:
+                    buf[tuple(slice(o, o + n) for o, n in zip(off, lshape))].copy_(t)
+            out.append((name, buf, (buf, gshape, (0,) * len(gshape), gshape, True, False)))
+        return out
+
+    def _check_plan(self, plan):
+        """DCP's final plan asks this rank to write only what it declared (a planner
+        that adds items of its own cannot have them written by amber)."""
+        names = self._begun[0]
+        for item in plan.items:
+            if item.index.fqn not in names:
+                raise ValueError(f"amber.dcp.Writer: {item.index.fqn}: in DCP's plan, not in "
+                                 "the state dict amber staged")
+
     def _abort(self):
         """Drops the save in progress uncommitted."""
+        self._ready = False
         if self._begun is None:
             return
         self._begun = None
@@ -447,6 +561,11 @@ class Writer(StorageWriter, AsyncStager):
             except BaseException:
                 pass
         self._saver.abort("the DCP save failed before finish()")
+
+
+def _pickled(meta):
+    b = meta.get("bytes") if isinstance(meta, dict) else None
+    return [n for n in b if isinstance(n, str)] if isinstance(b, list) else []
 
 
 class Reader(StorageReader):
@@ -462,6 +581,9 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id=None):
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
+        if cid is None:
+            raise ValueError("amber.dcp.Writer needs a checkpoint_id: Writer(\"STORE\") or "
+                             "dcp.save(..., checkpoint_id=\"STORE/step-N\")")
         path, step = parse_checkpoint_id(cid)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"amber.dcp.Reader: no amber store at {path!r} "
@@ -489,12 +611,15 @@ class Reader(StorageReader):
                 where = f"step {r.step} of {self._path}"
                 meta = _meta.parse(r.meta(), where)
                 if isinstance(meta, dict) and meta.get("format") == _meta.TORCH:
-                    keys, objects = _meta.dcp_view(meta, r.step)
+                    keys, objects, paths = _meta.dcp_view(meta, r.step)
+                    pickled = []
                 else:
                     keys, objects = _meta.dcp_parts(meta, r.step, where)
+                    paths, pickled = _meta.dcp_paths(meta, keys), _pickled(meta)
                 infos = r.tensors()
-        self._meta = {"keys": keys, "objects": objects, "global": False}
-        return self._metadata(keys, objects, infos, where)
+        self._meta = {"keys": keys, "objects": objects, "pickled": set(pickled),
+                      "global": False}
+        return self._metadata(keys, objects, paths, pickled, infos, where)
 
     def _read_metadata_global(self):
         """Metadata of a step written by many ranks: the union of the ranks' keys and
@@ -505,7 +630,7 @@ class Reader(StorageReader):
         with _amber.GlobalReader(self._path, self._step) as g:
             self._step = g.step
             where = f"global step {g.step} of {self._path}"
-            keys, objects = {}, {}
+            keys, objects, paths, pickled = {}, {}, {}, []
             for r in range(g.world_size):
                 raw = g.meta(r)
                 if raw is None:
@@ -513,24 +638,31 @@ class Reader(StorageReader):
                 m = _meta.parse(raw, f"{where}, rank {r}")
                 if isinstance(m, dict) and m.get("format") == _meta.TORCH_DIST:
                     if r == 0:  # the Checkpointer's entries: the same on every rank
-                        k, o = _meta.dcp_view(m, g.step)
+                        k, o, p = _meta.dcp_view(m, g.step)
                         keys.update(k)
                         objects.update(o)
+                        paths.update(p)
                     continue
                 k, o = _meta.dcp_parts(m, g.step, f"{where}, rank {r}")
                 keys.update(k)
                 objects.update(o)
+                paths.update(_meta.dcp_paths(m, k))
+                pickled += _pickled(m)
             infos = g.tensors()
-        self._meta = {"keys": keys, "objects": objects, "global": True}
-        return self._metadata(keys, objects, infos, where)
+        self._meta = {"keys": keys, "objects": objects, "pickled": set(pickled),
+                      "global": True}
+        return self._metadata(keys, objects, paths, pickled, infos, where)
 
     @staticmethod
-    def _metadata(keys, objects, infos, where):
-        """DCP's Metadata: each tensor one chunk of its (global) shape."""
+    def _metadata(keys, objects, paths, pickled, infos, where):
+        """DCP's Metadata: each tensor one chunk of its (global) shape; each value a
+        bytes item; planner_data the keys' paths in the nested state dict (what
+        DCP's loaders, dcp_to_torch_save among them, unflatten by)."""
         infos = {i.name: i for i in infos}
+        pickled = set(pickled)
         sd_meta, storage = {}, {}
         for fqn, name in keys.items():
-            if name in objects:
+            if name in objects or name in pickled:
                 sd_meta[fqn] = BytesStorageMetadata()
                 storage[MetadataIndex(fqn)] = name
                 continue
@@ -543,7 +675,8 @@ class Reader(StorageReader):
             sd_meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=_dtypes.TORCH[info.dtype]),
                                                  size, [ChunkStorageMetadata(zero, size)])
             storage[MetadataIndex(fqn, zero)] = name
-        return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+        return Metadata(state_dict_metadata=sd_meta, storage_data=storage,
+                        planner_data={k: p for k, p in paths.items() if k in sd_meta})
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         self._storage = metadata.storage_data
@@ -559,22 +692,27 @@ class Reader(StorageReader):
         tensors before anything live changes, in one call of the library; and the
         plain values the plan asks for, decoded."""
         regions, values, items = {}, {}, []
+        pickled = self._meta["pickled"]
         for req in plan.items:
             name = self._storage[req.storage_index]
-            if req.type == LoadItemType.BYTE_IO:
+            if req.type == LoadItemType.BYTE_IO and name not in pickled:
                 continue
             i = find(name)
             if i is None:
                 raise AmberError(_amber.EFORMAT, f"step {self._step} of {self._path}: no "
                                  f"tensor {name!r}", name="AMBER_EFORMAT")
-            t = torch.empty(tuple(req.lengths), dtype=_dtypes.TORCH[info(i).dtype])
-            items.append((i, tuple(req.storage_offsets), tuple(req.lengths),
-                          t.data_ptr() if t.numel() else 0, t.numel() * t.element_size()))
+            shape = tuple(req.lengths)
+            offsets = tuple(req.storage_offsets)
+            if req.type == LoadItemType.BYTE_IO:  # the bytes of a value, whole
+                shape, offsets = tuple(info(i).shape), (0,)
+            t = torch.empty(shape, dtype=_dtypes.TORCH[info(i).dtype])
+            items.append((i, offsets, shape, t.data_ptr() if t.numel() else 0,
+                          t.numel() * t.element_size()))
             regions[id(req)] = t
         read(items)
         dec, objects = Decoder(self._step), self._meta["objects"]
         for req in plan.items:
-            if req.type == LoadItemType.BYTE_IO:
+            if req.type == LoadItemType.BYTE_IO and id(req) not in regions:
                 name = self._storage[req.storage_index]
                 if name not in objects:
                     raise AmberError(_amber.EFORMAT, f"step {self._step}: no value {name!r}",
@@ -595,9 +733,12 @@ class Reader(StorageReader):
                 regions, values = self._regions(r, plan, r.find, r.info, r.read_boxes)
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:
-                buf = io.BytesIO()
-                torch.save(values[self._storage[req.storage_index]], buf)  # in memory only
-                buf.seek(0)
+                if id(req) in regions:  # the bytes DCP's planner made, exactly
+                    buf = io.BytesIO(regions[id(req)].numpy().tobytes())
+                else:  # a plain value: handed over as DCP's own loader expects it
+                    buf = io.BytesIO()
+                    torch.save(values[self._storage[req.storage_index]], buf)  # in memory
+                    buf.seek(0)
                 planner.load_bytes(req, buf)
                 continue
             dst = planner.resolve_tensor(req).detach()

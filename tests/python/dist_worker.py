@@ -630,10 +630,10 @@ def scenario_dcp(rank, world, d):
             else:
                 f = dcp.async_save(_dcp_state(model, opt), storage_writer=w, checkpoint_id=cid)
                 (f.upload_completion if hasattr(f, "upload_completion") else f).result()
-        # a value rank 1 cannot store without pickle: the step fails on every rank,
-        # naming rank 1, and the store stays at step 4
+        # a tensor rank 1 cannot store (a dtype amber does not write): the step fails on
+        # every rank, naming rank 1, and the store stays at step 4
         bad = _dcp_state(model, opt)
-        bad["extra"] = {"note": object() if rank == 1 else "plain"}
+        bad["extra"] = {"note": torch.zeros(2, dtype=torch.complex64 if rank == 1 else torch.float32)}
         try:
             dcp.save(bad, storage_writer=w, checkpoint_id=f"{d}/x/step-5")
             raise AssertionError("a save that rank 1 cannot store succeeded")

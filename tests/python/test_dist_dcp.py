@@ -78,3 +78,14 @@ def test_dcp_save_and_load_under_torchrun(tmp_path):
     assert p.returncode == 0, out
     assert open(f"{d}/dcptiny.ok").read() == "2"
     assert cli("verify", f"{d}/t").returncode == 0
+
+
+def test_dcp_contract_at_two_ranks(tmp_path):
+    """DCP's contract at 2 ranks (tests/python/dcp_contract_worker.py): ShardedTensors
+    through a Writer given its path and no checkpoint_id, a nested state dict through
+    DCP's empty-state-dict loader (planner_data), dcp.async_save of a DTensor and a
+    BytesIO value waited on as an AsyncSaveResponse; and the CLI verifies the stores."""
+    ranks("contract", 2, str(tmp_path), worker=os.path.join(HERE, "dcp_contract_worker.py"))
+    assert open(f"{tmp_path}/contract.ok").read() == "2"
+    for store in ("st0", "nested", "async"):
+        assert cli("verify", f"{tmp_path}/{store}").returncode == 0, store

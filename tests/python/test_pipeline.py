@@ -155,7 +155,7 @@ def test_metadata_conversions_between_the_checkpointer_and_dcp_formats():
     state = _model_state()
     flat, meta = flatten(state, False)
     meta["format"] = _meta.TORCH
-    keys, objects = _meta.dcp_view(meta, 1)
+    keys, objects, _ = _meta.dcp_view(meta, 1)
     tensors = {n for n, _ in flat.tensors}
     assert {v for v in keys.values() if v not in objects} == tensors
     assert objects[keys["extra.epoch"]] == 3

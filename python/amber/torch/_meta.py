@@ -8,7 +8,10 @@ conversions. One owner for all four:
                       entries, and "rank", "world_size", "rng" (that rank's states as
                       JSON).
   amber.dcp/1         amber.dcp's, in a store of one process or per rank: {"keys":
-                      {DCP key: tensor or value name}, "objects": {name: encoded value}}.
+                      {DCP key: tensor or value name}, "objects": {name: encoded value},
+                      "paths": {DCP key: its path in the nested state dict (DCP's
+                      planner_data)}, "bytes": [names of values stored as the bytes
+                      DCP's planner made of them, as u8 tensors]}.
 
 Each side loads the other's stores: a Checkpointer load converts amber.dcp's keys and
 objects to entries (dcp_entries); the DCP Reader converts entries to keys and objects
@@ -65,7 +68,7 @@ def dcp_parts(meta, step, where) -> tuple[dict, dict]:
     return meta["keys"], meta["objects"]
 
 
-def dcp_entries(keys, objects, state: dict, step) -> dict:
+def dcp_entries(keys, objects, state: dict, step, pickled=()) -> dict:
     """The entries of amber.torch's metadata for `state`, from a step written through
     amber.dcp ({DCP key: name}, {name: encoded value}). amber.dcp names each item by its
     path in the state dict joined by "/" (an optimizer's state from get_state_dict is
@@ -79,7 +82,11 @@ def dcp_entries(keys, objects, state: dict, step) -> dict:
             head = name.split("/", 1)[0]
             by_key.setdefault(head, []).append(name)
 
+    pickled = set(pickled)
+
     def value(name):
+        if name in pickled:
+            return {"$pickled": name}
         return objects[name] if name in objects else {"$t": name}
 
     def nest(key, names):
@@ -111,7 +118,7 @@ def dcp_entries(keys, objects, state: dict, step) -> dict:
             entries[key] = {"type": "optimizer", "state": st,
                             "param_groups": [groups[i] for i in sorted(groups)]}
         elif names == [key]:
-            entries[key] = {"type": "tensor" if key not in objects else "value",
+            entries[key] = {"type": "value" if key in objects or key in pickled else "tensor",
                             "value": value(key)}
         elif hasattr(target, "load_state_dict"):
             entries[key] = {"type": "object", "state": nest(key, names)}
@@ -127,14 +134,15 @@ def checkpointer_meta(meta, state: dict, step, where: str, dist: bool,
     amber.dcp's (converted; with many ranks `dcp_ranks` holds every rank's parsed
     metadata, each of which stored its own items)."""
     if isinstance(meta, dict) and meta.get("format") == DCP:
-        keys, objects = {}, {}
+        keys, objects, pickled = {}, {}, []
         for i, m in enumerate(dcp_ranks if dcp_ranks is not None else [meta]):
             if m is None:
                 continue
             k, o = dcp_parts(m, step, f"{where}, rank {i}" if dcp_ranks is not None else where)
             keys.update(k)
             objects.update(o)
-        return {"entries": dcp_entries(keys, objects, state, step)}
+            pickled += m.get("bytes", []) if isinstance(m.get("bytes"), list) else []
+        return {"entries": dcp_entries(keys, objects, state, step, pickled)}
     want = TORCH_DIST if dist else TORCH
     if not isinstance(meta, dict) or meta.get("format") != want:
         raise not_ours(where, "amber.torch's distributed Checkpointer" if dist else "amber.torch")
@@ -160,9 +168,21 @@ class _Refs(Decoder):
         return _Ref(name)
 
 
-def dcp_view(meta: dict, step) -> tuple[dict, dict]:
+def dcp_paths(meta: dict, keys: dict) -> dict:
+    """{DCP key: its path in the nested state dict} of amber.dcp metadata: as stored, or,
+    for a step written before amber.dcp stored them, split from the names (a path
+    joined by "/", an all-digit part a list index)."""
+    paths = meta.get("paths")
+    if isinstance(paths, dict):
+        return {k: tuple(p) for k, p in paths.items() if isinstance(p, list)}
+    return {k: tuple(int(p) if p.isdigit() else p for p in n.split("/"))
+            for k, n in keys.items() if isinstance(n, str)}
+
+
+def dcp_view(meta: dict, step) -> tuple[dict, dict, dict]:
     """A step written by amber.torch's Checkpointer (either format) as amber.dcp's
-    (keys {DCP key: name}, objects {name: encoded value}): each entry rebuilt as the
+    (keys {DCP key: name}, objects {name: encoded value}, paths {DCP key: path in the
+    nested state dict}): each entry rebuilt as the
     state dict DCP users pass (a module's {FQN: tensor}, an optimizer's {"state":
     {FQN: {...}}, "param_groups": [...]} as get_state_dict gives them, an object's
     state_dict, a value) and flattened as DCP flattens it."""
@@ -189,6 +209,7 @@ def dcp_view(meta: dict, step) -> tuple[dict, dict]:
             ld.bad(key, "an entry without a known type")
     flat, mappings = flatten_state_dict(nested)
     keys, objects, enc = {}, {}, Encoder()
+    paths = {k: tuple(mappings.get(k, (k,))) for k in flat}
     for fqn, v in flat.items():
         if isinstance(v, _Ref):
             keys[fqn] = v.name
@@ -201,4 +222,4 @@ def dcp_view(meta: dict, step) -> tuple[dict, dict]:
             raise AmberError(_amber.EFORMAT, f"step {step}: {fqn}: a value holding tensors, "
                              "which DCP's flattening keeps whole", name="AMBER_EFORMAT") from None
         keys[fqn] = name
-    return keys, objects
+    return keys, objects, paths

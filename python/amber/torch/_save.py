@@ -66,10 +66,15 @@ class Saver:
         self._any_dev = False
 
     # -- declarations --
-    def item(self, name: str, t: torch.Tensor, owned, buffers) -> Optional[Item]:
+    def item(self, name: str, t: torch.Tensor, owned, buffers, at=None) -> Optional[Item]:
         """Tensor `t` as this rank saves it (None: another rank writes it), read in
-        place or copied into its staging buffer (the capture rule)."""
-        if is_dtensor(t):
+        place or copied into its staging buffer (the capture rule). Its box: a
+        DTensor's shard, a plain tensor whole (replicated with many ranks: rank 0
+        writes it); or `at` = (local tensor, global shape, offsets, local shape,
+        writes, replicated), a box that the caller's plan gives (DCP's write items)."""
+        if at is not None:
+            loc, gshape, off, lshape, writes, repl = at
+        elif is_dtensor(t):
             loc, gshape, off, lshape, writes, repl = box(t)
         else:
             loc, gshape = t, tuple(t.shape)
@@ -88,13 +93,13 @@ class Saver:
         return it
 
     def items(self, tensors: list, state: Optional[dict] = None) -> list:
-        """Every (name, tensor) of `tensors` as an Item (None where this rank declares
-        none). `state`: the state dict whose optimizers' tensors are read in place at
-        any size and whose module buffers are copied."""
+        """Every (name, tensor[, box]) of `tensors` as an Item (None where this rank
+        declares none; box: see item()). `state`: the state dict whose optimizers'
+        tensors are read in place at any size and whose module buffers are copied."""
         owned = owned_storages(state) if state else set()
         buffers = buffer_storages(state) if state else set()
         with torch.no_grad():
-            out = [self.item(n, t, owned, buffers) for n, t in tensors]
+            out = [self.item(n, t, owned, buffers, *at) for n, t, *at in tensors]
         self.stage.keep_only([it.decl.name for it in out if it is not None])
         return out
 

@@ -7,6 +7,8 @@ a tensor inside a value is a reference {"$t": name} to a tensor of the checkpoin
     {"$d": [[k, v], ...]}  a dict whose keys are not all plain strings
     {"$dtype": "float32"}  a torch dtype
     {"$np": {"dtype", "shape", "data"}}  a numpy array of booleans, integers or floats
+    {"$pickled": name}     (amber.dcp) bytes that DCP's planner made of a value that is not
+                           plain data, stored exactly as u8 tensor `name`; never unpickled
 """
 
 import amber as _amber
@@ -135,6 +137,10 @@ class Decoder:
                 return dt
             if tag == "$np":
                 return self.numpy(v, path)
+            if tag == "$pickled":
+                self.bad(path, "a value that DCP's planner pickled (bytes, or an object that is "
+                         "not plain data), which amber.torch does not unpickle: load it with "
+                         "dcp.load and amber.dcp.Reader")
             if tag == "$d":
                 if not isinstance(v, list) or not all(isinstance(i, list) and len(i) == 2 for i in v):
                     self.bad(path, "a dict that is not a list of pairs")
