@@ -317,6 +317,10 @@ AMBER_API int amber_writer_set_data(amber_writer *w, size_t index, const void *d
  * means N times the tensor's unit, set with amber_writer_set_units (a learning
  * rate, say); a tensor without a unit is exact under such a rule. */
 AMBER_API int amber_writer_add_policy(amber_writer *w, const char *rule);
+/* Whether `rule` is a policy rule that amber_writer_add_policy takes: 0, or
+ * AMBER_EINVAL with the reason in amber_last_error(NULL). For checking a
+ * configuration before anything is opened. Thread-safe. */
+AMBER_API int amber_policy_check(const char *rule);
 
 /* Sets the units of the first n declared tensors (declaration order) for the
  * following saves: "Nu" in a rule means N * units[i] for tensor i; 0 means no unit

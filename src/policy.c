@@ -161,6 +161,14 @@ int amber__rules_add(amber__err *e, amber__rules *r, const char *rule) {
   return 0;
 }
 
+int amber_policy_check(const char *rule) {
+  if (!rule) return amber__fail(NULL, AMBER_EINVAL, "amber_policy_check: NULL rule");
+  amber__rules r = {0};
+  int rc = amber__rules_add(NULL, &r, rule);
+  amber__rules_free(&r);
+  return rc;
+}
+
 void amber__rules_free(amber__rules *r) {
   for (size_t i = 0; i < r->n; i++) {
     free(r->v[i].pattern);

@@ -315,11 +315,22 @@ static void ls_json_reports_steps_kinds_and_file_sizes(void) {
   result_free(&r);
 }
 
+/* An empty store (made by a writer, nothing committed yet) lists nothing; a directory
+ * that holds nothing of a store, or no directory, is an error (a mistyped path). */
 static void ls_of_empty_store_is_empty_and_missing_store_fails(void) {
   const char *d = tu_tmpdir();
-  char store[4200];
+  char store[4200], plain[4200];
   snprintf(store, sizeof store, "%s/empty", d);
-  CHECK(mkdir(store, 0755) == 0);
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, store, NULL));
+  amber_store_close(st);
+  snprintf(plain, sizeof plain, "%s/plain", d);
+  CHECK(mkdir(plain, 0755) == 0);
+  for (int v = 0; v < 2; v++) {
+    result p = cli("%s '%s'", v ? "verify" : "ls", plain);
+    CHECK(p.rc == 1 && strstr(p.err, "is not an amber store"));
+    result_free(&p);
+  }
   json_t *ls = cli_json(0, "ls '%s' --json", store);
   CHECK(json_is_array(ls) && json_array_size(ls) == 0);
   json_decref(ls);

@@ -742,12 +742,24 @@ static int cmd_export(const args *a) {
 /* A store whose list is empty is empty, or it lost LATEST but still holds
  * checkpoint files (FORMAT.md, "Store layout"), which only the reader reports.
  * Returns 0 when it is empty, else prints why and returns 1. */
+/* A store with no committed checkpoint is fine (a writer made it and has not committed
+ * yet: it holds its .lock); a directory that holds nothing of a store is a mistake
+ * (a mistyped path must not "verify"), and an unreadable latest step is damage. */
 static int check_empty(amber_store *st, const char *path) {
   amber_reader *r = NULL;
   int rc = amber_reader_open(&r, st, AMBER_LATEST, NULL);
   amber_reader_close(r);
-  if (rc == AMBER_ENOENT || rc == 0) return 0;
-  return fail(rc, NULL, "store %s is damaged", path);
+  if (rc != AMBER_ENOENT && rc != 0) return fail(rc, NULL, "store %s is damaged", path);
+  static const char *const marks[] = {"LATEST", ".lock"};
+  char p[4200];
+  struct stat sb;
+  for (size_t i = 0; i < sizeof marks / sizeof *marks; i++) {
+    snprintf(p, sizeof p, "%s/%s", path, marks[i]);
+    if (stat(p, &sb) == 0) return 0;
+  }
+  fprintf(stderr, "amber: %s is not an amber store (it holds no LATEST, .lock or GLOBAL): "
+          "is the path right?\n", path);
+  return 1;
 }
 
 /* ---- ls ----------------------------------------------------------------------- */
@@ -933,6 +945,40 @@ static int info_json(amber_reader *r, const amber_ckpt_info *ci) {
                               jhash(ci->hash), "meta", mj, "tensors", tensors));
 }
 
+/* A recorded policy for people: its numbers with 6 significant digits (a rule in
+ * units records the numbers it resolved to, e.g. 1.0000000000000002e-06, the f64
+ * product of an lr and a unit). JSON output keeps the exact text. */
+static int number_at(const char *spec, const char *p) {
+  return (p == spec || strchr(":/", p[-1])) &&
+         (*p == '-' || *p == '.' || (*p >= '0' && *p <= '9'));
+}
+
+static void policy_text(const char *spec, char *buf, size_t len) {
+  size_t o = 0;
+  for (const char *p = spec; *p && o + 1 < len;) {
+    char *end = (char *)p;
+    double v = number_at(spec, p) ? strtod(p, &end) : 0;
+    if (end > p) {
+      int n = snprintf(buf + o, len - o, "%.6g", v);
+      o += n > 0 ? (size_t)n : 0;
+      p = end;
+    } else {
+      buf[o++] = *p++;
+    }
+  }
+  buf[o < len ? o : len - 1] = 0;
+}
+
+/* The preset the Checkpointer was given, when its metadata names one ("policy"). */
+static void print_preset(const char *meta, size_t len) {
+  if (!meta || !len) return;
+  json_error_t je;
+  json_t *m = json_loadb(meta, len, 0, &je);
+  json_t *p = m ? json_object_get(m, "policy") : NULL;
+  if (json_is_string(p)) printf("policy: %s\n", json_string_value(p));
+  json_decref(m);
+}
+
 /* Columns of UTF-8 text, counting code points (not bytes) as one column each. */
 static int columns(const char *s) {
   int n = 0;
@@ -951,25 +997,26 @@ static void info_text(amber_reader *r, const amber_ckpt_info *ci) {
   printf("step %" PRIu64 "  kind %s  parent %s  bytes %" PRIu64 "  hash %016" PRIx64
          "  tensors %zu  meta %zu bytes\n",
          ci->step, kind_name(ci->kind), parent, ci->bytes, ci->hash, n, mlen);
+  print_preset(meta, mlen);
   int w = 4;
   amber_tensor_info ti;
   for (size_t i = 0; i < n; i++)
     if (amber_reader_info(r, i, &ti) == 0 && columns(ti.name) > w)
       w = columns(ti.name) > 48 ? 48 : columns(ti.name);
   if (n)
-    printf("%-*s  %-7s  %-20s  %-20s  %14s  %7s\n", w, "name", "dtype", "shape", "policy",
+    printf("%-*s  %-7s  %-20s  %-28s  %14s  %7s\n", w, "name", "dtype", "shape", "policy",
            "stored bytes", "stored");
   for (size_t i = 0; i < n; i++) {
     if (amber_reader_info(r, i, &ti) != 0) continue;
-    char shape[200], share[16] = "-";
+    char shape[200], share[16] = "-", pol[200] = "-";
     shape_text(ti.shape, ti.ndim, shape, sizeof shape);
+    if (ti.policy) policy_text(ti.policy, pol, sizeof pol);
     if (ti.nelems)
       snprintf(share, sizeof share, "%.1f%%",
                100.0 * (double)ti.stored_elems / (double)ti.nelems);
     int pad = w > columns(ti.name) ? w - columns(ti.name) : 0;
-    printf("%s%*s  %-7s  %-20s  %-20s  %14" PRIu64 "  %7s\n", ti.name, pad, "",
-           amber_dtype_name(ti.dtype), shape, ti.policy ? ti.policy : "-",
-           ti.stored_bytes, share);
+    printf("%s%*s  %-7s  %-20s  %-28s  %14" PRIu64 "  %7s\n", ti.name, pad, "",
+           amber_dtype_name(ti.dtype), shape, pol, ti.stored_bytes, share);
   }
 }
 

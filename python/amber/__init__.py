@@ -24,12 +24,19 @@ Separate handles may be used from separate threads.
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import threading
 import weakref
 from ctypes import (POINTER, Structure, byref, c_char_p, c_double, c_int, c_int32,
                     c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 from importlib import metadata as _metadata
+
+
+# The logger "amber" (and its children) says what amber does: INFO when a load restores
+# a step, WARNING when it falls back past a damaged step, DEBUG per save. Silent unless
+# the application configures logging, as a library's logger should be.
+logging.getLogger("amber").addHandler(logging.NullHandler())
 
 
 def __getattr__(name):
@@ -49,7 +56,7 @@ def __getattr__(name):
 
 __all__ = [
     "AmberError", "PruneWarning", "Store", "Writer", "Reader", "CheckpointInfo", "TensorInfo",
-    "version", "library_path", "dtype_size", "dtype_name", "dtype_from_name",
+    "version", "library_path", "check_policy", "dtype_size", "dtype_name", "dtype_from_name",
     "F32", "F16", "BF16", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8",
     "U8", "BOOL", "U16", "U32", "U64", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM",
     "EINVAL", "ENOMEM", "EIO", "ENOSPC", "ENOENT", "EEXIST", "ECORRUPT", "EFORMAT", "ELOCKED",
@@ -177,6 +184,7 @@ def _fn(name, restype, *argtypes):
 
 
 _version = _fn("amber_version", c_uint32)
+_policy_check = _fn("amber_policy_check", c_int, c_char_p)
 _version_string = _fn("amber_version_string", c_char_p)
 _strerror = _fn("amber_strerror", c_char_p, c_int)
 _err_name = _fn("amber_err_name", c_char_p, c_int)
@@ -240,6 +248,14 @@ def library_path():
 def version():
     """The linked library's version string, e.g. "0.2.0"."""
     return _version_string().decode()
+
+
+def check_policy(rule):
+    """Raises AmberError (AMBER_EINVAL, with the reason) unless `rule` ("SPEC" or
+    "PATTERN=SPEC") is a policy rule that Writer.add_policy takes."""
+    if not isinstance(rule, str):
+        raise TypeError(f"a policy rule is a str, not {type(rule).__name__}")
+    _check(_policy_check(rule.encode()), None)
 
 
 def dtype_size(dtype):

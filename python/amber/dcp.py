@@ -63,10 +63,12 @@ size, and serves it from the shards that overlap it.
 """
 
 import io
+import logging
 import os
 import re
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 import torch
@@ -94,6 +96,7 @@ from amber.torch._values import Decoder, Encoder
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
 
+log = logging.getLogger("amber.dcp")
 _STEP = re.compile(r"^step-(\d+)$")
 _STEP_RULE = "*/state/*/step=exact"  # optimizer step counters ("optim/state/<FQN>/step")
 _TORN_ADVICE = ("; wait on async_save's staging_completion before changing the state "
@@ -392,6 +395,7 @@ class Writer(StorageWriter, AsyncStager):
         except BaseException:
             self._abort()
             raise
+        log.debug("step %d of %s committed", self._target[1], self._target[0])
         self._begun = self._staged = None
         self._ready = False
 
@@ -721,6 +725,7 @@ class Reader(StorageReader):
         return regions, values
 
     def read_data(self, plan, planner):
+        t0 = time.perf_counter()
         if self._meta is None:
             self.read_metadata()
         if self._meta["global"]:
@@ -744,6 +749,9 @@ class Reader(StorageReader):
             dst = planner.resolve_tensor(req).detach()
             dst.copy_(regions[id(req)])
             planner.commit_tensor(req, dst)
+        log.info("loaded step %d of %s in %.2f s (%.1f MB read)", self._step, self._path,
+                 time.perf_counter() - t0,
+                 sum(t.numel() * t.element_size() for t in regions.values()) / 1e6)
         fut = torch.futures.Future()
         fut.set_result(None)
         return fut

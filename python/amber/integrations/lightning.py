@@ -79,13 +79,17 @@ write their own sharded checkpoints (FSDP with sharded state, DeepSpeed) do not 
 CheckpointIO at all.
 
 Loading outside the Trainer. LightningModule.load_from_checkpoint() reads files with
-torch.load, not through a CheckpointIO; use load(path) here (the checkpoint dict) or
-export(path, out) (a torch.save file that load_from_checkpoint reads). A path that is
+torch.load, not through a CheckpointIO, and fails on a pointer with torch's unpickling
+error; call load_from_checkpoint(Model, path) here instead (the module, built as
+Lightning builds it), or load(path) (the checkpoint dict), or export(path, out) (a
+torch.save file that Model.load_from_checkpoint(out) reads). A pointer file names this
+in its "load_with" field. A path that is
 not an amber pointer (a .ckpt that Lightning wrote before the switch) is loaded by
 Lightning's TorchCheckpointIO, so a run resumes from its old files.
 """
 
 import atexit
+import io
 import json
 import os
 import secrets
@@ -111,6 +115,9 @@ _BULK = ("state_dict", "optimizer_states")  # checkpoint keys whose tensors stay
 _TAG = "__amber_tensor__"  # a small tensor kept in the metadata
 _POINTER_MAX = 1 << 16     # a pointer file is a few hundred bytes
 _STEP_RULE = "checkpoint/optimizer_states/*/step=exact"
+# for someone who opens a pointer file after Model.load_from_checkpoint(path) failed
+_LOAD_WITH = ("a pointer into an amber store: Trainer.fit(ckpt_path=...) with AmberCheckpointIO, "
+              "or amber.integrations.lightning.load_from_checkpoint(Model, path)")
 
 
 class _Local(Checkpointer):
@@ -441,7 +448,8 @@ class AmberCheckpointIO(CheckpointIO):
                 "store": os.path.relpath(ck.path, directory),
                 "step": step, "token": token,
                 "fallback": None if fb is None else {"step": fb[0], "token": fb[1]},
-                "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step")})
+                "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
+                "load_with": _LOAD_WITH})
 
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         """Lightning's checkpoint dict of the pointer at `path` (tensors on the CPU, or
@@ -528,6 +536,18 @@ def load(path, map_location=None):
                          name="AMBER_EFORMAT")
     with _Local(pointer["store"], readonly=True, rng=False) as ck:
         return _load(ck, None, pointer, os.fspath(path), map_location)
+
+
+def load_from_checkpoint(cls, path, map_location=None, **kwargs):
+    """cls.load_from_checkpoint(path, ...) for an amber pointer file: the Lightning
+    module (or data module) `cls` built from the checkpoint behind `path`.
+    LightningModule.load_from_checkpoint reads files with torch.load, which cannot read
+    a pointer; this hands it the checkpoint in memory (nothing is written). kwargs go
+    to load_from_checkpoint (strict=, hparams_file=, hyper-parameter overrides)."""
+    buf = io.BytesIO()
+    torch.save(load(path, map_location), buf)  # in memory only: what torch.load expects
+    buf.seek(0)
+    return cls.load_from_checkpoint(buf, map_location=map_location, **kwargs)
 
 
 def export(path, out):

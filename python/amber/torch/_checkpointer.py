@@ -13,6 +13,7 @@ of a state whose structure did not change goes through the plan of the previous 
 (_plan) and touches only what changes from save to save.
 """
 
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,8 @@ from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
 from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
 from ._source import GlobalSource, StoreSource
+
+log = logging.getLogger("amber.torch")
 
 
 class Checkpointer:
@@ -105,6 +108,7 @@ class Checkpointer:
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
         self.skipped = 0
         self.seeded = False  # the last load() seeded the writer's reference
+        self._step = None    # the step of the save in progress (for the log)
 
     # -- context manager, life cycle --
     def __enter__(self):
@@ -172,12 +176,16 @@ class Checkpointer:
                              name="AMBER_EREADONLY")
         t0 = time.perf_counter()
         self.wait()
-        if not self._save_planned(int(step), state, full):
+        planned = self._save_planned(int(step), state, full)
+        if not planned:
             self._save_unplanned(int(step), state, full)
         self.timings["save"] = time.perf_counter() - t0
+        self._step = int(step)
+        log.debug("step %d of %s: save() %.2f ms (%s)", step, self.path,
+                  1e3 * self.timings["save"], "planned" if planned else "the structure walked")
 
     def _meta_tail(self, step: int) -> dict:
-        tail = {"step": step}
+        tail = {"step": step, "policy": self.options.policy_label}
         if self._sink.dist:
             tail["rank"], tail["world_size"] = self.rank, self.world_size
             if self.rng:
@@ -339,6 +347,7 @@ class Checkpointer:
         if self._closed:
             return
         t0 = time.perf_counter()
+        busy = self._saver.busy
         try:
             self.fence()
             self._saver.wait(f"global step saved, but old ones could not be removed on rank "
@@ -346,6 +355,9 @@ class Checkpointer:
                              "a checkpoint was saved, but old ones could not be removed")
         finally:
             self.timings["wait"] = time.perf_counter() - t0
+        if busy:
+            log.debug("step %d of %s committed (wait %.2f ms)", self._step, self.path,
+                      1e3 * self.timings["wait"])
 
     # -- loading --
     def latest(self) -> Optional[int]:
@@ -397,7 +409,9 @@ class Checkpointer:
         self.seeded = False
         source = self._source()
         if step is None and source.empty():
+            log.info("%s holds no checkpoint: nothing loaded", self.path)
             return None
+        t0 = time.perf_counter()
         with source.open(step, fallback, self._comm, state, self.rank) as s:
             done = s.step
             self.skipped = s.skipped
@@ -413,6 +427,13 @@ class Checkpointer:
                 else:
                     warnings.warn(s.rng_note, RuntimeWarning, stacklevel=2)
             ld.apply()
+        nbytes = sum(t.numel() * t.element_size() for _, t, *_ in ld.fresh + ld.inplace)
+        if self.skipped:
+            log.warning("%s: loaded step %d, the newest intact one: %d newer step(s) were "
+                        "damaged and skipped (amber verify %s says why)", self.path, done,
+                        self.skipped, self.path)
+        log.info("loaded step %d of %s in %.2f s (%.1f MB read)", done, self.path,
+                 time.perf_counter() - t0, nbytes / 1e6)
         if strict and not self.readonly and step is None and not self.skipped:
             self._seed(state, done, source)
         return done

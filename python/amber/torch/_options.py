@@ -19,6 +19,7 @@ from ._sink import WriterOptions
 @dataclass(frozen=True)
 class Options:
     rules: tuple = _presets.EXACT
+    policy_label: str = "exact"   # the preset's name, or the rules: what `amber info` shows
     writer: WriterOptions = field(default_factory=WriterOptions)
     rng: bool = True
     readonly: bool = False
@@ -42,7 +43,11 @@ class Options:
                                       or keep_last < 1):
             raise ValueError(f"keep_last must be an int >= 1 or None, not {keep_last!r}")
         cb = env.get("AMBER_CAPTURE_BYTES")
-        return cls(rules=_presets.rules(policy),
+        rules = _presets.rules(policy)
+        _presets.check(policy, rules)
+        label = policy if isinstance(policy, str) and policy in _presets.PRESETS else \
+            "exact" if policy is None else ", ".join(rules)
+        return cls(rules=rules, policy_label=label,
                    writer=WriterOptions(chunk_elems=chunk_elems or 0, full_every=full_every or 0,
                                         full_share=float(full_share or 0.0),
                                         keep_last=keep_last or 0),

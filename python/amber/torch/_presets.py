@@ -16,6 +16,8 @@ Tensors without a learning rate (buffers, tensors no optimizer owns) are exact u
 the W rule. The lr units and the lead fit Adam-type optimizers.
 """
 
+import amber as _amber
+
 EXACT = ("exact",)
 # for runs resumed every 20-50 steps
 LOSSY = (
@@ -67,6 +69,19 @@ def rules(policy) -> tuple[str, ...]:
     for r in policy:
         out.extend(PRESETS.get(r, (r,)))
     return tuple(out)
+
+
+def check(policy, rules_: tuple[str, ...]) -> None:
+    """Raises ValueError, naming the presets, when a rule of `policy` is not one the
+    library takes: at construction, before anything is created."""
+    for r in rules_:
+        try:
+            _amber.check_policy(r)
+        except (_amber.AmberError, TypeError) as e:
+            why = e.message if isinstance(e, _amber.AmberError) else str(e)
+            raise ValueError(
+                f"policy {policy!r}: {why}. A policy is a preset ({', '.join(PRESETS)}), a "
+                "rule [PATTERN=]SPEC, a list of those, or a dict {PATTERN: SPEC}") from None
 
 
 def have_units(rules_: tuple[str, ...]) -> bool:
