@@ -19,13 +19,14 @@
 #include <unistd.h>
 
 #include "gwriter.h"
+#include "writer.h"
 
 void amber_global_writer_close(amber_global_writer *gw) {
   if (!gw) return;
   if (gw->committing) pthread_join(gw->committer, NULL);
   amber_writer_close(gw->w);
   amber_store_close(gw->st);
-  for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name);
+  for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name), free(gw->t[i].file);
   for (size_t i = 0; i < gw->npol; i++) free(gw->pol[i]);
   free(gw->t);
   free(gw->pol);
@@ -78,7 +79,72 @@ int amber_global_writer_set_meta(amber_global_writer *gw, const char *json, size
   return 0;
 }
 
-/* The declaration of amber_global_writer_add and _add_preselected. */
+/* The name of tensor `t` in this rank's files. */
+static const char *file_name(const gtensor *t) {
+  return t->file ? t->file : t->name;
+}
+
+/* "at [o, ...] of shape [s, ...]" of t's box, for messages. */
+static void box_text(const gtensor *t, char *buf, size_t len) {
+  char o[200], s[200];
+  amber__dims_text(t->off, t->ndim, o, sizeof o);
+  amber__dims_text(t->lshape, t->ndim, s, sizeof s);
+  snprintf(buf, len, "%s at %s of shape %s",
+           t->flags & AMBER_SHARD_REPLICATED ? "replicated (the whole tensor)" : "the box", o,
+           s);
+}
+
+/* Whether `b`, a new declaration of the name of `a`, an earlier one of this rank,
+ * may join it: another box of the same global tensor (dtype, global shape), apart
+ * from it, and neither replicated. 0, or the refusal naming both boxes. */
+static int check_another_box(amber_global_writer *gw, const gtensor *a, const gtensor *b) {
+  int repl = ((a->flags | b->flags) & AMBER_SHARD_REPLICATED) != 0;
+  int same = a->dtype == b->dtype && a->ndim == b->ndim;
+  for (uint32_t d = 0; same && d < a->ndim; d++) same = a->gshape[d] == b->gshape[d];
+  if (!repl && same && !amber__boxes_meet(a->off, a->lshape, b->off, b->lshape, a->ndim))
+    return 0;
+  char at[512], bt[512], ag[200], bg[200];
+  box_text(a, at, sizeof at), box_text(b, bt, sizeof bt);
+  if (repl)
+    return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s' declared twice on this rank: %s, "
+                       "then %s (a replicated tensor is declared once, and with no box)",
+                       a->name, at, bt);
+  if (same)
+    return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s': %s overlaps %s that this rank "
+                       "declared before (a rank's boxes of a tensor are disjoint)", a->name,
+                       bt, at);
+  amber__dims_text(a->gshape, a->ndim, ag, sizeof ag);
+  amber__dims_text(b->gshape, b->ndim, bg, sizeof bg);
+  return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': %s is declared as %s of global "
+                     "shape %s, but %s on this rank as %s of global shape %s (every box of a "
+                     "tensor has its dtype and global shape)", a->name, bt,
+                     amber_dtype_name(b->dtype), bg, at, amber_dtype_name(a->dtype), ag);
+}
+
+/* Checks `g`, whose name this rank may have declared before, against those
+ * declarations, and gives it its place among them and its name in the rank's
+ * files. */
+static int place_box(amber_global_writer *gw, gtensor *g, const char *name) {
+  g->ord = 0;
+  for (size_t i = 0; i < gw->nt; i++) {
+    if (strcmp(gw->t[i].name, name)) continue;
+    int rc = check_another_box(gw, &gw->t[i], g);
+    if (rc < 0) return rc;
+    g->ord++;
+  }
+  if (!g->ord) return 0;
+  if (!(g->file = amber__box_file_name(name, g->ord)))
+    return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  if (strlen(g->file) > 65535) {
+    free(g->file), g->file = NULL;
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%.200s...': its box %u needs a name "
+                       "of more than 65535 bytes in this rank's files", name, g->ord);
+  }
+  return 0;
+}
+
+/* The declaration of amber_global_writer_add and _add_preselected. A rank may
+ * declare several boxes of one global tensor, each its own declaration (index). */
 static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_t ndim,
                    const int64_t *global_shape, const int64_t *offsets,
                    const int64_t *local_shape, const void *data, uint32_t flags, int presel) {
@@ -91,15 +157,14 @@ static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': invalid declaration",
                        name ? name : "(null)");
   int repl = (flags & AMBER_SHARD_REPLICATED) != 0;
-  if (!strcmp(name, AMBER__BOXES_NAME))
+  if (amber__box_name_reserved(name))
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': the name is amber's own (each "
-                       "rank's file records its boxes under it)", name);
+                       "rank's file records its boxes as %s, and a rank's second and later "
+                       "boxes of a tensor as %s/K/NAME)", name, AMBER__BOXES_NAME,
+                       AMBER__BOXES_NAME);
   if (!repl && ndim && (!offsets || !local_shape))
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': offsets and local shape needed",
                        name);
-  for (size_t i = 0; i < gw->nt; i++)
-    if (!strcmp(gw->t[i].name, name))
-      return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s' declared twice", name);
   gtensor g;
   memset(&g, 0, sizeof g);
   g.dtype = dtype, g.ndim = ndim, g.flags = flags, g.data = data, g.presel = presel;
@@ -112,13 +177,15 @@ static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_
       return amber__fail(&gw->err, AMBER_ERANGE,
                          "tensor '%s': region outside the global shape in dim %u", name, d);
   }
+  int rc = place_box(gw, &g, name);
+  if (rc < 0) return rc;
   g.local = !repl || gw->comm.rank == 0;
   gtensor *nt = realloc(gw->t, (gw->nt + 1) * sizeof *nt);
+  if (nt) gw->t = nt;
   if (!nt || !(g.name = strdup(name))) {
-    if (nt) gw->t = nt;
+    free(g.file);
     return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   }
-  gw->t = nt;
   gw->t[gw->nt++] = g;
   return 0;
 }
@@ -207,7 +274,7 @@ static int make_boxes(amber_global_writer *gw) {
   for (size_t i = 0; i < gw->nt; i++) {
     const gtensor *t = &gw->t[i];
     if (!t->local) continue;
-    b[n].name = t->name, b[n].name_len = strlen(t->name), b[n].ndim = t->ndim;
+    b[n].name = file_name(t), b[n].name_len = strlen(b[n].name), b[n].ndim = t->ndim;
     memcpy(b[n].shape, t->gshape, sizeof b[n].shape);
     memcpy(b[n].off, t->off, sizeof b[n].off);
     n++;
@@ -230,14 +297,18 @@ static int ensure_writer(amber_global_writer *gw) {
   rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
   if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
   for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
-  for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++)
-    if (gw->t[i].local && gw->t[i].presel) {
-      rc = amber_writer_add_preselected(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
-                                        gw->t[i].lshape, &li);
-      if (rc == 0 && gw->t[i].src) rc = amber_writer_set_source(gw->w, li, global_source, gw);
-    } else if (gw->t[i].local)
-      rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
-                            gw->t[i].lshape, gw->t[i].data, NULL);
+  for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++) {
+    const gtensor *t = &gw->t[i];
+    if (!t->local) continue;
+    if (t->presel) {
+      rc = amber_writer_add_preselected(gw->w, file_name(t), t->dtype, t->ndim, t->lshape, &li);
+      if (rc == 0 && t->src) rc = amber_writer_set_source(gw->w, li, global_source, gw);
+    } else {
+      rc = amber_writer_add(gw->w, file_name(t), t->dtype, t->ndim, t->lshape, t->data, &li);
+    }
+    /* the caller's rules name the global tensor, whatever name the box has here */
+    if (rc == 0 && t->file) rc = amber__writer_match_as(gw->w, li, t->name);
+  }
   if (rc == 0 && nlocal) {
     int64_t len = (int64_t)gw->boxes_len;
     rc = amber_writer_add(gw->w, AMBER__BOXES_NAME, AMBER_U8, 1, &len, gw->boxes, NULL);

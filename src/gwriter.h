@@ -14,6 +14,11 @@
 
 typedef struct gtensor {
   char *name;
+  /* Its place among this rank's boxes of the tensor (declaration order), and the
+   * name of its tensor in this rank's files when that is not `name`: a rank's
+   * second and later boxes of a tensor (amber__box_file_name). */
+  uint32_t ord;
+  char *file;
   int dtype;
   uint32_t ndim, flags;
   int64_t gshape[AMBER_MAX_DIMS], off[AMBER_MAX_DIMS], lshape[AMBER_MAX_DIMS];
