@@ -49,9 +49,10 @@ extern "C" {
  * Readers accept every minor version of their major; a newer major is refused. A
  * file records the oldest version that describes it: 1.0 unless it holds a
  * tensor of a dtype that 1.1 added (U16, U32, U64), 1.3 when a tensor's policy
- * has a value code ("@q4": quantized deltas). */
+ * has a value code ("@q4": quantized deltas). A multi-rank step's manifest says
+ * 1.2, or 1.4 when a rank holds several boxes of one global tensor. */
 #define AMBER_FORMAT_MAJOR 1
-#define AMBER_FORMAT_MINOR 3
+#define AMBER_FORMAT_MINOR 4
 
 /* Returns (MAJOR << 16) | (MINOR << 8) | PATCH of the linked library. */
 AMBER_API uint32_t amber_version(void);
@@ -784,7 +785,16 @@ AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *pa
  * `local_shape` (each ndim long; any dimension may be split), whose row-major bytes
  * are at `data` (not copied; read during saves as with amber_writer_add). A rank
  * need not declare every tensor. With AMBER_SHARD_REPLICATED the whole tensor.
- * Declarations are fixed by the first save or amber_global_writer_plan. */
+ * A rank may declare a name again with another box of the same global tensor
+ * (several shards of it, as a ChunkShardingSpec gives); each declaration has its
+ * own index (declaration order, from 0). Refused on this rank, naming both boxes: a
+ * box whose dtype or global shape differs from the name's earlier declarations
+ * (AMBER_EINVAL), one that overlaps an earlier box of the name, or a replicated
+ * declaration of a name declared before, or the reverse (AMBER_EEXIST). The names
+ * "amber.boxes" and "amber.boxes/..." are amber's own (AMBER_EINVAL): a rank's file
+ * holds its k-th later box of `name` as "amber.boxes/<k>/<name>" (docs/FORMAT.md,
+ * "Many ranks"). Declarations are fixed by the first save or
+ * amber_global_writer_plan. */
 AMBER_API int amber_global_writer_add(amber_global_writer *gw, const char *name, int dtype,
                                       uint32_t ndim, const int64_t *global_shape,
                                       const int64_t *offsets, const int64_t *local_shape,
@@ -801,7 +811,8 @@ AMBER_API int amber_global_writer_set_data(amber_global_writer *gw, size_t index
  * amber_global_reader_meta. */
 AMBER_API int amber_global_writer_set_meta(amber_global_writer *gw, const char *json,
                                            size_t len);
-/* As amber_writer_add_policy, for this rank's files. */
+/* As amber_writer_add_policy, for this rank's files; a pattern matches the global
+ * tensor's name, for each of its boxes. */
 AMBER_API int amber_global_writer_add_policy(amber_global_writer *gw, const char *rule);
 /* As amber_writer_set_units, for tensors 0..n-1 in declaration order (the ones
  * this rank does not write are kept and ignored). Not collective. */
@@ -888,7 +899,8 @@ AMBER_API int amber_global_writer_plan(amber_global_writer *gw, uint64_t step, u
                                        uint32_t *kind);
 /* Tensor `index` (declaration order) as this rank's writer will save it, as
  * amber_writer_info (chunk_elems and nchunks of the local shard, the policy
- * resolved by the last plan). AMBER_EINVAL for a tensor this rank does not write (a
+ * resolved by the last plan; the name its file gives it, "amber.boxes/<k>/<name>"
+ * for a second or later box of one name). AMBER_EINVAL for a tensor this rank does not write (a
  * replicated one on a rank other than 0) and before the first plan; AMBER_ERANGE
  * for an index past the declarations. Not collective. */
 AMBER_API int amber_global_writer_info(const amber_global_writer *gw, size_t index,

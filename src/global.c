@@ -10,394 +10,23 @@
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
-#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include "cadence.h"
-#include "global.h"
-
-typedef struct gtensor {
-  char *name;
-  int dtype;
-  uint32_t ndim, flags;
-  int64_t gshape[AMBER_MAX_DIMS], off[AMBER_MAX_DIMS], lshape[AMBER_MAX_DIMS];
-  const void *data;
-  int local;  /* written by this rank */
-  int presel; /* pre-selected: the caller selects, and keeps its reference */
-  amber_chunk_source src; /* pre-selected: its source of selections, or NULL */
-  void *src_user;
-  double unit; /* amber_global_writer_set_units */
-} gtensor;
-
-struct amber_global_writer {
-  amber__err err; /* first: amber_last_error reads it */
-  amber_comm comm;
-  char *path;
-  char rankdir[4096];
-  amber_writer_opts opts; /* the rank writers' */
-  uint32_t full_every;    /* the step's cadence: deltas between fulls at most */
-  amber__cadence share;   /* and this rank's full_share (its own files' bytes) */
-  amber_store *st;
-  amber_writer *w; /* NULL until the first save, and after a rollback */
-  gtensor *t;
-  size_t nt;
-  char **pol;
-  size_t npol;
-  uint8_t *boxes; /* the box table of this rank's files (its last tensor), or NULL */
-  size_t boxes_len;
-  char *meta; /* this rank's metadata for its files (amber_global_writer_set_meta) */
-  size_t meta_len;
-  int has_meta;
-  int saved;                 /* a save or plan was begun: declarations are fixed */
-  uint64_t latest;           /* the last global commit, AMBER_NO_STEP for none */
-  uint32_t deltas;           /* delta steps since the last full step */
-  int force_full;            /* after a failed step */
-  struct { /* amber_global_writer_plan's decision for the next save */
-    int set, full;
-    uint64_t step;
-    uint32_t flags;
-  } plan;
-  /* the save in progress */
-  int busy, begin_rc, present, full, gated;
-  uint64_t step;
-  uint64_t prev_step, prev_state; /* the rank store's LATEST before it */
-  char begin_msg[256];
-  double t_begin;               /* when the save in progress began */
-  /* With an AMBER_COMM_ANY_THREAD communicator: the commit of the save in progress
-   * runs on this thread, started by fence and joined by wait; until then the
-   * training thread touches nothing that it uses (w, st, the step's state). */
-  pthread_t committer;
-  int committing, commit_rc;
-  int drop_w; /* the rank writer is to be closed (after a failed step) */
-  /* Retention (opts.keep_last): after each committed step rank 0 removes the
-   * manifests of the steps before the newest keep_last, then every rank prunes its
-   * own store, keeping what the kept steps need. */
-  uint64_t keep_last;
-  int prune_rc;         /* this rank's part of the prune after the last commit */
-  size_t pruned;        /* files it removed (on rank 0: manifests too) */
-  amber__err prune_err; /* its message when it failed */
-  amber_global_save_stats stats; /* of the last save */
-};
-
-/* ---- small helpers ---- */
-
-static int mkdir_p(const char *path) {
-  char buf[4096];
-  snprintf(buf, sizeof buf, "%s", path);
-  for (char *p = buf + 1; *p; p++)
-    if (*p == '/') {
-      *p = 0;
-      if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -1;
-      *p = '/';
-    }
-  return mkdir(buf, 0755) < 0 && errno != EEXIST ? -1 : 0;
-}
-
-/* Moves the rank store's LATEST back to `step` (state `state`; AMBER_NO_STEP:
- * empty) and removes its files of later steps. The rank writer must be idle. */
-static int rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state) {
-  amber_ckpt_info *info = NULL;
-  size_t n = 0;
-  int rc = amber__store_list(gw->st, &gw->err, &info, &n);
-  if (rc < 0) return rc;
-  char path[4200];
-  if (step == AMBER_NO_STEP) {
-    snprintf(path, sizeof path, "%s/LATEST", gw->rankdir);
-    if (unlink(path) < 0 && errno != ENOENT) rc = amber__errno_code(errno);
-  } else {
-    rc = amber__write_latest(gw->st, &gw->err, step, state);
-  }
-  for (size_t i = 0; rc == 0 && i < n; i++)
-    if (step == AMBER_NO_STEP || info[i].step > step) {
-      amber__ckpt_path(gw->st, info[i].step, NULL, path, sizeof path);
-      if (unlink(path) < 0 && errno != ENOENT) rc = amber__errno_code(errno);
-    }
-  free(info);
-  if (rc == 0 && amber__fsync_dir(gw->rankdir) < 0) rc = AMBER_EIO;
-  if (rc < 0)
-    return amber__fail(&gw->err, rc, "%s: cannot roll back to step %llu", gw->rankdir,
-                       (unsigned long long)step);
-  return 0;
-}
-
-/* At open: removes what this rank wrote after the last global commit (a rank or
- * the job died between a rank's own commit and the manifest). */
-static int remove_leftovers(amber_global_writer *gw) {
-  uint64_t l;
-  int rc = amber_store_latest(gw->st, &l);
-  if (rc == AMBER_ENOENT || (rc == 0 && gw->latest != AMBER_NO_STEP && l <= gw->latest))
-    return 0;
-  if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(gw->st));
-  amber_ckpt_info *info = NULL;
-  size_t n = 0;
-  rc = amber__store_list(gw->st, &gw->err, &info, &n);
-  if (rc < 0) return rc;
-  uint64_t keep = AMBER_NO_STEP, state = 0;
-  for (size_t i = 0; i < n; i++)
-    if (gw->latest != AMBER_NO_STEP && info[i].step <= gw->latest) {
-      keep = info[i].step;
-      state = info[i].hash;
-    }
-  free(info);
-  return rank_rollback(gw, keep, state);
-}
-
-/* Delta steps since the last full one, from the manifests. When the latest step
- * was written at another world size (a job resumed at another rank count), the
- * ranks' own stores hold other shards than they will write now, so the next step
- * must be full everywhere: that is returned as UINT32_MAX. */
-static uint32_t count_deltas(amber_global_writer *gw) {
-  uint32_t n = 0;
-  uint64_t s = gw->latest;
-  while (s != AMBER_NO_STEP && n < UINT32_MAX) {
-    amber__manifest m;
-    /* A manifest that cannot be read (a parent's that retention removed, or a
-     * damaged one): the chain's length is unknown, so the next step is full (a
-     * chain stays bounded across resumes, and starts afresh after damage). */
-    if (amber__global_load_manifest(gw->path, s, NULL, &m) < 0) return UINT32_MAX;
-    uint32_t kind = m.kind;
-    if (s == gw->latest && m.world != (uint32_t)gw->comm.size) {
-      amber__manifest_free(&m);
-      return UINT32_MAX;
-    }
-    s = m.parent;
-    amber__manifest_free(&m);
-    if (kind == AMBER_KIND_FULL) break;
-    n++;
-  }
-  return n;
-}
-
-/* The full_share counters from this rank's own chain (its files since its last
- * full one): each rank weighs its own deltas, and any rank's call makes the whole
- * step full (begin's allgather). */
-static void learn_share(amber_global_writer *gw) {
-  amber_ckpt_info *info = NULL;
-  size_t n = 0;
-  uint64_t want, full_bytes = 0, deltas = 0, delta_bytes = 0;
-  if (amber_store_latest(gw->st, &want) == 0 && amber__store_list(gw->st, NULL, &info, &n) == 0)
-    for (size_t i = n; i-- > 0;) {
-      if (info[i].step != want) continue;
-      if (info[i].kind == AMBER_KIND_FULL) {
-        full_bytes = info[i].bytes;
-        break;
-      }
-      deltas++, delta_bytes += info[i].bytes;
-      want = info[i].parent;
-    }
-  free(info);
-  amber__cadence_learn(&gw->share, full_bytes, deltas, delta_bytes);
-}
-
-/* One round of open: every rank's outcome `rc` (its message in gw->err when it
- * failed) goes to every rank, and each returns the lowest failing rank's code,
- * with the message "rank R: REASON", the same on every rank. Collective. */
-static int agree(amber_global_writer *gw, int rc) {
-  char msg[sizeof gw->err.msg];
-  if (rc < 0) {
-    snprintf(msg, sizeof msg, "%s", gw->err.msg);
-    amber__fail(&gw->err, rc, "rank %d: %s", gw->comm.rank, msg);
-  }
-  size_t ml = rc < 0 ? strlen(gw->err.msg) : 0;
-  uint8_t *mine = malloc(4 + ml), *all = NULL;
-  uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
-  int crc = mine && lens ? 0 : AMBER_ENOMEM;
-  if (crc == 0) {
-    amber__put32(mine, (uint32_t)rc);
-    memcpy(mine + 4, gw->err.msg, ml);
-    crc = amber__comm_allgatherv(&gw->comm, &gw->err, mine, 4 + ml, &all, lens,
-                                 lens + gw->comm.size);
-  }
-  free(mine);
-  if (crc < 0) {
-    free(lens);
-    return amber__fail(&gw->err, crc, "%s: opening the global writer: a collective failed (%s)",
-                       gw->path, amber_strerror(crc));
-  }
-  const uint64_t *offs = lens + gw->comm.size;
-  int brc = 0;
-  for (int r = 0; r < gw->comm.size && brc == 0; r++) {
-    if (lens[r] < 4) continue;
-    brc = (int)amber__get32(all + offs[r]);
-    if (brc < 0 && r != gw->comm.rank)
-      amber__fail(&gw->err, brc, "%.*s", (int)(lens[r] - 4), (const char *)all + offs[r] + 4);
-  }
-  free(all);
-  free(lens);
-  return brc < 0 ? brc : 0;
-}
-
-/* What open checks before it changes anything: the directory is not a single-rank
- * store's, the store's global state is sound (a store without GLOBAL that holds
- * committed steps is refused, never taken for empty), and this rank's store, when
- * it exists, is held by no other writer (its lock is kept from here on). */
-static int check_store(amber_global_writer *gw) {
-  char single[4200];
-  struct stat sb;
-  snprintf(single, sizeof single, "%s/LATEST", gw->path);
-  if (stat(single, &sb) == 0)
-    return amber__fail(&gw->err, AMBER_EINVAL,
-                       "%s holds a store written by one process (LATEST): a multi-rank store "
-                       "needs a directory of its own", gw->path);
-  int rc = amber__global_state(gw->path, &gw->err, &gw->latest);
-  if (rc == AMBER_ENOENT) gw->latest = AMBER_NO_STEP, rc = 0;
-  if (rc < 0 || stat(gw->rankdir, &sb) < 0) return rc; /* made once every rank agrees */
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_NOCREATE;
-  rc = amber__store_open(&gw->st, gw->rankdir, &so, 0);
-  if (rc == AMBER_ELOCKED)
-    return amber__fail(&gw->err, rc, "the store %s is in use: %s/.lock is held by another "
-                       "process (a global writer of another job, or amber prune or compact)",
-                       gw->path, gw->rankdir);
-  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(NULL)) : 0;
-}
-
-/* Rank 0, at open: removes the manifests of steps after the latest global commit,
- * which a crash between a manifest and GLOBAL leaves (GLOBAL never named them),
- * once GLOBAL's own manifest confirms it. Rank 0 holds rank-00000's lock, so no
- * other global writer or maintenance runs. */
-static void remove_stale_manifests(amber_global_writer *gw) {
-  amber__manifest m;
-  if (gw->latest != AMBER_NO_STEP) {
-    if (amber__global_load_manifest(gw->path, gw->latest, NULL, &m) < 0) return;
-    amber__manifest_free(&m);
-  }
-  DIR *d = opendir(gw->path);
-  if (!d) return;
-  struct dirent *de;
-  int removed = 0;
-  uint64_t s;
-  while ((de = readdir(d)))
-    if (amber__parse_manifest_name(de->d_name, &s) &&
-        (gw->latest == AMBER_NO_STEP || s > gw->latest))
-      removed += unlinkat(dirfd(d), de->d_name, 0) == 0;
-  closedir(d);
-  if (removed) amber__fsync_dir(gw->path);
-}
-
-/* A rank store whose LATEST is missing or unreadable while its files are there
- * (damage, or a hand that removed it) gets LATEST back from the manifests: the
- * newest committed global step whose manifest names this rank's file gives its
- * step and state id, once that file is there with that state id. Without this a
- * writable open would take a lone committed file for a first commit's leftover
- * and remove it. When no manifest names this rank's files, they belong to no
- * committed step and the store is left to the usual rules (amber__store_state).
- * Called with the rank store's lock held, before its stale files are cleaned. */
-static int repair_rank_latest(amber_global_writer *gw) {
-  uint64_t s, id;
-  int rc = amber__read_latest(gw->st, NULL, &s, &id);
-  if ((rc != AMBER_ENOENT && rc != AMBER_ECORRUPT) || gw->latest == AMBER_NO_STEP ||
-      (rc == AMBER_ENOENT && amber__count_ckpt_files(gw->rankdir, NULL) == 0))
-    return 0; /* sound, empty, or unreadable: remove_leftovers says so */
-  amber_global_step_info *gs = NULL;
-  size_t n = 0;
-  if (amber_global_list(gw->path, &gs, &n) < 0) n = 0;
-  uint32_t me = (uint32_t)gw->comm.rank;
-  int found = 0;
-  uint64_t g = 0;
-  for (size_t i = n; i-- > 0 && !found;) {
-    amber__manifest m;
-    if ((gs[i].flags & AMBER_CKPT_DAMAGED) ||
-        amber__global_load_manifest(gw->path, gs[i].step, NULL, &m) < 0)
-      continue;
-    if (me < m.world && (m.ranks[me].flags & AMBER__RANK_PRESENT))
-      found = 1, g = m.step, s = m.ranks[me].step, id = m.ranks[me].hash;
-    amber__manifest_free(&m);
-  }
-  amber_free(gs);
-  if (!found) return 0;
-  if (!amber__ckpt_has_state(gw->st, s, id))
-    return amber__fail(&gw->err, AMBER_ECORRUPT,
-                       "%s: LATEST is %s, and checkpoint %llu (state id %016llx), which the "
-                       "manifest of global step %llu names, is missing or another file: the "
-                       "rank's store is damaged", gw->rankdir,
-                       rc == AMBER_ENOENT ? "missing" : "damaged", (unsigned long long)s,
-                       (unsigned long long)id, (unsigned long long)g);
-  return amber__write_latest(gw->st, &gw->err, s, id);
-}
-
-/* The second round of open, once every rank found the store sound and free: this
- * rank's store made (when new) and locked, its LATEST repaired from the manifests
- * when damaged, what crashed writers left removed (files after the last global
- * commit too), and on rank 0 the manifests of steps GLOBAL never named. */
-static int prepare_rank_store(amber_global_writer *gw) {
-  int rc;
-  if (!gw->st) {
-    if (mkdir_p(gw->rankdir) < 0)
-      return amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s",
-                         gw->rankdir, strerror(errno));
-    amber_store_opts so;
-    amber_store_opts_init(&so);
-    if ((rc = amber__store_open(&gw->st, gw->rankdir, &so, 0)) < 0)
-      return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
-  }
-  if ((rc = repair_rank_latest(gw)) < 0) return rc;
-  if ((rc = amber__store_clean(gw->st)) < 0)
-    return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
-  if ((rc = remove_leftovers(gw)) < 0) return rc;
-  if (gw->comm.rank == 0) remove_stale_manifests(gw);
-  return 0;
-}
-
-int amber_global_writer_open(amber_global_writer **out, const char *path,
-                             const amber_comm *comm, const amber_writer_opts *opts) {
-  *out = NULL;
-  int rc = amber__comm_check(comm, NULL);
-  if (rc < 0) return rc;
-  if (opts && isnan(opts->full_share))
-    return amber__fail(NULL, AMBER_EINVAL, "full_share is NaN");
-  amber_global_writer *gw = calloc(1, sizeof *gw);
-  if (!gw || !(gw->path = strdup(path))) {
-    free(gw);
-    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
-  }
-  gw->comm = *comm;
-  if (opts) gw->opts = *opts;
-  else amber_writer_opts_init(&gw->opts);
-  gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
-  gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
-  double share = gw->opts.full_share == 0 ? AMBER__DEFAULT_FULL_SHARE : gw->opts.full_share;
-  amber__cadence_init(&gw->share, UINT32_MAX, share);
-  gw->opts.full_share = -1;
-  gw->keep_last = gw->opts.keep_last;
-  gw->opts.keep_last = 0; /* the step prunes, not each rank writer on its own */
-  amber__global_rank_path(path, (uint32_t)comm->rank, gw->rankdir, sizeof gw->rankdir);
-  /* Two rounds, each ended by an exchange of every rank's outcome, so that a
-   * failure anywhere fails the open everywhere, with its reason: first what
-   * changes nothing (a store in use by another job is left exactly as it was),
-   * then this rank's store made ready. */
-  rc = agree(gw, check_store(gw));
-  if (rc == 0) {
-    int lrc = prepare_rank_store(gw);
-    if (lrc == 0) {
-      gw->deltas = count_deltas(gw);
-      learn_share(gw);
-    }
-    rc = agree(gw, lrc);
-  }
-  if (rc < 0) goto fail;
-  *out = gw;
-  return 0;
-fail:
-  amber__err_adopt(&gw->err);
-  amber_global_writer_close(gw);
-  return rc;
-}
+#include "gwriter.h"
+#include "writer.h"
 
 void amber_global_writer_close(amber_global_writer *gw) {
   if (!gw) return;
   if (gw->committing) pthread_join(gw->committer, NULL);
   amber_writer_close(gw->w);
   amber_store_close(gw->st);
-  for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name);
+  for (size_t i = 0; i < gw->nt; i++) free(gw->t[i].name), free(gw->t[i].file);
   for (size_t i = 0; i < gw->npol; i++) free(gw->pol[i]);
   free(gw->t);
   free(gw->pol);
@@ -450,7 +79,72 @@ int amber_global_writer_set_meta(amber_global_writer *gw, const char *json, size
   return 0;
 }
 
-/* The declaration of amber_global_writer_add and _add_preselected. */
+/* The name of tensor `t` in this rank's files. */
+static const char *file_name(const gtensor *t) {
+  return t->file ? t->file : t->name;
+}
+
+/* "at [o, ...] of shape [s, ...]" of t's box, for messages. */
+static void box_text(const gtensor *t, char *buf, size_t len) {
+  char o[200], s[200];
+  amber__dims_text(t->off, t->ndim, o, sizeof o);
+  amber__dims_text(t->lshape, t->ndim, s, sizeof s);
+  snprintf(buf, len, "%s at %s of shape %s",
+           t->flags & AMBER_SHARD_REPLICATED ? "replicated (the whole tensor)" : "the box", o,
+           s);
+}
+
+/* Whether `b`, a new declaration of the name of `a`, an earlier one of this rank,
+ * may join it: another box of the same global tensor (dtype, global shape), apart
+ * from it, and neither replicated. 0, or the refusal naming both boxes. */
+static int check_another_box(amber_global_writer *gw, const gtensor *a, const gtensor *b) {
+  int repl = ((a->flags | b->flags) & AMBER_SHARD_REPLICATED) != 0;
+  int same = a->dtype == b->dtype && a->ndim == b->ndim;
+  for (uint32_t d = 0; same && d < a->ndim; d++) same = a->gshape[d] == b->gshape[d];
+  if (!repl && same && !amber__boxes_meet(a->off, a->lshape, b->off, b->lshape, a->ndim))
+    return 0;
+  char at[512], bt[512], ag[200], bg[200];
+  box_text(a, at, sizeof at), box_text(b, bt, sizeof bt);
+  if (repl)
+    return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s' declared twice on this rank: %s, "
+                       "then %s (a replicated tensor is declared once, and with no box)",
+                       a->name, at, bt);
+  if (same)
+    return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s': %s overlaps %s that this rank "
+                       "declared before (a rank's boxes of a tensor are disjoint)", a->name,
+                       bt, at);
+  amber__dims_text(a->gshape, a->ndim, ag, sizeof ag);
+  amber__dims_text(b->gshape, b->ndim, bg, sizeof bg);
+  return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': %s is declared as %s of global "
+                     "shape %s, but %s on this rank as %s of global shape %s (every box of a "
+                     "tensor has its dtype and global shape)", a->name, bt,
+                     amber_dtype_name(b->dtype), bg, at, amber_dtype_name(a->dtype), ag);
+}
+
+/* Checks `g`, whose name this rank may have declared before, against those
+ * declarations, and gives it its place among them and its name in the rank's
+ * files. */
+static int place_box(amber_global_writer *gw, gtensor *g, const char *name) {
+  g->ord = 0;
+  for (size_t i = 0; i < gw->nt; i++) {
+    if (strcmp(gw->t[i].name, name)) continue;
+    int rc = check_another_box(gw, &gw->t[i], g);
+    if (rc < 0) return rc;
+    g->ord++;
+  }
+  if (!g->ord) return 0;
+  if (!(g->file = amber__box_file_name(name, g->ord)))
+    return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
+  if (strlen(g->file) > 65535) {
+    free(g->file), g->file = NULL;
+    return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%.200s...': its box %u needs a name "
+                       "of more than 65535 bytes in this rank's files", name, g->ord);
+  }
+  return 0;
+}
+
+/* The declaration of amber_global_writer_add and _add_preselected. A rank may
+ * declare several boxes of one global tensor, each its own declaration (index). */
 static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_t ndim,
                    const int64_t *global_shape, const int64_t *offsets,
                    const int64_t *local_shape, const void *data, uint32_t flags, int presel) {
@@ -463,15 +157,14 @@ static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': invalid declaration",
                        name ? name : "(null)");
   int repl = (flags & AMBER_SHARD_REPLICATED) != 0;
-  if (!strcmp(name, AMBER__BOXES_NAME))
+  if (amber__box_name_reserved(name))
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': the name is amber's own (each "
-                       "rank's file records its boxes under it)", name);
+                       "rank's file records its boxes as %s, and a rank's second and later "
+                       "boxes of a tensor as %s/K/NAME)", name, AMBER__BOXES_NAME,
+                       AMBER__BOXES_NAME);
   if (!repl && ndim && (!offsets || !local_shape))
     return amber__fail(&gw->err, AMBER_EINVAL, "tensor '%s': offsets and local shape needed",
                        name);
-  for (size_t i = 0; i < gw->nt; i++)
-    if (!strcmp(gw->t[i].name, name))
-      return amber__fail(&gw->err, AMBER_EEXIST, "tensor '%s' declared twice", name);
   gtensor g;
   memset(&g, 0, sizeof g);
   g.dtype = dtype, g.ndim = ndim, g.flags = flags, g.data = data, g.presel = presel;
@@ -484,13 +177,15 @@ static int declare(amber_global_writer *gw, const char *name, int dtype, uint32_
       return amber__fail(&gw->err, AMBER_ERANGE,
                          "tensor '%s': region outside the global shape in dim %u", name, d);
   }
+  int rc = place_box(gw, &g, name);
+  if (rc < 0) return rc;
   g.local = !repl || gw->comm.rank == 0;
   gtensor *nt = realloc(gw->t, (gw->nt + 1) * sizeof *nt);
+  if (nt) gw->t = nt;
   if (!nt || !(g.name = strdup(name))) {
-    if (nt) gw->t = nt;
+    free(g.file);
     return amber__fail(&gw->err, AMBER_ENOMEM, "out of memory");
   }
-  gw->t = nt;
   gw->t[gw->nt++] = g;
   return 0;
 }
@@ -579,7 +274,7 @@ static int make_boxes(amber_global_writer *gw) {
   for (size_t i = 0; i < gw->nt; i++) {
     const gtensor *t = &gw->t[i];
     if (!t->local) continue;
-    b[n].name = t->name, b[n].name_len = strlen(t->name), b[n].ndim = t->ndim;
+    b[n].name = file_name(t), b[n].name_len = strlen(b[n].name), b[n].ndim = t->ndim;
     memcpy(b[n].shape, t->gshape, sizeof b[n].shape);
     memcpy(b[n].off, t->off, sizeof b[n].off);
     n++;
@@ -602,14 +297,18 @@ static int ensure_writer(amber_global_writer *gw) {
   rc = amber_writer_open(&gw->w, gw->st, &gw->opts);
   if (rc < 0) return amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
   for (size_t i = 0; rc == 0 && i < gw->npol; i++) rc = amber_writer_add_policy(gw->w, gw->pol[i]);
-  for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++)
-    if (gw->t[i].local && gw->t[i].presel) {
-      rc = amber_writer_add_preselected(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
-                                        gw->t[i].lshape, &li);
-      if (rc == 0 && gw->t[i].src) rc = amber_writer_set_source(gw->w, li, global_source, gw);
-    } else if (gw->t[i].local)
-      rc = amber_writer_add(gw->w, gw->t[i].name, gw->t[i].dtype, gw->t[i].ndim,
-                            gw->t[i].lshape, gw->t[i].data, NULL);
+  for (size_t i = 0, li = 0; rc == 0 && i < gw->nt; i++) {
+    const gtensor *t = &gw->t[i];
+    if (!t->local) continue;
+    if (t->presel) {
+      rc = amber_writer_add_preselected(gw->w, file_name(t), t->dtype, t->ndim, t->lshape, &li);
+      if (rc == 0 && t->src) rc = amber_writer_set_source(gw->w, li, global_source, gw);
+    } else {
+      rc = amber_writer_add(gw->w, file_name(t), t->dtype, t->ndim, t->lshape, t->data, &li);
+    }
+    /* the caller's rules name the global tensor, whatever name the box has here */
+    if (rc == 0 && t->file) rc = amber__writer_match_as(gw->w, li, t->name);
+  }
   if (rc == 0 && nlocal) {
     int64_t len = (int64_t)gw->boxes_len;
     rc = amber_writer_add(gw->w, AMBER__BOXES_NAME, AMBER_U8, 1, &len, gw->boxes, NULL);
@@ -1004,7 +703,7 @@ static void fail_local(amber_global_writer *gw, int rollback) {
   if (gw->present && rollback) {
     uint64_t l;
     if (amber_store_latest(gw->st, &l) == 0 && l == gw->step)
-      rank_rollback(gw, gw->prev_step, gw->prev_state);
+      amber__gw_rank_rollback(gw, gw->prev_step, gw->prev_state);
   }
   gw->force_full = 1;
 }

@@ -41,6 +41,10 @@ typedef struct amber__mrank {
 
 typedef struct amber__mshard {
   uint32_t rank;
+  /* Its place among its rank's shards of the tensor, in the manifest's order (0: the
+   * first): the rank's file holds it under amber__box_file_name(tensor, ord). Not
+   * stored: amber__manifest_number_shards derives it. */
+  uint32_t ord;
   int64_t off[AMBER_MAX_DIMS];
   int64_t shape[AMBER_MAX_DIMS];
 } amber__mshard;
@@ -63,6 +67,22 @@ typedef struct amber__manifest {
   amber__mtensor *tensors;
 } amber__manifest;
 
+/* The manifest's format_minor: 2 where each rank holds at most one shard of each
+ * tensor (readers of 1.2 and 1.3 read it), 4 where one holds several (they refuse
+ * it, rather than read one box's file tensor for another). */
+#define AMBER__MF_MINOR 2
+#define AMBER__MF_MINOR_BOXES 4
+
+/* Numbers the shards of every tensor of `m` among their rank's (mshard.ord) and sets
+ * *several when a rank holds more than one shard of a tensor. 0 or AMBER_ENOMEM. */
+int amber__manifest_number_shards(const amber__manifest *m, int *several);
+/* Whether boxes a and b (offsets, shapes; ndim dims) share an element (an empty box
+ * shares none). */
+int amber__boxes_meet(const int64_t *aoff, const int64_t *ashape, const int64_t *boff,
+                      const int64_t *bshape, uint32_t ndim);
+/* "[a, b, ...]" of n values into buf, for messages. */
+void amber__dims_text(const int64_t *v, uint32_t n, char *buf, size_t len);
+
 /* The shards of `t` tile it: no two share an element, and their volumes add up to
  * the tensor's (each lies inside it). 0, or AMBER_EMISMATCH with `why` naming the
  * tensor and, for an overlap, both shards (AMBER_ENOMEM). */
@@ -82,7 +102,10 @@ void amber__manifest_free(amber__manifest *m);
  * records, for every tensor of the file, the box it holds of its global tensor;
  * the global reader checks each manifest shard against it, so that a manifest
  * whose shards were moved or swapped between ranks is refused (FORMAT.md, "Many
- * ranks"). */
+ * ranks"). A rank's first box of a global tensor is the file's tensor of that
+ * name; its k-th (k >= 1, in declaration order, which is the manifest's order of
+ * the rank's shards) is AMBER__BOXES_NAME "/<k>/<name>", a name that no global
+ * tensor may take. */
 
 #define AMBER__BOXES_NAME "amber.boxes"
 #define AMBER__BOXES_MAGIC "AMBERBX1"
@@ -107,6 +130,12 @@ int amber__boxes_encode(const amber__box *b, size_t n, amber__err *e, uint8_t **
 int amber__boxes_decode(amber__err *e, const char *what, const uint8_t *in, size_t len,
                         amber__box **out, size_t *count);
 const amber__box *amber__boxes_find(const amber__box *b, size_t n, const char *name);
+/* Whether `name` is amber's own in a rank's file (the box table's, or the reserved
+ * form of a later box's): a global tensor may not be named so. */
+int amber__box_name_reserved(const char *name);
+/* The name of a rank's box `ord` of global tensor `name` in its file: `name` for 0,
+ * else "amber.boxes/<ord>/<name>" (malloc'd; NULL when out of memory). */
+char *amber__box_file_name(const char *name, uint32_t ord);
 
 /* ---- store paths and the global LATEST (src/manifest.c) ---- */
 

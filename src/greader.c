@@ -29,6 +29,10 @@ struct amber_global_reader {
   struct owned {
     uint32_t t, s;
   } *owned;
+  /* Shard s of tensor t is shard base[t] + s of the manifest; li[] of it is its
+   * tensor in its rank's file, found when that rank's part was checked. */
+  uint64_t *base;
+  size_t *li;
 };
 
 int amber_global_is_store(const char *path) {
@@ -89,6 +93,8 @@ void amber_global_reader_close(amber_global_reader *g) {
   free(g->parts);
   free(g->first);
   free(g->owned);
+  free(g->base);
+  free(g->li);
   amber__manifest_free(&g->m);
   free(g->path);
   free(g);
@@ -123,32 +129,36 @@ int amber_global_reader_find(const amber_global_reader *g, const char *name, siz
                      (unsigned long long)g->m.step);
 }
 
-/* The manifest's shards grouped by rank (a counting sort, once per reader). */
+/* The manifest's shards grouped by rank (a counting sort, once per reader), and
+ * numbered for their file tensors (base, li). */
 static int index_owners(amber_global_reader *g) {
   if (g->first) return 0;
+  const amber__manifest *m = &g->m;
   uint64_t total = 0;
-  for (uint32_t i = 0; i < g->m.ntensors; i++) total += g->m.tensors[i].nshards;
-  uint64_t *first = calloc((size_t)g->m.world + 1, sizeof *first);
-  struct owned *o = malloc((size_t)(total ? total : 1) * sizeof *o);
-  if (!first || !o) {
-    free(first), free(o);
+  for (uint32_t i = 0; i < m->ntensors; i++) total += m->tensors[i].nshards;
+  size_t nt = (size_t)m->ntensors + 1, ns = (size_t)(total ? total : 1);
+  uint64_t *first = calloc((size_t)m->world + 1, sizeof *first);
+  uint64_t *fill = calloc((size_t)m->world + 1, sizeof *fill);
+  uint64_t *base = malloc(nt * sizeof *base);
+  struct owned *o = malloc(ns * sizeof *o);
+  size_t *li = calloc(ns, sizeof *li);
+  if (!first || !fill || !base || !o || !li) {
+    free(first), free(fill), free(base), free(o), free(li);
     return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
   }
-  for (uint32_t i = 0; i < g->m.ntensors; i++)
-    for (uint32_t s = 0; s < g->m.tensors[i].nshards; s++) first[g->m.tensors[i].shards[s].rank + 1]++;
-  for (uint32_t r = 0; r < g->m.world; r++) first[r + 1] += first[r];
-  uint64_t *fill = calloc((size_t)g->m.world + 1, sizeof *fill);
-  if (!fill) {
-    free(first), free(o);
-    return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+  for (uint32_t i = 0; i < m->ntensors; i++) {
+    base[i] = i ? base[i - 1] + m->tensors[i - 1].nshards : 0;
+    for (uint32_t s = 0; s < m->tensors[i].nshards; s++)
+      first[m->tensors[i].shards[s].rank + 1]++;
   }
-  for (uint32_t i = 0; i < g->m.ntensors; i++)
-    for (uint32_t s = 0; s < g->m.tensors[i].nshards; s++) {
-      uint32_t r = g->m.tensors[i].shards[s].rank;
+  for (uint32_t r = 0; r < m->world; r++) first[r + 1] += first[r];
+  for (uint32_t i = 0; i < m->ntensors; i++)
+    for (uint32_t s = 0; s < m->tensors[i].nshards; s++) {
+      uint32_t r = m->tensors[i].shards[s].rank;
       o[first[r] + fill[r]++] = (struct owned){i, s};
     }
   free(fill);
-  g->first = first, g->owned = o;
+  g->first = first, g->owned = o, g->base = base, g->li = li;
   return 0;
 }
 
@@ -180,11 +190,46 @@ static int read_boxes(amber_global_reader *g, uint32_t r, amber_reader *rd, uint
   return rc;
 }
 
-/* Rank r's part holds what the manifest says: each of its shards as a tensor of
- * the manifest's dtype and the shard's shape, and, where the file records its
- * boxes, at the shard's offsets of a global tensor of the manifest's shape, with
- * no box the manifest does not name (a manifest whose shards were moved or
- * swapped between ranks is refused before any of them is read). */
+/* Shard `sh` of tensor `t` (rank r's) is its file's tensor `name` (li), of the
+ * manifest's dtype and the shard's shape, and where the file records its boxes,
+ * at the shard's offsets of a global tensor of the manifest's shape. */
+static int check_shard(amber_global_reader *g, uint32_t r, amber_reader *rd,
+                       const amber__mtensor *t, const amber__mshard *sh, const char *name,
+                       const amber__box *boxes, size_t nb, size_t *li) {
+  char path[4200], what[300];
+  amber__global_manifest_path(g->path, g->m.step, path, sizeof path);
+  if (sh->ord) snprintf(what, sizeof what, " (its box %u of '%.200s')", sh->ord, t->name);
+  else what[0] = 0;
+  amber_tensor_info ti;
+  int rc = amber_reader_find(rd, name, li);
+  if (rc == 0) rc = amber_reader_info(rd, *li, &ti);
+  if (rc < 0)
+    return amber__fail(&g->err, rc, "rank %u: its file lacks tensor '%s'%s: %s", r, name,
+                       what, amber_last_error(rd));
+  int same = ti.dtype == t->dtype && ti.ndim == t->ndim;
+  for (uint32_t d = 0; same && d < t->ndim; d++) same = ti.shape[d] == sh->shape[d];
+  if (!same)
+    return amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds tensor "
+                       "'%s'%s with another dtype or shape than %s says", r,
+                       (unsigned long long)g->m.ranks[r].step, name, what, path);
+  if (!boxes) return 0;
+  const amber__box *b = amber__boxes_find(boxes, nb, name);
+  same = b && b->ndim == t->ndim;
+  for (uint32_t d = 0; same && d < t->ndim; d++)
+    same = b->shape[d] == t->shape[d] && b->off[d] == sh->off[d];
+  if (!same)
+    return amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds tensor "
+                       "'%s'%s at another box than %s says (its shards were moved or "
+                       "swapped)", r, (unsigned long long)g->m.ranks[r].step, name, what, path);
+  return 0;
+}
+
+/* Rank r's part holds what the manifest says: each of its shards as the tensor of
+ * its file that the shard's place among the rank's shards names (the first of a
+ * tensor by the tensor's name, the k-th by amber__box_file_name), checked by
+ * check_shard, with no box the manifest does not name (a manifest whose shards
+ * were moved or swapped, between ranks or between the boxes of one, is refused
+ * before any of them is read). */
 static int check_part(amber_global_reader *g, uint32_t r, amber_reader *rd) {
   int rc = index_owners(g);
   if (rc < 0) return rc;
@@ -192,42 +237,22 @@ static int check_part(amber_global_reader *g, uint32_t r, amber_reader *rd) {
   amber__box *boxes;
   size_t nb;
   if ((rc = read_boxes(g, r, rd, &buf, &boxes, &nb)) < 0) return rc;
-  char path[4200];
-  amber__global_manifest_path(g->path, g->m.step, path, sizeof path);
   uint64_t mine = g->first[r + 1] - g->first[r];
-  if (boxes && nb != mine)
+  if (boxes && nb != mine) {
+    char path[4200];
+    amber__global_manifest_path(g->path, g->m.step, path, sizeof path);
     rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds %zu "
                      "shards, %s names %llu", r, (unsigned long long)g->m.ranks[r].step, nb,
                      path, (unsigned long long)mine);
+  }
   for (uint64_t k = g->first[r]; rc == 0 && k < g->first[r + 1]; k++) {
     const amber__mtensor *t = &g->m.tensors[g->owned[k].t];
     const amber__mshard *sh = &t->shards[g->owned[k].s];
-    size_t li;
-    amber_tensor_info ti;
-    rc = amber_reader_find(rd, t->name, &li);
-    if (rc == 0) rc = amber_reader_info(rd, li, &ti);
-    if (rc < 0) {
-      rc = amber__fail(&g->err, rc, "rank %u: its file lacks tensor '%s': %s", r, t->name,
-                       amber_last_error(rd));
-      break;
-    }
-    int same = ti.dtype == t->dtype && ti.ndim == t->ndim;
-    for (uint32_t d = 0; same && d < t->ndim; d++) same = ti.shape[d] == sh->shape[d];
-    if (!same) {
-      rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds tensor "
-                       "'%s' with another dtype or shape than %s says", r,
-                       (unsigned long long)g->m.ranks[r].step, t->name, path);
-      break;
-    }
-    if (!boxes) continue;
-    const amber__box *b = amber__boxes_find(boxes, nb, t->name);
-    same = b && b->ndim == t->ndim;
-    for (uint32_t d = 0; same && d < t->ndim; d++)
-      same = b->shape[d] == t->shape[d] && b->off[d] == sh->off[d];
-    if (!same)
-      rc = amber__fail(&g->err, AMBER_ECORRUPT, "rank %u: its file of step %llu holds tensor "
-                       "'%s' at another box than %s says (its shards were moved or swapped)",
-                       r, (unsigned long long)g->m.ranks[r].step, t->name, path);
+    char *name = amber__box_file_name(t->name, sh->ord);
+    if (!name) rc = amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
+    else rc = check_shard(g, r, rd, t, sh, name, boxes, nb,
+                          &g->li[g->base[g->owned[k].t] + g->owned[k].s]);
+    free(name);
   }
   free(boxes);
   free(buf);
@@ -305,11 +330,8 @@ static int plan_box(amber_global_reader *g, size_t index, const int64_t *offsets
     amber_reader *r;
     int rc = rank_reader(g, sh->rank, &r);
     if (rc < 0) return amber__fail(&g->err, rc, "tensor '%s': %s", t->name, g->err.msg);
-    size_t li; /* there, as its rank's part was checked when it was opened */
-    if ((rc = amber_reader_find(r, t->name, &li)) < 0)
-      return amber__fail(&g->err, rc, "%s", amber_last_error(r));
     pt.r = r;
-    pt.tensor = li;
+    pt.tensor = g->li[g->base[index] + s]; /* found when its rank's part was checked */
     pt.ndim = t->ndim;
     pt.dst = buf;
     pt.name = t->name;
@@ -380,11 +402,10 @@ int amber_global_reader_verify(amber_global_reader *g) {
   for (uint32_t r = 0; r < g->m.world; r++) {
     if (!(g->m.ranks[r].flags & AMBER__RANK_PRESENT)) continue;
     amber_reader *rd;
-    int rc = rank_reader(g, r, &rd);
-    if (rc == 0) rc = amber_reader_verify(rd);
-    if (rc < 0)
-      return amber__fail(&g->err, rc, "rank %u: %s", r,
-                         g->err.msg[0] ? g->err.msg : amber_last_error(rd));
+    int rc = rank_reader(g, r, &rd); /* its message names the rank */
+    if (rc < 0) return rc;
+    if ((rc = amber_reader_verify(rd)) < 0)
+      return amber__fail(&g->err, rc, "rank %u: %s", r, amber_last_error(rd));
   }
   return 0;
 }

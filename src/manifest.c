@@ -54,8 +54,7 @@ static int parse_rank_name(const char *name, uint32_t *rank) {
   return 1;
 }
 
-/* "[a, b, ...]" of n values. */
-static void dims_text(const int64_t *v, uint32_t n, char *buf, size_t len) {
+void amber__dims_text(const int64_t *v, uint32_t n, char *buf, size_t len) {
   size_t o = (size_t)snprintf(buf, len, "[");
   for (uint32_t d = 0; d < n && o < len; d++)
     o += (size_t)snprintf(buf + o, len - o, "%s%lld", d ? ", " : "", (long long)v[d]);
@@ -66,8 +65,32 @@ static uint64_t shard_size(uint32_t ndim) {
   return 8 + 16 * (uint64_t)ndim;
 }
 
+int amber__manifest_number_shards(const amber__manifest *m, int *several) {
+  /* for each rank, the tensor (+1) whose shards it counts and how many it met */
+  uint32_t *tensor = calloc((size_t)m->world + 1, sizeof *tensor);
+  uint32_t *count = calloc((size_t)m->world + 1, sizeof *count);
+  *several = 0;
+  if (!tensor || !count) {
+    free(tensor), free(count);
+    return AMBER_ENOMEM;
+  }
+  for (uint32_t i = 0; i < m->ntensors; i++)
+    for (uint32_t s = 0; s < m->tensors[i].nshards; s++) {
+      amber__mshard *sh = &m->tensors[i].shards[s];
+      if (sh->rank >= m->world) continue; /* refused by whoever reads it */
+      if (tensor[sh->rank] != i + 1) tensor[sh->rank] = i + 1, count[sh->rank] = 0;
+      sh->ord = count[sh->rank]++;
+      *several |= sh->ord != 0;
+    }
+  free(tensor), free(count);
+  return 0;
+}
+
 int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **out,
                            size_t *len) {
+  int several;
+  if (amber__manifest_number_shards(m, &several) < 0)
+    return amber__fail(e, AMBER_ENOMEM, "manifest: out of memory");
   uint64_t n = AMBER__MF_HEADER + (uint64_t)m->world * AMBER__MF_RANK + 8;
   for (uint32_t i = 0; i < m->ntensors; i++) {
     const amber__mtensor *t = &m->tensors[i];
@@ -78,7 +101,9 @@ int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **ou
   if (!b) return amber__fail(e, AMBER_ENOMEM, "manifest: out of memory");
   memcpy(b, AMBER__MF_MAGIC, 8);
   amber__put16(b + 8, AMBER_FORMAT_MAJOR);
-  amber__put16(b + 10, 2); /* the format version that describes manifests */
+  /* the oldest version that describes it, so that older readers keep reading
+   * manifests without several shards of one rank */
+  amber__put16(b + 10, several ? AMBER__MF_MINOR_BOXES : AMBER__MF_MINOR);
   amber__put64(b + 16, m->step);
   amber__put64(b + 24, m->parent);
   amber__put32(b + 32, m->world);
@@ -120,9 +145,12 @@ int amber__manifest_encode(const amber__manifest *m, amber__err *e, uint8_t **ou
   return 0;
 }
 
-static int boxes_overlap(const amber__mshard *a, const amber__mshard *b, uint32_t ndim) {
+int amber__boxes_meet(const int64_t *aoff, const int64_t *ashape, const int64_t *boff,
+                      const int64_t *bshape, uint32_t ndim) {
   for (uint32_t d = 0; d < ndim; d++)
-    if (a->off[d] >= b->off[d] + b->shape[d] || b->off[d] >= a->off[d] + a->shape[d]) return 0;
+    if (!ashape[d] || !bshape[d] || aoff[d] >= boff[d] + bshape[d] ||
+        boff[d] >= aoff[d] + ashape[d])
+      return 0;
   return 1;
 }
 
@@ -166,7 +194,8 @@ static int find_overlap(const amber__mtensor *t, uint32_t *a, uint32_t *b) {
     const amber__mshard *x = &t->shards[k[i].shard];
     int64_t end = t->ndim ? x->off[best] + x->shape[best] : 1;
     for (size_t j = i + 1; j < n && k[j].key < end; j++)
-      if (boxes_overlap(x, &t->shards[k[j].shard], t->ndim)) {
+      if (amber__boxes_meet(x->off, x->shape, t->shards[k[j].shard].off,
+                            t->shards[k[j].shard].shape, t->ndim)) {
         *a = k[i].shard < k[j].shard ? k[i].shard : k[j].shard;
         *b = k[i].shard < k[j].shard ? k[j].shard : k[i].shard;
         break;
@@ -183,8 +212,10 @@ int amber__mtensor_check_tiling(const amber__mtensor *t, char *why, size_t wl) {
   if (a != UINT32_MAX) {
     const amber__mshard *x = &t->shards[a], *y = &t->shards[b];
     char xo[200], xs[200], yo[200], ys[200];
-    dims_text(x->off, t->ndim, xo, sizeof xo), dims_text(x->shape, t->ndim, xs, sizeof xs);
-    dims_text(y->off, t->ndim, yo, sizeof yo), dims_text(y->shape, t->ndim, ys, sizeof ys);
+    amber__dims_text(x->off, t->ndim, xo, sizeof xo);
+    amber__dims_text(x->shape, t->ndim, xs, sizeof xs);
+    amber__dims_text(y->off, t->ndim, yo, sizeof yo);
+    amber__dims_text(y->shape, t->ndim, ys, sizeof ys);
     snprintf(why, wl, "tensor '%s': the shards of rank %u (offsets %s, shape %s) and rank %u "
              "(offsets %s, shape %s) overlap", t->name, x->rank, xo, xs, y->rank, yo, ys);
     return AMBER_EMISMATCH;
@@ -330,6 +361,9 @@ int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, s
   }
   if (p != end) return BAD("%s: %zu unexpected bytes after the tensor table", what,
                            (size_t)(end - p));
+  int several;
+  if (amber__manifest_number_shards(m, &several) < 0)
+    return bad(m, amber__fail(e, AMBER_ENOMEM, "%s: out of memory", what));
   return 0;
 }
 
@@ -524,4 +558,18 @@ const amber__box *amber__boxes_find(const amber__box *b, size_t n, const char *n
   memset(&key, 0, sizeof key);
   key.name = name, key.name_len = strlen(name);
   return bsearch(&key, b, n, sizeof *b, cmp_box);
+}
+
+int amber__box_name_reserved(const char *name) {
+  size_t n = strlen(AMBER__BOXES_NAME);
+  return !strncmp(name, AMBER__BOXES_NAME, n) && (name[n] == 0 || name[n] == '/');
+}
+
+char *amber__box_file_name(const char *name, uint32_t ord) {
+  size_t len = strlen(name) + sizeof AMBER__BOXES_NAME + 16;
+  char *f = malloc(len);
+  if (!f) return NULL;
+  if (ord) snprintf(f, len, "%s/%" PRIu32 "/%s", AMBER__BOXES_NAME, ord, name);
+  else snprintf(f, len, "%s", name);
+  return f;
 }

@@ -44,6 +44,7 @@
 #include "save_stats.h"
 #include "saver.h"
 #include "store.h"
+#include "writer.h"
 
 #define DEFAULT_CHUNK_ELEMS (UINT64_C(1) << 20)
 #define DEFAULT_FULL_EVERY 50
@@ -53,6 +54,7 @@ typedef struct decl {
   amber__tensor t;         /* as the index describes it; name owned, policy points into rules */
   const uint8_t *data;     /* the caller's memory */
   const amber__rule *rule; /* its rule at this save (NULL: exact) */
+  char *match;             /* the name its rules match, when not its own (match_as) */
   double unit;             /* what "Nu" in its rule means (0: no unit, see set_units) */
   amber__rule own;         /* its rule with units resolved, when `rule` points here */
   char own_spec[AMBER__SPEC_MAX];
@@ -207,6 +209,7 @@ void amber_writer_close(amber_writer *w) {
   amber__saver_destroy(&w->saver);
   for (size_t i = 0; i < w->dc.n; i++) {
     free(w->dc.d[i].t.name);
+    free(w->dc.d[i].match);
     free(w->dc.d[i].sel);
     amber__big_free(w->dc.d[i].ref, (size_t)w->dc.d[i].t.nbytes);
   }
@@ -306,6 +309,19 @@ static int busy(amber_writer *w, const char *what) {
   if (!amber__saver_busy(&w->saver)) return 0;
   return amber__fail(&w->err, AMBER_EBUSY, "%s: a save is in progress (wait for it first)",
                      what);
+}
+
+int amber__writer_match_as(amber_writer *w, size_t index, const char *name) {
+  if (busy(w, "amber__writer_match_as")) return AMBER_EBUSY;
+  if (index >= w->dc.n)
+    return amber__fail(&w->err, AMBER_EINVAL, "tensor index %zu out of range (%zu tensors)",
+                       index, w->dc.n);
+  char *m = NULL;
+  if (name && !(m = strdup(name))) return amber__fail(&w->err, AMBER_ENOMEM, "out of memory");
+  free(w->dc.d[index].match);
+  w->dc.d[index].match = m;
+  w->dc.resolved = 0; /* its rule is matched again */
+  return 0;
 }
 
 int amber_writer_set_data(amber_writer *w, size_t index, const void *data) {
@@ -473,7 +489,8 @@ static void resolve_policies(amber_writer *w) {
   w->dc.resolved = w->dc.frozen ? w->dc.rules.n + 1 : 0;
   for (size_t i = 0; i < w->dc.n; i++) {
     decl *d = &w->dc.d[i];
-    const amber__rule *m = amber__rules_match(&w->dc.rules, d->t.name, d->t.dtype), *r = m;
+    const char *name = d->match ? d->match : d->t.name;
+    const amber__rule *m = amber__rules_match(&w->dc.rules, name, d->t.dtype), *r = m;
     if (m && amber__policy_has_units(&m->policy)) {
       r = NULL;
       if (d->unit > 0) {

@@ -21,6 +21,7 @@
 
 #include "amber.h"
 #include "comm_threads.h"
+#include "global_files.h"
 #include "global.h"
 #include "testutil.h"
 
@@ -227,23 +228,6 @@ static void test_overlapping_shards_fail_the_step_on_every_rank(void) {
   amber_free(gs);
 }
 
-/* Rewrites the manifest of `step` through `fn` (checksum recomputed, as a tool or
- * an attacker would). */
-static void patch_manifest(const char *p, uint64_t step, void (*fn)(amber__manifest *)) {
-  amber__manifest m;
-  amber__err e;
-  CHECK_OK(amber__global_load_manifest(p, step, &e, &m));
-  fn(&m);
-  uint8_t *b = NULL;
-  size_t len = 0;
-  CHECK_OK(amber__manifest_encode(&m, &e, &b, &len));
-  char f[4200];
-  path_of(f, sizeof f, p, "step-%020llu.manifest", step);
-  CHECK(tu_write_file(f, b, len) == 0);
-  free(b);
-  amber__manifest_free(&m);
-}
-
 static amber__mtensor *tensor_w(amber__manifest *m) {
   for (uint32_t i = 0; i < m->ntensors; i++)
     if (!strcmp(m->tensors[i].name, "w")) return &m->tensors[i];
@@ -287,7 +271,7 @@ static void test_manifest_with_overlapping_moved_or_mismatched_shards_is_refused
     const char *p = tu_tmpdir();
     fprintf(stderr, "  %s:\n", cases[k].what);
     run(p, 2, 1, 3, 0, NULL);
-    patch_manifest(p, 3, cases[k].fn);
+    tg_patch_manifest(p, 3, cases[k].fn);
     CHECK(read_w(p, 3, 3) < 0);
     CHECK(strstr(amber_last_error(NULL), cases[k].says) != NULL);
     amber_global_reader *g = NULL;
@@ -428,15 +412,9 @@ static void test_lone_committed_rank_file_without_latest_is_kept(void) {
  * FORMAT.md's table (not by the library), must be: "w" at rank r's rows of a
  * (ROWS, COLS) tensor, then, on rank 0, "b" at 0 of a (1) tensor. */
 static void check_box_table(const char *path, int r, uint64_t step) {
-  char dir[4300];
-  snprintf(dir, sizeof dir, "%.4200s/rank-%05d", path, r);
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
-  amber_store *st = NULL;
-  amber_reader *rd = NULL;
-  CHECK_OK(amber_store_open(&st, dir, &so));
-  if (st) CHECK_OK(amber_reader_open(&rd, st, step, NULL));
+  amber_store *st;
+  amber_reader *rd;
+  CHECK_OK(tg_rank_reader(path, r, step, &st, &rd));
   size_t li;
   amber_tensor_info ti;
   uint8_t t[256];
@@ -484,7 +462,7 @@ static void test_golden_store_with_box_tables_loads_and_holds_them(void) {
     for (uint64_t s = 1; s <= 3; s++) check_box_table(p, r, s);
   const char *copy = tu_tmpdir();
   CHECK(tu_system("cp -r %s/. %s", p, copy) == 0);
-  patch_manifest(copy, 3, swap_ranks);
+  tg_patch_manifest(copy, 3, swap_ranks);
   CHECK(read_w(copy, 3, 3) == AMBER_ECORRUPT);
   CHECK(read_w(copy, 2, 2) == 0);
 }

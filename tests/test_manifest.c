@@ -3,7 +3,8 @@
  * (docs/FORMAT.md, "Many ranks"): every truncation, a flipped byte, counts far
  * beyond the file, shards outside their tensor or overlapping, a newer format;
  * each a clear error and never a crash or a huge allocation. Also the tiling check
- * and the box table of a rank's file. Also writes the fuzz corpus seeds
+ * and the box table of a rank's file; a rank with several shards of a tensor (format
+ * 1.4) and the names of their file tensors. Also writes the fuzz corpus seeds
  * when AMBER_WRITE_CORPUS names a directory.
  */
 #include <stdio.h>
@@ -63,6 +64,47 @@ static void test_valid_manifest_round_trips(void) {
   CHECK(m.tensors[1].flags == AMBER_SHARD_REPLICATED && m.ranks[1].hash == 0x2222);
   amber__manifest_free(&m);
   free(b);
+}
+
+/* A rank that holds several shards of a tensor (interleaved row blocks, as a
+ * ChunkShardingSpec ["rank:0", "rank:1", "rank:1", "rank:0"] places them): the
+ * manifest says format 1.4, and each shard is numbered among its rank's for the
+ * name of its file tensor; one shard per rank stays 1.2 for older readers. */
+static void test_several_shards_of_one_rank_make_minor_4_and_are_numbered(void) {
+  amber__mrank ranks[2] = {{5, 0x1111, 100, AMBER_KIND_FULL, AMBER__RANK_PRESENT},
+                           {5, 0x2222, 90, AMBER_KIND_FULL, AMBER__RANK_PRESENT}};
+  static const uint32_t place[4] = {0, 1, 1, 0};
+  amber__mshard ws[4];
+  memset(ws, 0, sizeof ws);
+  for (int i = 0; i < 4; i++)
+    ws[i].rank = place[i], ws[i].off[0] = i, ws[i].shape[0] = 1, ws[i].shape[1] = 3;
+  amber__mtensor t;
+  memset(&t, 0, sizeof t);
+  t.name = "w", t.dtype = AMBER_F32, t.ndim = 2, t.shape[0] = 4, t.shape[1] = 3;
+  t.nshards = 4, t.shards = ws;
+  amber__manifest m = {5, AMBER_NO_STEP, 2, AMBER_KIND_FULL, ranks, 1, &t};
+  uint8_t *b = NULL;
+  size_t len = 0;
+  amber__err e;
+  CHECK_OK(amber__manifest_encode(&m, &e, &b, &len));
+  CHECK(b && amber__get16(b + 10) == AMBER__MF_MINOR_BOXES && AMBER__MF_MINOR_BOXES == 4);
+  amber__manifest d;
+  CHECK_OK(amber__manifest_decode(&e, "M", b, len, &d));
+  static const uint32_t ord[4] = {0, 0, 1, 1};
+  for (uint32_t i = 0; d.ntensors == 1 && i < 4; i++)
+    CHECK(d.tensors[0].shards[i].rank == place[i] && d.tensors[0].shards[i].ord == ord[i]);
+  amber__manifest_free(&d);
+  free(b);
+  b = sample(&len);
+  CHECK(amber__get16(b + 10) == AMBER__MF_MINOR && AMBER__MF_MINOR == 2);
+  free(b);
+  /* the names of a rank's later boxes in its file, and what no global tensor may be */
+  char *f0 = amber__box_file_name("w", 0), *f2 = amber__box_file_name("w", 2);
+  CHECK(f0 && !strcmp(f0, "w") && f2 && !strcmp(f2, "amber.boxes/2/w"));
+  free(f0), free(f2);
+  CHECK(amber__box_name_reserved("amber.boxes") && amber__box_name_reserved("amber.boxes/1/w"));
+  CHECK(!amber__box_name_reserved("amber.boxes2") && !amber__box_name_reserved("amber.box"));
+  CHECK(!amber__box_name_reserved("w/amber.boxes/1/w"));
 }
 
 static void test_every_truncation_is_refused(void) {
@@ -315,6 +357,7 @@ int main(void) {
   const char *corpus = getenv("AMBER_WRITE_CORPUS");
   if (corpus) write_corpus(corpus);
   TEST_RUN(test_valid_manifest_round_trips);
+  TEST_RUN(test_several_shards_of_one_rank_make_minor_4_and_are_numbered);
   TEST_RUN(test_every_truncation_is_refused);
   TEST_RUN(test_flipped_byte_fails_the_checksum);
   TEST_RUN(test_huge_counts_are_refused_before_allocating);

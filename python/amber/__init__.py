@@ -942,8 +942,10 @@ class GlobalWriter(_Handle):
 
     def add(self, name, dtype, global_shape, offsets, local_shape, address, replicated=False):
         """Declares this rank's box of global tensor `name` (before the first
-        save); replicated=True: the whole tensor, written by rank 0 alone. Returns
-        its index (declaration order) for set_data."""
+        save); replicated=True: the whole tensor, written by rank 0 alone. A rank
+        holding several shards of a tensor calls it once per box (disjoint boxes of
+        one dtype and global shape). Returns its index (declaration order) for
+        set_data, box, info and set_selection."""
         with self._lock:
             g, n = _dims(global_shape)
             o, _ = _dims(offsets if not replicated else [0] * n)
