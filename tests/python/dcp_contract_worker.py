@@ -44,9 +44,9 @@ def same_shards(a, b):
 def scenario_contract(rank, world, d):
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
     specs = [ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])]
-    if os.environ.get("AMBER_MULTIBOX") == "1":  # several shards of one tensor per rank
-        specs.append(ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in
-                                                          list(range(world)) * 2]))
+    # several shards of one tensor on each rank (a box each in the store)
+    specs.append(ChunkShardingSpec(dim=0, placements=[f"rank:{r}/cpu" for r in
+                                                      list(range(world)) * 2]))
     for k, spec in enumerate(specs):
         path = f"{d}/st{k}"
         w = Writer(path)

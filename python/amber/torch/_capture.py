@@ -105,12 +105,13 @@ def torn_message(name: str, what: str) -> str:
 
 
 class Staging:
-    """Staging buffers by tensor name, reused from save to save."""
+    """Staging buffers by key (a tensor's name and box offsets: one rank may hold
+    several boxes of one tensor), reused from save to save."""
 
     def __init__(self):
-        self.bufs: dict[str, torch.Tensor] = {}
+        self.bufs: dict = {}
 
-    def copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def copy(self, name, t: torch.Tensor) -> torch.Tensor:
         """`t` copied into its buffer (made or remade as needed)."""
         buf = self.bufs.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
@@ -120,7 +121,7 @@ class Staging:
         return buf
 
     def keep_only(self, names) -> None:
-        """Drops the buffers of tensors that are gone."""
+        """Drops the buffers whose keys are not in `names`."""
         if len(self.bufs) > len(names):
             names = set(names)
             self.bufs = {n: b for n, b in self.bufs.items() if n in names}

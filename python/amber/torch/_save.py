@@ -64,6 +64,7 @@ class Saver:
         self.voted = False     # the last vote decided full or delta (see vote)
         self.vote_full = False
         self._any_dev = False
+        self._dev_names = set()  # names declared on the device path (see item)
 
     # -- declarations --
     def item(self, name: str, t: torch.Tensor, owned, buffers, at=None) -> Optional[Item]:
@@ -84,12 +85,16 @@ class Saver:
             return Item(Decl(name, code, gshape, off, lshape, True, False), t, loc, writes=False)
         if not writes:
             return None  # a replica of a shard that another rank writes
-        dev = device_wanted(loc, self.options.device_path)
+        # The device path keeps one reference per name: a rank's later boxes of one
+        # tensor (DCP's write items) take the host path.
+        dev = device_wanted(loc, self.options.device_path) and name not in self._dev_names
+        if dev:
+            self._dev_names.add(name)
         it = Item(Decl(name, code, gshape, off, lshape, repl, dev), t, loc)
         if not dev:
             nbytes = loc.numel() * loc.element_size()
             it.in_place = in_place(loc, nbytes, owned, buffers, self.options.capture_bytes)
-            it.source = loc if it.in_place else self.stage.copy(name, loc)
+            it.source = loc if it.in_place else self.stage.copy((name, tuple(off)), loc)
         return it
 
     def items(self, tensors: list, state: Optional[dict] = None) -> list:
@@ -98,9 +103,11 @@ class Saver:
         tensors are read in place at any size and whose module buffers are copied."""
         owned = owned_storages(state) if state else set()
         buffers = buffer_storages(state) if state else set()
+        self._dev_names = set()
         with torch.no_grad():
             out = [self.item(n, t, owned, buffers, *at) for n, t, *at in tensors]
-        self.stage.keep_only([it.decl.name for it in out if it is not None])
+        self.stage.keep_only([(it.decl.name, tuple(it.decl.offsets))
+                              for it in out if it is not None])
         return out
 
     def changed(self, items: list) -> bool:
