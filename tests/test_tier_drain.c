@@ -336,6 +336,26 @@ static void test_a_full_durable_disk_is_a_sticky_error_that_loses_nothing(void) 
   if (mounted) umount2(dur, MNT_DETACH);
 }
 
+/* A memory file damaged after its commit fails the drain at that step, naming the
+ * file, and never becomes durable: the durable tier stops at the step before. */
+static void test_a_damaged_memory_file_never_becomes_durable(void) {
+  char mem[2048], dur[2048], p[4400];
+  paths(mem, dur, sizeof mem);
+  job j;
+  job_open(&j, mem, 100);
+  for (uint64_t s = 1; s <= 4; s++) job_save(&j, s, 0);
+  job_close(&j);
+  snprintf(p, sizeof p, "%s/ckpt-00000000000000000003.amber", mem);
+  CHECK(tu_flip_byte(p, 100, 0x04) == 0); /* a payload byte: only its chunk's checksum sees it */
+  CHECK_RC(amber_drain_run(mem, dur, NULL), AMBER_ECORRUPT);
+  CHECK(strstr(amber_last_error(NULL), "ckpt-00000000000000000003.amber") &&
+        strstr(amber_last_error(NULL), "checksum"));
+  uint64_t steps[MAXSTEP];
+  CHECK(steps_of(dur, steps) == 2);
+  CHECK(!has_file(dur, 3));
+  CHECK(has_file(mem, 3) && has_file(mem, 1)); /* the memory tier keeps what is not durable */
+}
+
 static void test_drain_refuses_what_it_must(void) {
   char mem[2048], dur[2048], p[4300];
   paths(mem, dur, sizeof mem);
@@ -430,6 +450,7 @@ int main(void) {
   TEST_RUN(test_budget_asks_for_a_full_then_shrinks);
   TEST_RUN(test_a_budget_smaller_than_a_full_is_a_clear_sticky_error);
   TEST_RUN(test_a_full_durable_disk_is_a_sticky_error_that_loses_nothing);
+  TEST_RUN(test_a_damaged_memory_file_never_becomes_durable);
   TEST_RUN(test_drain_refuses_what_it_must);
   TEST_RUN(test_tiers_file_is_read_strictly_and_breaks_no_reader);
   return tu_finish();

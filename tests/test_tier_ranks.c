@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "store.h"
 #include "testutil.h"
 #include "tier_job.h"
 
@@ -104,6 +105,51 @@ static void test_a_failed_global_step_breaks_neither_tier(void) {
   check_memory_kept(mem, 9, 3);
 }
 
+/* A rank store may be one step ahead of GLOBAL (its part of a step that then fails,
+ * before it moves back): a full file there must not make its drain remove what the
+ * committed steps need, since the rank's LATEST moves back to them. */
+static void test_a_rank_ahead_of_global_keeps_what_global_needs(void) {
+  char mem[2048], dur[2048], ahead[2100], from[2300], to[2300];
+  paths(mem, dur, sizeof mem);
+  gjob jb = {.path = mem, .first = 1, .last = 6, .full_every = 100, .fail_rank = -1};
+  g_run(&jb, 2);
+  CHECK_OK(amber_drain_run(mem, dur, NULL)); /* the durable GLOBAL is 6 */
+  /* rank 1's full part of step 7, made in a copy and put beside its committed steps */
+  snprintf(ahead, sizeof ahead, "%s.ahead", mem);
+  CHECK(tu_system("cp -a '%s' '%s'", mem, ahead) == 0);
+  gjob j7 = {.path = ahead, .first = 7, .last = 7, .full_every = 100, .fail_rank = -1,
+             .flags = AMBER_SAVE_FULL};
+  g_run(&j7, 2);
+  static const char *const names[] = {"ckpt-00000000000000000007.amber", "LATEST"};
+  for (int i = 0; i < 2; i++) {
+    snprintf(from, sizeof from, "%s/rank-00001/%s", ahead, names[i]);
+    snprintf(to, sizeof to, "%s/rank-00001/%s", mem, names[i]);
+    CHECK(rename(from, to) == 0);
+  }
+  amber_drain_opts o;
+  amber_drain_opts_init(&o);
+  o.rank = 1;
+  CHECK_OK(amber_drain_run(mem, dur, &o)); /* drains rank 1's step 7, keeps step 6's chain */
+  /* step 7 fails: rank 1 moves back to 6 */
+  snprintf(to, sizeof to, "%s/rank-00001/%s", mem, names[0]);
+  CHECK(unlink(to) == 0);
+  amber__err e;
+  amber_store *st = NULL;
+  snprintf(to, sizeof to, "%s/rank-00001", mem);
+  CHECK_OK(amber_store_open(&st, to, NULL));
+  amber_ckpt_info *info = NULL;
+  size_t n = 0;
+  CHECK_OK(amber_store_list(st, &info, &n));
+  for (size_t i = 0; i < n; i++)
+    if (info[i].step == 6) CHECK_OK(amber__write_latest(st, &e, 6, info[i].hash));
+  amber_free(info);
+  amber_store_close(st);
+  g_check(mem, 6);
+  jb.first = jb.last = 7; /* and the job goes on from there */
+  g_run(&jb, 2);
+  g_check(mem, 7);
+}
+
 /* Two hosts: A holds GLOBAL, the manifests and rank 0; B rank 1. */
 static void test_two_hosts_drain_in_either_order(void) {
   char mem[2048], dur[2048], hostb[2100], from[2200], to[2200];
@@ -139,6 +185,7 @@ int main(void) {
   TEST_RUN(test_drain_run_of_every_rank_makes_each_global_step_durable);
   TEST_RUN(test_a_drain_per_rank_beside_the_global_writer);
   TEST_RUN(test_a_failed_global_step_breaks_neither_tier);
+  TEST_RUN(test_a_rank_ahead_of_global_keeps_what_global_needs);
   TEST_RUN(test_two_hosts_drain_in_either_order);
   return tu_finish();
 }

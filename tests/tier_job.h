@@ -137,6 +137,7 @@ typedef struct gjob {
   uint32_t full_every;
   int fail_rank;          /* -1: none; else its save of fail_step fails */
   uint64_t fail_step;
+  uint32_t flags;         /* of every save (AMBER_SAVE_FULL) */
   const char *durable;    /* with each rank's drain (rank mode) beside its writer */
   amber_drain_opts dopts;
   atomic_int drain_errors;
@@ -177,7 +178,7 @@ static inline void g_rank_main(const amber_comm *c, void *arg) {
     int failing = jb->fail_rank >= 0 && jb->fail_step == s;
     if (failing && c->rank == jb->fail_rank) g_block(jb->path, c->rank, s, 1);
     c->barrier(c->ctx);
-    int rc = amber_global_writer_save(gw, s, 0);
+    int rc = amber_global_writer_save(gw, s, jb->flags);
     RCHECK(failing ? rc < 0 : rc == 0);
     c->barrier(c->ctx);
     if (failing && c->rank == jb->fail_rank) g_block(jb->path, c->rank, s, 0);
