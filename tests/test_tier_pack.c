@@ -191,6 +191,13 @@ static void test_a_damaged_or_truncated_blob_changes_nothing(void) {
   check_refused(rep, blob, len - 1, "truncated by one byte");
   check_refused(rep, blob, len / 2, "truncated to half");
   check_refused(rep, blob, 10, "10 bytes");
+  uint8_t *longer = calloc(1, len + 8);
+  memcpy(longer, blob, len);
+  for (int i = 0; i < 8; i++) longer[16 + i] = (uint8_t)((uint64_t)(len + 8) >> (8 * i));
+  uint64_t lh = amber__xxh3(longer, 24);
+  for (int i = 0; i < 8; i++) longer[24 + i] = (uint8_t)(lh >> (8 * i));
+  check_refused(rep, longer, len + 8, "8 bytes after the last frame, the length says so");
+  free(longer);
   memcpy(copy, blob, len);
   copy[8] = 2; /* version 2, header checksum recomputed */
   uint64_t h = amber__xxh3(copy, 24);
@@ -230,6 +237,7 @@ static void test_a_hostile_blob_writes_nothing_anywhere(void) {
       "../evil",      "rank-00001/../../evil", "/etc/evil",        "rank-1/LATEST",
       "rank-00001/GLOBAL", "ckpt-1.amber",     "LATEST.tmp",       "rank-00001/",
       "step-1.manifest", "rank-00001/step-00000000000000000001.manifest", "TIERS", ".lock",
+      "rank-000001/LATEST", /* rank 1, spelled otherwise: a second directory of it */
   };
   uint8_t b[512];
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
