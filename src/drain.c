@@ -764,6 +764,10 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
   if (!rc && (stat(d->memory, &sb) != 0 || !S_ISDIR(sb.st_mode)))
     rc = amber__fail(&e, AMBER_ENOENT, "no memory tier at %s", d->memory);
   if (!rc) rc = amber__dest_dir_open(&d->dest, &e, d->durable, 1);
+  char *rm = rc ? NULL : realpath(d->memory, NULL), *rd = rc ? NULL : realpath(d->durable, NULL);
+  if (rm && rd && !strcmp(rm, rd)) /* retention would remove the only copy */
+    rc = amber__fail(&e, AMBER_EINVAL, "the memory tier and the durable tier are one directory");
+  free(rm), free(rd);
   if (!rc) rc = discover(d, &e);
   if (!rc) {
     char *abs = realpath(d->durable, NULL); /* what TIERS records: any process finds it */

@@ -343,7 +343,8 @@ static int pull_counted(void *ctx, amber__err *e, const void **p, size_t *n) {
   int rc = amber__vsrc_pull(c->v, e, p, n);
   if (!rc && c->cnt) {
     c->cnt->bytes += *n;
-    if (c->cnt->total && *n) amber__progress("drain", c->cnt->base + c->cnt->bytes, c->cnt->total);
+    uint64_t t = c->cnt->total; /* done == total only at the end (amber_drain_run's) */
+    if (t && *n) amber__progress("drain", c->cnt->bytes < t ? c->cnt->bytes : t - 1, t);
   }
   return rc;
 }

@@ -125,7 +125,7 @@ int amber__dview_latest(amber__dview *v, amber__err *e, uint64_t *step, uint64_t
 /* Progress of the copies of one drain or pack: bytes and files copied; with
  * `total` set, each block is reported to the progress hook as "drain". */
 typedef struct amber__tcount {
-  uint64_t bytes, files, total, base;
+  uint64_t bytes, files, total;
 } amber__tcount;
 
 /* The chain of step `step` of store `st`, whose file must carry state id `state`:

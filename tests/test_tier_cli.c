@@ -39,7 +39,8 @@ __attribute__((format(printf, 1, 2))) static result cli(const char *fmt, ...) {
   snprintf(o, sizeof o, "%s/stdout", dir);
   snprintf(e, sizeof e, "%s/stderr", dir);
   result r;
-  r.rc = tu_system("AMBER_PROGRESS=0 '%s' %s >'%s' 2>'%s'", AMBER_CLI, args, o, e);
+  r.rc = tu_system("AMBER_PROGRESS=${AMBER_PROGRESS:-0} '%s' %s >'%s' 2>'%s'", AMBER_CLI, args,
+                   o, e);
   r.out = slurp(o);
   r.err = slurp(e);
   if (getenv("AMBER_TEST_VERBOSE")) fprintf(stderr, "$ amber %s\n%s%s", args, r.out, r.err);
@@ -89,9 +90,12 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
   CHECK(strstr(r.out, "tiers") == NULL && row(r.out, 8));
   char *plain = strdup(r.out);
   done(&r);
+  setenv("AMBER_PROGRESS", "1", 1); /* progress lines, as on a terminal */
   r = cli("drain '%s' '%s'", mem, dur);
+  unsetenv("AMBER_PROGRESS");
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "every committed step is durable") && strstr(r.out, "step 8"));
+  CHECK(strstr(r.err, "drain ") && strstr(r.err, "100% of"));
   done(&r);
   for (uint64_t s = 1; s <= 8; s++) check_step(dur, s);
   job_save(&j, 9, 0); /* committed to memory only */

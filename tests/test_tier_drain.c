@@ -383,6 +383,10 @@ static void test_drain_refuses_what_it_must(void) {
   CHECK(tu_write_file(p, "x", 1) == 0);
   CHECK_RC(amber_drain_run(mem, other, NULL), AMBER_EINVAL);
   CHECK(strstr(amber_last_error(NULL), "multi-rank") != NULL);
+  CHECK_RC(amber_drain_run(mem, mem, NULL), AMBER_EINVAL); /* one directory: never */
+  CHECK(strstr(amber_last_error(NULL), "one directory") != NULL);
+  uint64_t steps[MAXSTEP];
+  CHECK(steps_of(mem, steps) == 1);
   /* no memory tier; a memory tier that records none */
   snprintf(p, sizeof p, "%s/none", tu_tmpdir());
   CHECK_RC(amber_drain_run(p, dur, NULL), AMBER_ENOENT);
