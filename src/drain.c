@@ -628,10 +628,16 @@ typedef struct view {
 static int scan(amber_drain *d, amber__err *e, view *v) {
   memset(v, 0, sizeof *v);
   v->memory_step = v->durable_step = v->full_step = AMBER_NO_STEP;
+  /* The lanes' positions (the thread owns the rest of each lane); src strings stay. */
+  typedef struct pos {
+    const char *src;
+    uint64_t d_step, d_state;
+  } pos;
   pthread_mutex_lock(&d->mu);
   size_t nl = d->nlanes;
-  lane *ls = nl ? malloc(nl * sizeof *ls) : NULL;
-  if (ls) memcpy(ls, d->lanes, nl * sizeof *ls); /* the positions; src strings stay */
+  pos *ls = nl ? malloc(nl * sizeof *ls) : NULL;
+  for (size_t i = 0; ls && i < nl; i++)
+    ls[i] = (pos){d->lanes[i].src, d->lanes[i].d_step, d->lanes[i].d_state};
   uint64_t g_d = d->g_d;
   int coord = d->coord, own = lanes_free(d, d->layout);
   pthread_mutex_unlock(&d->mu);
