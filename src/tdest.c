@@ -68,7 +68,8 @@ static int dir_put(amber__dest *d, amber__err *e, const char *name, uint64_t siz
                        strerror(errno));
   int err = injected();
   if (err)
-    return amber__fail(e, amber__errno_code(err), "cannot write %s: %s", path, strerror(err));
+    return amber__fail(e, amber__errno_code(err), "cannot write %s: %s", path,
+                       strerror(err));
   int fd, rc = amber__create_tmp(e, path, tmp, sizeof tmp, &fd);
   if (rc) return rc;
   uint64_t done = 0;
@@ -116,12 +117,13 @@ static int dir_stat(amber__dest *d, amber__err *e, const char *name, uint64_t *s
   return 0;
 }
 
-static int dir_read(amber__dest *d, amber__err *e, const char *name, uint64_t off, void *buf,
-                    size_t len) {
+static int dir_read(amber__dest *d, amber__err *e, const char *name, uint64_t off,
+                    void *buf, size_t len) {
   char path[4200];
   path_of((dirdest *)d, name, path, sizeof path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return amber__fail(e, amber__errno_code(errno), "%s: %s", path, strerror(errno));
+  if (fd < 0)
+    return amber__fail(e, amber__errno_code(errno), "%s: %s", path, strerror(errno));
   int rc = amber__pread_full(fd, buf, len, off);
   int err = errno;
   close(fd);
@@ -133,7 +135,8 @@ static int dir_read(amber__dest *d, amber__err *e, const char *name, uint64_t of
 }
 
 void amber__names_list_free(char **names, size_t n) {
-  for (size_t i = 0; names && i < n; i++) free(names[i]);
+  for (size_t i = 0; names && i < n; i++)
+    free(names[i]);
   free(names);
 }
 
@@ -161,8 +164,10 @@ static int dir_list(amber__dest *d, amber__err *e, const char *prefix, char ***n
       }
       *names = grown;
     }
-    if (!((*names)[*n] = strdup(de->d_name))) rc = amber__fail(e, AMBER_ENOMEM, "out of memory");
-    else (*n)++;
+    if (!((*names)[*n] = strdup(de->d_name)))
+      rc = amber__fail(e, AMBER_ENOMEM, "out of memory");
+    else
+      (*n)++;
   }
   closedir(dir);
   if (rc) {
@@ -200,9 +205,11 @@ static int dir_claim(amber__dest *d, amber__err *e, const char *store) {
     int err = errno;
     close(fd);
     if (err == EWOULDBLOCK)
-      return amber__fail(e, AMBER_ELOCKED,
-                         "the durable store %s is in use by another drain or writer (%s is "
-                         "held)", dir, lock);
+      return amber__fail(
+          e, AMBER_ELOCKED,
+          "the durable store %s is in use by another drain or writer (%s is "
+          "held)",
+          dir, lock);
     return amber__fail(e, AMBER_EIO, "cannot lock %s: %s", lock, strerror(err));
   }
   dd->locks[dd->nlocks++] = fd;
@@ -211,7 +218,8 @@ static int dir_claim(amber__dest *d, amber__err *e, const char *store) {
 
 static void dir_close(amber__dest *d) {
   dirdest *dd = (dirdest *)d;
-  for (size_t i = 0; i < dd->nlocks; i++) close(dd->locks[i]); /* releases the flocks */
+  for (size_t i = 0; i < dd->nlocks; i++)
+    close(dd->locks[i]); /* releases the flocks */
   free(dd->locks);
   free(dd->root);
   free(dd);
@@ -234,7 +242,8 @@ int amber__dest_dir_open(amber__dest **out, amber__err *e, const char *root, int
     return amber__fail(e, AMBER_ENOMEM, "out of memory");
   }
   size_t len = strlen(dd->root);
-  while (len > 1 && dd->root[len - 1] == '/') dd->root[--len] = 0;
+  while (len > 1 && dd->root[len - 1] == '/')
+    dd->root[--len] = 0;
   dd->base.ops = &dir_ops;
   dd->base.where = dd->root;
   *out = &dd->base;

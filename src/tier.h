@@ -53,7 +53,8 @@ typedef struct amber__dest_ops {
               size_t len);
   /* The names directly under `prefix` ("" or "rank-00003/"), without it: *names
    * (one malloc'd array of *n strings, freed with amber__names_list_free). */
-  int (*list)(amber__dest *d, amber__err *e, const char *prefix, char ***names, size_t *n);
+  int (*list)(amber__dest *d, amber__err *e, const char *prefix, char ***names,
+              size_t *n);
   /* Removes `name`; no error when there is none. */
   int (*remove)(amber__dest *d, amber__err *e, const char *name);
   /* Claims store `store` ("" or "rank-00003") for this destination handle until it

@@ -45,8 +45,10 @@ static void test_drain_run_of_every_rank_makes_each_global_step_durable(void) {
   uint64_t steps[64];
   size_t n = g_steps(dur, steps, 64);
   CHECK(n == 9);
-  for (size_t i = 0; i < n && i < 64; i++) CHECK(steps[i] == i + 1);
-  for (uint64_t s = 1; s <= 9; s++) g_check(dur, s);
+  for (size_t i = 0; i < n && i < 64; i++)
+    CHECK(steps[i] == i + 1);
+  for (uint64_t s = 1; s <= 9; s++)
+    g_check(dur, s);
   for (int r = 0; r < 3; r++) { /* each rank store of the durable tier has its LATEST */
     char p[4200];
     snprintf(p, sizeof p, "%s/rank-%05d", dur, r);
@@ -65,21 +67,27 @@ static void test_drain_run_of_every_rank_makes_each_global_step_durable(void) {
   jb.first = 10, jb.last = 11;
   g_run(&jb, 3);
   CHECK_OK(amber_drain_run(mem, NULL, NULL));
-  for (uint64_t s = 1; s <= 11; s++) g_check(dur, s);
+  for (uint64_t s = 1; s <= 11; s++)
+    g_check(dur, s);
   check_memory_kept(mem, 11, 3);
 }
 
 static void test_a_drain_per_rank_beside_the_global_writer(void) {
   char mem[2048], dur[2048];
   paths(mem, dur, sizeof mem);
-  gjob jb = {.path = mem, .first = 1, .last = 12, .full_every = 4, .fail_rank = -1,
+  gjob jb = {.path = mem,
+             .first = 1,
+             .last = 12,
+             .full_every = 4,
+             .fail_rank = -1,
              .durable = dur};
   amber_drain_opts_init(&jb.dopts);
   jb.dopts.max_lag_steps = 3;
   g_run(&jb, 3);
   uint64_t steps[64];
   CHECK(g_steps(dur, steps, 64) == 12);
-  for (uint64_t s = 1; s <= 12; s++) g_check(dur, s);
+  for (uint64_t s = 1; s <= 12; s++)
+    g_check(dur, s);
   check_memory_kept(mem, 12, 3);
 }
 
@@ -89,8 +97,13 @@ static void test_a_drain_per_rank_beside_the_global_writer(void) {
 static void test_a_failed_global_step_breaks_neither_tier(void) {
   char mem[2048], dur[2048];
   paths(mem, dur, sizeof mem);
-  gjob jb = {.path = mem, .first = 1, .last = 9, .full_every = 3, .fail_rank = 1,
-             .fail_step = 5, .durable = dur};
+  gjob jb = {.path = mem,
+             .first = 1,
+             .last = 9,
+             .full_every = 3,
+             .fail_rank = 1,
+             .fail_step = 5,
+             .durable = dur};
   amber_drain_opts_init(&jb.dopts);
   g_run(&jb, 3);
   uint64_t steps[64];
@@ -117,7 +130,11 @@ static void test_a_rank_ahead_of_global_keeps_what_global_needs(void) {
   /* rank 1's full part of step 7, made in a copy and put beside its committed steps */
   snprintf(ahead, sizeof ahead, "%s.ahead", mem);
   CHECK(tu_system("cp -a '%s' '%s'", mem, ahead) == 0);
-  gjob j7 = {.path = ahead, .first = 7, .last = 7, .full_every = 100, .fail_rank = -1,
+  gjob j7 = {.path = ahead,
+             .first = 7,
+             .last = 7,
+             .full_every = 100,
+             .fail_rank = -1,
              .flags = AMBER_SAVE_FULL};
   g_run(&j7, 2);
   static const char *const names[] = {"ckpt-00000000000000000007.amber", "LATEST"};
@@ -129,7 +146,8 @@ static void test_a_rank_ahead_of_global_keeps_what_global_needs(void) {
   amber_drain_opts o;
   amber_drain_opts_init(&o);
   o.rank = 1;
-  CHECK_OK(amber_drain_run(mem, dur, &o)); /* drains rank 1's step 7, keeps step 6's chain */
+  CHECK_OK(
+      amber_drain_run(mem, dur, &o)); /* drains rank 1's step 7, keeps step 6's chain */
   /* step 7 fails: rank 1 moves back to 6 */
   snprintf(to, sizeof to, "%s/rank-00001/%s", mem, names[0]);
   CHECK(unlink(to) == 0);
@@ -164,7 +182,8 @@ static void test_two_hosts_drain_in_either_order(void) {
   /* A first: rank 1's files are in neither tier it can see */
   CHECK_RC(amber_drain_run(mem, dur, NULL), AMBER_ENOENT);
   const char *msg = amber_last_error(NULL);
-  CHECK(strstr(msg, "rank 1") && strstr(msg, "rank-00001/ckpt-") && strstr(msg, "drain the memory"));
+  CHECK(strstr(msg, "rank 1") && strstr(msg, "rank-00001/ckpt-") &&
+        strstr(msg, "drain the memory"));
   uint64_t steps[64];
   CHECK(g_steps(dur, steps, 64) == 0); /* no GLOBAL without rank 1's files */
   /* B, then A */
@@ -172,7 +191,8 @@ static void test_two_hosts_drain_in_either_order(void) {
   CHECK(g_steps(dur, steps, 64) == 0);
   CHECK_OK(amber_drain_run(mem, dur, NULL));
   CHECK(g_steps(dur, steps, 64) == 5);
-  for (uint64_t s = 1; s <= 5; s++) g_check(dur, s);
+  for (uint64_t s = 1; s <= 5; s++)
+    g_check(dur, s);
   /* B's own drain again: A's GLOBAL lets it keep only the newest chain */
   CHECK_OK(amber_drain_run(hostb, dur, NULL));
   check_only_newest_chain(to, 5);
