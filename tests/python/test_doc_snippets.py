@@ -455,6 +455,9 @@ class Snippets:
         needs_build = re.search(r"\b(cc|pkg-config|mpirun|mpicc)\b", b.code)
         if needs_build and not self.prefix:
             return None, f"no {BUILD}/libamber.so: `make test-c` (or `make`) builds it"
+        if "amber_mpi" in b.code and not os.path.exists(
+                os.path.join(self.prefix, "lib", "pkgconfig", "amber_mpi.pc")):
+            return None, f"{BUILD} has no amber_mpi.pc: libamber_mpi is built where CMake finds MPI"
         d = self.fresh(b, True)
         code = b.code
         if b.lang == "console":
@@ -478,6 +481,8 @@ class Snippets:
         with open(src, "w") as f:
             f.write(text)
         pc = "amber_mpi" if "amber_mpi.h" in b.code else "amber"
+        if not os.path.exists(os.path.join(self.prefix, "lib", "pkgconfig", pc + ".pc")):
+            return None, f"{BUILD} has no {pc}.pc: libamber_mpi is built where CMake finds MPI"
         rc, out = run(["sh", "-c", f'cc {" ".join(flags)} snippet.c $(pkg-config --cflags --libs '
                        f'{pc}) -lm -o snippet'], d, self.env, 120)
         if rc != 0:
