@@ -91,7 +91,7 @@ threshold:ABS[:REL][/SHARE:MULT] (with a share cap: at most SHARE of each chunk 
 delta, the farthest over their bound first, and none left beyond MULT bounds) or
 budget:FRAC[:CAP], optionally followed by a value code
 (@q8, @q4, @bf16: quantized changes; +lead), ABS and CAP optionally in units of the
-tensor's learning rate ("threshold:0.5u": see README); PATTERN is a glob on the
+tensor's learning rate ("threshold:0.5u": see docs/policies.md); PATTERN is a glob on the
 tensor names above ("*/exp_avg_sq" matches every Adam second moment); the last
 matching rule wins.
 Integer and bool tensors, and optimizer step counters ("<optim key>/*/step", a
