@@ -2,11 +2,12 @@
 
     from amber.torch import Checkpointer
     with Checkpointer("runs/x", policy="lossy") as ck:
-        start = ck.load({"model": model, "optim": opt, "sched": sched}) or 0
+        state = {"model": model, "optim": opt, "sched": sched, "extra": {"data_pos": 0}}
+        start = ck.load(state) or 0              # state["extra"] comes back too
         for step in range(start + 1, steps + 1):
             train_one_step()                     # ends with opt.step(), sched.step()
-            ck.save(step, {"model": model, "optim": opt, "sched": sched,
-                           "extra": {"data_pos": pos}})
+            state["extra"]["data_pos"] = pos
+            ck.save(step, state)
     # leaving the block waits until the last save is durable, then releases the store
 
 Supported PyTorch: 2.11 and newer (tested with 2.13); an older torch raises
