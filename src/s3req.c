@@ -507,9 +507,11 @@ static int req_start(amber__s3 *s, CURL *h, amber__s3_req *r) {
   return 0;
 }
 
-/* S3 asks to be tried again: server errors, throttling, a slow request. */
+/* S3 asks to be tried again: server errors, throttling, a slow request, a body that
+ * arrived other than it was sent (its checksum did not match). */
 static int transient_http(long status, const char *code) {
   return status >= 500 || status == 429 || strcmp(code, "SlowDown") == 0 ||
+         strcmp(code, "BadDigest") == 0 ||
          strcmp(code, "RequestTimeout") == 0 || strcmp(code, "InternalError") == 0 ||
          strcmp(code, "ServiceUnavailable") == 0;
 }

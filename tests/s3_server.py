@@ -11,7 +11,8 @@ injects the faults the tests ask for: a connection cut after N bytes of a reques
 body, K requests answered 500/503 with S3's error body, a delayed response, and the
 server taken down and brought back up (its data kept, as S3's is when one of its
 front ends restarts). The proxy counts requests, so a test can check that an error
-was not retried.
+was not retried, and checks an upload's x-amz-checksum-crc32 as S3 does on arrival
+(moto only stores it), answering 400 BadDigest to a body that does not match it.
 
 Protocol: one line on stdout when ready,
     ready PROXY_PORT SERVER_PORT ACCESS_KEY SECRET_KEY
@@ -20,6 +21,7 @@ then one command per line on stdin, each answered by one line "ok ..." or "error
     fail K STATUS CODE   answer the next K requests STATUS with S3 error CODE
     cut K N              cut the next K requests' connections after N bytes of body
     cutresp K N          cut the next K responses' connections after N bytes of body
+    flip K N             change byte N of the next K requests' bodies on the way
     delay K MS           hold the next K responses MS milliseconds
     pass K               let the next K requests through (before the faults queued after)
     count                "ok REQUESTS CONNECTIONS MOST" since the last reset: requests and
@@ -30,12 +32,13 @@ Exits when stdin closes or after --timeout seconds, whichever comes first.
 """
 import argparse
 import asyncio
+import base64
 import collections
 import os
 import socket
 import struct
 import sys
-import threading
+import zlib
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "setup")  # boto3 signs the setup calls
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "setup")
@@ -98,7 +101,8 @@ class Backend:
 
 class Faults:
     def __init__(self):
-        # ("fail", status, code), ("cut", n), ("cutresp", n), ("delay", seconds), ("pass",)
+        # ("fail", status, code), ("cut", n), ("cutresp", n), ("flip", n), ("delay", seconds),
+        # ("pass",)
         self.queue = collections.deque()
         self.requests = 0
         self.connections = 0
@@ -114,7 +118,8 @@ class Faults:
 def error_response(status, code):
     body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
             f"<Message>injected by tests/s3_server.py</Message></Error>").encode()
-    reason = {500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "Error")
+    reason = {400: "Bad Request", 500: "Internal Server Error",
+              503: "Service Unavailable"}.get(status, "Error")
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     return head + body
@@ -255,7 +260,19 @@ class Proxy:
             reset(cwriter)
             reset(uwriter)
             return False
-        await self.copy(creader, uwriter, length)
+        body = await creader.readexactly(length)
+        if fault and fault[0] == "flip":  # a byte changed on the way, unseen by TCP
+            body = body[:fault[1]] + bytes([body[fault[1]] ^ 1]) + body[fault[1] + 1:]
+        crc = fields.get("x-amz-checksum-crc32")
+        if crc is not None and crc != base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode():
+            # S3 checks an upload's checksum on arrival; moto does not, so this proxy
+            # does it in its place, and the body never reaches the server
+            cwriter.write(error_response(400, "BadDigest"))
+            await cwriter.drain()
+            self.drop(conn)  # it waits for a body that will not come
+            return True
+        uwriter.write(body)
+        await uwriter.drain()
         rhead, status, rfields = await self.head_of(ureader)
         while 100 <= status < 200:
             cwriter.write(rhead)
@@ -320,6 +337,9 @@ async def control(backend, faults, proxy):
                 reply = "ok"
             elif cmd[0] == "cutresp":
                 faults.queue.extend([("cutresp", int(cmd[2]))] * int(cmd[1]))
+                reply = "ok"
+            elif cmd[0] == "flip":
+                faults.queue.extend([("flip", int(cmd[2]))] * int(cmd[1]))
                 reply = "ok"
             elif cmd[0] == "delay":
                 faults.queue.extend([("delay", int(cmd[2]) / 1000)] * int(cmd[1]))

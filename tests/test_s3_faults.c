@@ -135,6 +135,61 @@ static void test_a_stalled_answer_times_out_and_is_retried(void) {
   amber__s3_close(s);
 }
 
+/* A body changed on the way (what TCP's checksum can miss) is refused by its CRC32,
+ * as S3 refuses it (here the proxy checks in moto's place), and sent again. */
+static void test_a_body_damaged_on_the_way_is_refused_and_sent_again(void) {
+  amber__s3_opts o = {.part_size = 5 * MiB};
+  amber__s3 *s = tu_s3_client("flip", &o);
+  CHECK(s != NULL);
+  if (!s) return;
+  size_t n = 11 * MiB;
+  uint8_t *data = malloc(n);
+  tu_fill_random(data, n, 5);
+  amber__s3_stat st;
+  tu_s3_cmd(&srv, "reset");
+  tu_s3_cmd(&srv, "flip 1 1000");
+  CHECK_OK(amber__s3_put(s, "one", data, 4096, &st));
+  CHECK(tu_s3_requests(&srv, NULL) == 2);
+  check_whole(s, "one", data, 4096, &st);
+  tu_s3_cmd(&srv, "reset");
+  tu_s3_cmd(&srv, "pass 1");
+  tu_s3_cmd(&srv, "flip 1 4000000");
+  CHECK_OK(amber__s3_put(s, "multi", data, n, &st));
+  CHECK(tu_s3_requests(&srv, NULL) == 6); /* create, 3 parts + 1 again, complete */
+  check_whole(s, "multi", data, n, &st);
+  free(data);
+  amber__s3_close(s);
+}
+
+/* The answer to CompleteMultipartUpload is lost after the server completed it: the
+ * retry finds the upload gone (S3's NoSuchUpload, injected: moto completes it again),
+ * and the object, read back with its checksum, is the one uploaded. */
+static void test_a_lost_completion_answer_is_checked_not_failed(void) {
+  amber__s3_opts o = {.part_size = 5 * MiB};
+  amber__s3 *s = tu_s3_client("complete", &o);
+  CHECK(s != NULL);
+  if (!s) return;
+  size_t n = 11 * MiB;
+  uint8_t *data = malloc(n);
+  tu_fill_random(data, n, 6);
+  amber__s3_stat st;
+  tu_s3_cmd(&srv, "reset");
+  tu_s3_cmd(&srv, "pass 4"); /* create, 3 parts */
+  tu_s3_cmd(&srv, "cutresp 1 10");
+  tu_s3_cmd(&srv, "fail 1 404 NoSuchUpload");
+  CHECK_OK(amber__s3_put(s, "k", data, n, &st));
+  CHECK(tu_s3_requests(&srv, NULL) == 7); /* ... complete twice, HEAD */
+  check_whole(s, "k", data, n, &st);
+  /* and when the object is not the one uploaded, the loss is not taken for success */
+  tu_s3_cmd(&srv, "reset");
+  tu_s3_cmd(&srv, "pass 1");
+  tu_s3_cmd(&srv, "fail 3 404 NoSuchUpload"); /* parts refused: the upload is gone */
+  CHECK_RC(amber__s3_put(s, "k", data, n - 1, &st), AMBER_ENOENT);
+  CHECK(strstr(amber_last_error(NULL), "NoSuchUpload") != NULL);
+  free(data);
+  amber__s3_close(s);
+}
+
 typedef struct put_job {
   amber__s3 *s;
   const uint8_t *data;
@@ -246,6 +301,8 @@ int main(void) {
   TEST_RUN(test_connection_cut_mid_upload_is_retried_whole);
   TEST_RUN(test_connection_cut_mid_download_is_retried);
   TEST_RUN(test_a_stalled_answer_times_out_and_is_retried);
+  TEST_RUN(test_a_body_damaged_on_the_way_is_refused_and_sent_again);
+  TEST_RUN(test_a_lost_completion_answer_is_checked_not_failed);
   TEST_RUN(test_server_down_and_back_up);
   TEST_RUN(test_wrong_secret_and_unknown_key_fail_at_once);
   TEST_RUN(test_missing_bucket_fails_at_once);
