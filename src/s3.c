@@ -84,6 +84,26 @@ void amber__s3_counters_get(const amber__s3 *s, amber__s3_counters *c) {
   (void)s;
   memset(c, 0, sizeof *c);
 }
+int amber__s3_obj_open(amber__s3_obj **out, amber__s3 *s, const char *k) {
+  (void)s, (void)k;
+  *out = NULL;
+  UNBUILT;
+}
+uint64_t amber__s3_obj_size(const amber__s3_obj *o) {
+  (void)o;
+  return 0;
+}
+int amber__s3_obj_pread(amber__s3_obj *o, void *b, size_t n, uint64_t off) {
+  (void)o, (void)b, (void)n, (void)off;
+  UNBUILT;
+}
+int amber__s3_obj_preadv(amber__s3_obj *o, const amber__s3_range *r, size_t n) {
+  (void)o, (void)r, (void)n;
+  UNBUILT;
+}
+void amber__s3_obj_close(amber__s3_obj *o) {
+  (void)o;
+}
 
 #else /* AMBER_HAVE_S3 */
 
@@ -219,8 +239,10 @@ int amber__s3_get(amber__s3 *s, const char *key, size_t max, void **out, size_t 
   return rc;
 }
 
-int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg,
-                         size_t n) {
+/* Ranged GETs of `n` ranges, each longer than a part in several pieces; with
+ * `if_match`, of that version of the object only (a 412 otherwise). */
+static int get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg, size_t n,
+                      const char *if_match) {
   size_t np = 0;
   uint64_t piece = s->opts.part_size;
   for (size_t i = 0; i < n; i++) np += (rg[i].len + piece - 1) / piece;
@@ -232,13 +254,17 @@ int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *r
     for (uint64_t off = 0; off < rg[i].len && rc == 0; off += piece, k++) {
       uint64_t len = rg[i].len - off < piece ? rg[i].len - off : piece;
       uint64_t a = rg[i].off + off, b = a + len - 1;
-      char what[64], hdr[80];
+      char what[64], hdr[160];
       snprintf(what, sizeof what, "GET bytes %llu-%llu", (unsigned long long)a,
                (unsigned long long)b);
       snprintf(hdr, sizeof hdr, "Range: bytes=%llu-%llu", (unsigned long long)a,
                (unsigned long long)b);
       rc = amber__s3_req_init(s, &rs[k], "GET", key, 0, NULL, what);
       if (rc == 0) rc = amber__s3_req_header(&rs[k], hdr);
+      if (rc == 0 && if_match) {
+        snprintf(hdr, sizeof hdr, "If-Match: \"%s\"", if_match);
+        rc = amber__s3_req_header(&rs[k], hdr);
+      }
       rs[k].dst = (uint8_t *)rg[i].buf + off;
       rs[k].dst_len = len;
     }
@@ -247,6 +273,68 @@ int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *r
   for (size_t i = 0; i < np; i++) amber__s3_req_free(&rs[i]);
   free(rs);
   return rc;
+}
+
+int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg,
+                         size_t n) {
+  return get_ranges(s, key, rg, n, NULL);
+}
+
+/* ---- an object read by ranges ---- */
+
+struct amber__s3_obj {
+  amber__s3 *s;
+  char *key;
+  amber__s3_stat st;
+};
+
+int amber__s3_obj_open(amber__s3_obj **out, amber__s3 *s, const char *key) {
+  *out = NULL;
+  amber__s3_obj *o = calloc(1, sizeof *o);
+  if (!o || !(o->key = strdup(key))) {
+    free(o);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
+  o->s = s;
+  int rc = amber__s3_head(s, key, &o->st);
+  if (rc == 0 && !o->st.etag[0])
+    rc = amber__fail(NULL, AMBER_EIO, "%s/%s: HEAD gave no ETag", s->url, key);
+  if (rc < 0) {
+    amber__s3_obj_close(o);
+    return rc;
+  }
+  *out = o;
+  return 0;
+}
+
+uint64_t amber__s3_obj_size(const amber__s3_obj *o) {
+  return o->st.size;
+}
+
+int amber__s3_obj_preadv(amber__s3_obj *o, const amber__s3_range *r, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (r[i].off > o->st.size || r[i].len > o->st.size - r[i].off)
+      return amber__fail(NULL, AMBER_ECORRUPT,
+                         "%s/%s: bytes %llu..%llu asked of an object of %llu bytes", o->s->url,
+                         o->key, (unsigned long long)r[i].off,
+                         (unsigned long long)(r[i].off + r[i].len), (unsigned long long)o->st.size);
+  int rc = get_ranges(o->s, o->key, r, n, o->st.etag);
+  if (rc == AMBER_ECHANGED)
+    rc = amber__fail(NULL, AMBER_ECHANGED,
+                     "%s/%s: the object was replaced while it was read (its ETag is no longer %s)",
+                     o->s->url, o->key, o->st.etag);
+  return rc;
+}
+
+int amber__s3_obj_pread(amber__s3_obj *o, void *buf, size_t len, uint64_t off) {
+  amber__s3_range r = {off, len, buf};
+  return amber__s3_obj_preadv(o, &r, 1);
+}
+
+void amber__s3_obj_close(amber__s3_obj *o) {
+  if (!o) return;
+  free(o->key);
+  free(o);
 }
 
 int amber__s3_delete(amber__s3 *s, const char *key) {

@@ -131,6 +131,21 @@ typedef struct amber__s3_range {
 int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *r,
                          size_t n);
 
+/* One object opened for reading by ranges, the way a reader reads a checkpoint file:
+ * its size and ETag are read once (HEAD), and every read asks for that version only
+ * (If-Match), so that an object replaced while it is read (a compact rewriting a
+ * step under the same key) fails the read with AMBER_ECHANGED instead of mixing two
+ * versions. A range outside the object is AMBER_ECORRUPT, asked of no server. One
+ * handle may serve many threads; the client must outlive it. */
+typedef struct amber__s3_obj amber__s3_obj;
+int amber__s3_obj_open(amber__s3_obj **out, amber__s3 *s, const char *key);
+uint64_t amber__s3_obj_size(const amber__s3_obj *o);
+/* Exactly `len` bytes at `off` (ranged GETs, in parallel pieces when long). */
+int amber__s3_obj_pread(amber__s3_obj *o, void *buf, size_t len, uint64_t off);
+/* Several ranges at once, `parallel` requests in flight. */
+int amber__s3_obj_preadv(amber__s3_obj *o, const amber__s3_range *r, size_t n);
+void amber__s3_obj_close(amber__s3_obj *o);
+
 /* DELETE: 0 also when the key did not exist (S3 does not say). */
 int amber__s3_delete(amber__s3 *s, const char *key);
 

@@ -553,6 +553,7 @@ static int http_fail(amber__s3 *s, amber__s3_req *r, const s3_error *e) {
   int code = st == 403   ? AMBER_EPERM
              : st == 404 ? AMBER_ENOENT
              : st == 416 ? AMBER_ERANGE
+             : st == 412 ? AMBER_ECHANGED /* an If-Match on a replaced object */
              : st == 301 || st == 307 || st == 400 ? AMBER_EINVAL
                                                   : AMBER_EIO;
   char hint[200] = "";

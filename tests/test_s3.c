@@ -228,6 +228,42 @@ static void test_multipart_from_a_buffer(void) {
   amber__s3_close(s);
 }
 
+/* An object read by ranges as a reader reads a checkpoint: size once, bytes at any
+ * offset, several ranges at once; an object replaced under the same key fails the
+ * next read instead of mixing two versions. */
+static void test_object_read_by_ranges_is_pinned_to_its_version(void) {
+  amber__s3 *s = tu_s3_client("obj", NULL);
+  CHECK(s != NULL);
+  if (!s) return;
+  size_t n = 100000;
+  uint8_t *data = malloc(n), a[100], b[5000];
+  tu_fill_random(data, n, 7);
+  CHECK_OK(amber__s3_put(s, "ckpt-1.amber", data, n, NULL));
+  amber__s3_obj *o = NULL;
+  CHECK_OK(amber__s3_obj_open(&o, s, "ckpt-1.amber"));
+  if (o) {
+    CHECK(amber__s3_obj_size(o) == n);
+    CHECK_OK(amber__s3_obj_pread(o, a, sizeof a, n - sizeof a));
+    CHECK(memcmp(a, data + n - sizeof a, sizeof a) == 0);
+    amber__s3_range r[2] = {{10, sizeof a, a}, {50000, sizeof b, b}};
+    tu_s3_cmd(&srv, "reset");
+    CHECK_OK(amber__s3_obj_preadv(o, r, 2));
+    CHECK(tu_s3_requests(&srv, NULL) == 2);
+    CHECK(memcmp(a, data + 10, sizeof a) == 0 && memcmp(b, data + 50000, sizeof b) == 0);
+    CHECK_RC(amber__s3_obj_pread(o, a, 2, n - 1), AMBER_ECORRUPT);
+    CHECK(tu_s3_requests(&srv, NULL) == 2); /* refused before any request */
+    data[0] ^= 1;
+    CHECK_OK(amber__s3_put(s, "ckpt-1.amber", data, n, NULL)); /* a compact, say */
+    CHECK_RC(amber__s3_obj_pread(o, a, sizeof a, 0), AMBER_ECHANGED);
+    CHECK(strstr(amber_last_error(NULL), "s3://amber-test/obj/ckpt-1.amber") &&
+          strstr(amber_last_error(NULL), "replaced"));
+    amber__s3_obj_close(o);
+  }
+  CHECK_RC(amber__s3_obj_open(&o, s, "ckpt-2.amber"), AMBER_ENOENT);
+  free(data);
+  amber__s3_close(s);
+}
+
 /* A part refused for good fails the upload at once, and the upload is aborted: no
  * leftover, no object. */
 static void test_failed_multipart_is_aborted(void) {
@@ -361,6 +397,7 @@ int main(void) {
   TEST_RUN(test_delete_removes_and_is_quiet_about_missing_keys);
   TEST_RUN(test_multipart_file_parts_in_parallel_and_ranged_gets);
   TEST_RUN(test_multipart_from_a_buffer);
+  TEST_RUN(test_object_read_by_ranges_is_pinned_to_its_version);
   TEST_RUN(test_failed_multipart_is_aborted);
   TEST_RUN(test_leftover_uploads_are_listed_and_aborted);
   TEST_RUN(test_credentials_from_a_profile_file);
