@@ -7,6 +7,7 @@
  * profile file. The faults are test_s3_faults.c's.
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -264,6 +265,52 @@ static void test_object_read_by_ranges_is_pinned_to_its_version(void) {
   amber__s3_close(s);
 }
 
+typedef struct thread_job {
+  amber__s3 *s;
+  int id, rc;
+} thread_job;
+
+static void *thread_round_trips(void *arg) {
+  thread_job *j = arg;
+  uint8_t data[3000], back[3000];
+  for (int i = 0; i < 10 && j->rc == 0; i++) {
+    char key[64];
+    snprintf(key, sizeof key, "t%d/k%d", j->id, i);
+    tu_fill_random(data, sizeof data, (uint64_t)(j->id * 100 + i + 1));
+    amber__s3_stat st;
+    amber__s3_range r = {0, sizeof back, back};
+    j->rc = amber__s3_put(j->s, key, data, sizeof data, &st);
+    if (j->rc == 0) j->rc = amber__s3_confirm(j->s, key, &st);
+    if (j->rc == 0) j->rc = amber__s3_get_ranges(j->s, key, &r, 1);
+    if (j->rc == 0 && memcmp(data, back, sizeof data) != 0) j->rc = -100;
+  }
+  return NULL;
+}
+
+/* One client, four threads at once: each call takes its own connections from the
+ * pool and gives them back, so they are reused, not made per call. */
+static void test_one_client_serves_many_threads(void) {
+  amber__s3 *s = tu_s3_client("threads", NULL);
+  CHECK(s != NULL);
+  if (!s) return;
+  tu_s3_cmd(&srv, "reset");
+  pthread_t t[4];
+  thread_job j[4];
+  for (int i = 0; i < 4; i++) {
+    j[i] = (thread_job){s, i, 0};
+    pthread_create(&t[i], NULL, thread_round_trips, &j[i]);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    CHECK_OK(j[i].rc);
+  }
+  int conns = 0, req = 0, most = 0;
+  sscanf(tu_s3_cmd(&srv, "count"), "ok %d %d %d", &req, &conns, &most);
+  CHECK(req == 120);
+  CHECK(conns <= 8); /* at most a few per thread, not one per request */
+  amber__s3_close(s);
+}
+
 /* A part refused for good fails the upload at once, and the upload is aborted: no
  * leftover, no object. */
 static void test_failed_multipart_is_aborted(void) {
@@ -398,6 +445,7 @@ int main(void) {
   TEST_RUN(test_multipart_file_parts_in_parallel_and_ranged_gets);
   TEST_RUN(test_multipart_from_a_buffer);
   TEST_RUN(test_object_read_by_ranges_is_pinned_to_its_version);
+  TEST_RUN(test_one_client_serves_many_threads);
   TEST_RUN(test_failed_multipart_is_aborted);
   TEST_RUN(test_leftover_uploads_are_listed_and_aborted);
   TEST_RUN(test_credentials_from_a_profile_file);
