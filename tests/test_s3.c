@@ -121,7 +121,7 @@ static void test_list_walks_every_page_in_key_order(void) {
   CHECK(s != NULL);
   if (!s) return;
   const char *keys[] = {"ckpt-3", "ckpt-1", "LATEST", "ckpt-2", "sub/ckpt-9"};
-  for (int i = 0; i < 5; i++) CHECK_OK(amber__s3_put(s, keys[i], "x", (size_t)i, NULL));
+  for (int i = 0; i < 5; i++) CHECK_OK(amber__s3_put(s, keys[i], "xxxx", (size_t)i, NULL));
   tu_s3_cmd(&srv, "reset");
   names l = {0};
   CHECK_OK(amber__s3_list(s, "", collect, &l));
