@@ -36,11 +36,13 @@ const char *amber__s3_url(const amber__s3 *s) {
   return "";
 }
 #define UNBUILT return amber__fail(NULL, AMBER_EFORMAT, "built without S3 support")
-int amber__s3_upload(amber__s3 *s, const char *k, const amber__s3_body *b, amber__s3_stat *st) {
+int amber__s3_upload(amber__s3 *s, const char *k, const amber__s3_body *b,
+                     amber__s3_stat *st) {
   (void)s, (void)k, (void)b, (void)st;
   UNBUILT;
 }
-int amber__s3_put(amber__s3 *s, const char *k, const void *b, size_t n, amber__s3_stat *st) {
+int amber__s3_put(amber__s3 *s, const char *k, const void *b, size_t n,
+                  amber__s3_stat *st) {
   (void)s, (void)k, (void)b, (void)n, (void)st;
   UNBUILT;
 }
@@ -56,7 +58,8 @@ int amber__s3_get(amber__s3 *s, const char *k, size_t m, void **o, size_t *n) {
   (void)s, (void)k, (void)m, (void)o, (void)n;
   UNBUILT;
 }
-int amber__s3_get_ranges(amber__s3 *s, const char *k, const amber__s3_range *r, size_t n) {
+int amber__s3_get_ranges(amber__s3 *s, const char *k, const amber__s3_range *r,
+                         size_t n) {
   (void)s, (void)k, (void)r, (void)n;
   UNBUILT;
 }
@@ -126,7 +129,8 @@ int amber__s3_open(amber__s3 **out, const char *url, const amber__s3_opts *opts)
   amber__s3_opts *o = &s->opts;
   if (!o->parallel) o->parallel = 8;
   if (!o->part_size) o->part_size = 16 * AMBER__S3_MIB;
-  if (o->part_size < 5 * AMBER__S3_MIB) o->part_size = 5 * AMBER__S3_MIB; /* S3's smallest */
+  if (o->part_size < 5 * AMBER__S3_MIB)
+    o->part_size = 5 * AMBER__S3_MIB; /* S3's smallest */
   if (!o->retries) o->retries = 10;
   if (!o->backoff_ms) o->backoff_ms = 200;
   if (!o->stall_s) o->stall_s = 30;
@@ -146,12 +150,14 @@ int amber__s3_open(amber__s3 **out, const char *url, const amber__s3_opts *opts)
   if (s->conf.path_style && ep)
     snprintf(s->base, n, "%s/%s", ep, s->conf.bucket);
   else if (s->conf.path_style)
-    snprintf(s->base, n, "https://s3.%s.amazonaws.com/%s", s->conf.region, s->conf.bucket);
+    snprintf(s->base, n, "https://s3.%s.amazonaws.com/%s", s->conf.region,
+             s->conf.bucket);
   else if (ep) { /* virtual-hosted on a given endpoint: the bucket before its host */
     const char *host = strstr(ep, "://") + 3;
     snprintf(s->base, n, "%.*s%s.%s", (int)(host - ep), ep, s->conf.bucket, host);
   } else
-    snprintf(s->base, n, "https://%s.s3.%s.amazonaws.com", s->conf.bucket, s->conf.region);
+    snprintf(s->base, n, "https://%s.s3.%s.amazonaws.com", s->conf.bucket,
+             s->conf.region);
   sprintf(s->url, "s3://%s/%s", s->conf.bucket, s->conf.prefix);
   if (s->url[strlen(s->url) - 1] == '/') s->url[strlen(s->url) - 1] = 0;
   *out = s;
@@ -211,11 +217,12 @@ int amber__s3_confirm(amber__s3 *s, const char *key, const amber__s3_stat *want)
   int rc = amber__s3_head(s, key, &got);
   if (rc < 0) return rc;
   if (got.size != want->size || (want->crc32[0] && !same_crc32(got.crc32, want->crc32)))
-    return amber__fail(NULL, AMBER_ECORRUPT,
-                       "%s/%s: the server holds %llu bytes with CRC32 '%s', the upload sent "
-                       "%llu bytes with CRC32 '%s'",
-                       s->url, key, (unsigned long long)got.size, got.crc32,
-                       (unsigned long long)want->size, want->crc32);
+    return amber__fail(
+        NULL, AMBER_ECORRUPT,
+        "%s/%s: the server holds %llu bytes with CRC32 '%s', the upload sent "
+        "%llu bytes with CRC32 '%s'",
+        s->url, key, (unsigned long long)got.size, got.crc32,
+        (unsigned long long)want->size, want->crc32);
   return 0;
 }
 
@@ -245,7 +252,8 @@ static int get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg, 
                       const char *if_match) {
   size_t np = 0;
   uint64_t piece = s->opts.part_size;
-  for (size_t i = 0; i < n; i++) np += (rg[i].len + piece - 1) / piece;
+  for (size_t i = 0; i < n; i++)
+    np += (rg[i].len + piece - 1) / piece;
   amber__s3_req *rs = np ? calloc(np, sizeof *rs) : NULL;
   if (np && !rs) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   int rc = 0;
@@ -270,7 +278,8 @@ static int get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg, 
     }
   }
   if (rc == 0 && np) rc = amber__s3_run(s, rs, np);
-  for (size_t i = 0; i < np; i++) amber__s3_req_free(&rs[i]);
+  for (size_t i = 0; i < np; i++)
+    amber__s3_req_free(&rs[i]);
   free(rs);
   return rc;
 }
@@ -315,14 +324,16 @@ int amber__s3_obj_preadv(amber__s3_obj *o, const amber__s3_range *r, size_t n) {
   for (size_t i = 0; i < n; i++)
     if (r[i].off > o->st.size || r[i].len > o->st.size - r[i].off)
       return amber__fail(NULL, AMBER_ECORRUPT,
-                         "%s/%s: bytes %llu..%llu asked of an object of %llu bytes", o->s->url,
-                         o->key, (unsigned long long)r[i].off,
-                         (unsigned long long)(r[i].off + r[i].len), (unsigned long long)o->st.size);
+                         "%s/%s: bytes %llu..%llu asked of an object of %llu bytes",
+                         o->s->url, o->key, (unsigned long long)r[i].off,
+                         (unsigned long long)(r[i].off + r[i].len),
+                         (unsigned long long)o->st.size);
   int rc = get_ranges(o->s, o->key, r, n, o->st.etag);
   if (rc == AMBER_ECHANGED)
-    rc = amber__fail(NULL, AMBER_ECHANGED,
-                     "%s/%s: the object was replaced while it was read (its ETag is no longer %s)",
-                     o->s->url, o->key, o->st.etag);
+    rc = amber__fail(
+        NULL, AMBER_ECHANGED,
+        "%s/%s: the object was replaced while it was read (its ETag is no longer %s)",
+        o->s->url, o->key, o->st.etag);
   return rc;
 }
 
@@ -372,12 +383,15 @@ typedef struct xml_result {
   char etag[80];
 } xml_result;
 
-static void result_fields(void *arg, const char *parent, const char *name, const char *text) {
+static void result_fields(void *arg, const char *parent, const char *name,
+                          const char *text) {
   xml_result *x = arg;
   (void)parent;
-  if (strcmp(name, "UploadId") == 0) snprintf(x->upload_id, sizeof x->upload_id, "%s", text);
+  if (strcmp(name, "UploadId") == 0)
+    snprintf(x->upload_id, sizeof x->upload_id, "%s", text);
   if (strcmp(name, "ETag") == 0) {
-    while (*text == '"') text++;
+    while (*text == '"')
+      text++;
     snprintf(x->etag, sizeof x->etag, "%s", text);
     char *q = strchr(x->etag, '"');
     if (q) *q = 0;
@@ -416,9 +430,11 @@ int amber__s3_upload_begin(amber__s3 *s, const char *key, char *id, size_t id_le
   if (rc == 0) rc = amber__s3_req_header(&r, "x-amz-checksum-type: COMPOSITE");
   if (rc == 0) rc = amber__s3_run(s, &r, 1);
   xml_result x = {"", ""};
-  if (rc == 0 && (amber__s3_xml_parse(r.body ? r.body : "", r.body_len, result_fields, &x, NULL) < 0 ||
+  if (rc == 0 && (amber__s3_xml_parse(r.body ? r.body : "", r.body_len, result_fields, &x,
+                                      NULL) < 0 ||
                   !x.upload_id[0] || strlen(x.upload_id) >= id_len))
-    rc = amber__fail(NULL, AMBER_EIO, "s3://%s/%s: CreateMultipartUpload: no upload id in the answer",
+    rc = amber__fail(NULL, AMBER_EIO,
+                     "s3://%s/%s: CreateMultipartUpload: no upload id in the answer",
                      s->conf.bucket, r.key);
   if (rc == 0) strcpy(id, x.upload_id);
   amber__s3_req_free(&r);
@@ -442,7 +458,8 @@ static char *complete_xml(const amber__s3_req *parts, size_t n) {
   size_t cap = 128 + n * 256, len = 0;
   char *x = malloc(cap);
   if (!x) return NULL;
-  len += (size_t)sprintf(x, "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">");
+  len += (size_t)sprintf(
+      x, "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">");
   for (size_t i = 0; i < n; i++) {
     char b64[12];
     amber__s3_crc32_b64(parts[i].crc, b64);
@@ -461,7 +478,8 @@ static void composite_crc(const amber__s3_req *parts, size_t n, char out[32]) {
   uLong crc = crc32(0L, Z_NULL, 0);
   for (size_t i = 0; i < n; i++) {
     uint32_t c = parts[i].crc;
-    uint8_t be[4] = {(uint8_t)(c >> 24), (uint8_t)(c >> 16), (uint8_t)(c >> 8), (uint8_t)c};
+    uint8_t be[4] = {(uint8_t)(c >> 24), (uint8_t)(c >> 16), (uint8_t)(c >> 8),
+                     (uint8_t)c};
     crc = crc32(crc, be, 4);
   }
   char b64[12];
@@ -490,7 +508,8 @@ static int put_multi(amber__s3 *s, const char *key, const amber__s3_body *b,
              (unsigned long long)n);
     const char *kv[] = {"partNumber", num, "uploadId", id};
     char *q = query(kv, 4);
-    rc = q ? amber__s3_req_init(s, &parts[i], "PUT", key, 0, q, what) : amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+    rc = q ? amber__s3_req_init(s, &parts[i], "PUT", key, 0, q, what)
+           : amber__fail(NULL, AMBER_ENOMEM, "out of memory");
     free(q);
     parts[i].src = b;
     parts[i].src_off = i * part;
@@ -517,11 +536,14 @@ static int put_multi(amber__s3 *s, const char *key, const amber__s3_body *b,
      * object is there if the first one went through. */
     if (rc == AMBER_ENOENT && done.attempts > 1) {
       amber__s3_stat got;
-      if (amber__s3_head(s, key, &got) == 0 && got.size == b->len && same_crc32(got.crc32, want))
+      if (amber__s3_head(s, key, &got) == 0 && got.size == b->len &&
+          same_crc32(got.crc32, want))
         rc = 0;
       else
-        amber__fail(NULL, AMBER_EIO, "s3://%s/%s: CompleteMultipartUpload: the upload was gone "
-                    "on a retry and the object is not the one uploaded", s->conf.bucket, done.key);
+        amber__fail(NULL, AMBER_EIO,
+                    "s3://%s/%s: CompleteMultipartUpload: the upload was gone "
+                    "on a retry and the object is not the one uploaded",
+                    s->conf.bucket, done.key);
     }
   }
   if (rc < 0) { /* the parts are freed; the first failure is what the caller hears */
@@ -531,13 +553,15 @@ static int put_multi(amber__s3 *s, const char *key, const amber__s3_body *b,
     amber__fail(NULL, rc, "%s", msg);
   } else if (st) {
     xml_result x = {"", ""};
-    amber__s3_xml_parse(done.body ? done.body : "", done.body_len, result_fields, &x, NULL);
+    amber__s3_xml_parse(done.body ? done.body : "", done.body_len, result_fields, &x,
+                        NULL);
     memset(st, 0, sizeof *st);
     st->size = b->len;
     snprintf(st->crc32, sizeof st->crc32, "%s", want);
     snprintf(st->etag, sizeof st->etag, "%s", x.etag);
   }
-  for (uint64_t i = 0; parts && i < n; i++) amber__s3_req_free(&parts[i]);
+  for (uint64_t i = 0; parts && i < n; i++)
+    amber__s3_req_free(&parts[i]);
   free(parts);
   amber__s3_req_free(&done);
   free(xml);
@@ -585,7 +609,8 @@ static time_t parse_time(const char *t) {
   return timegm(&tm);
 }
 
-static void page_fields(void *arg, const char *parent, const char *name, const char *text) {
+static void page_fields(void *arg, const char *parent, const char *name,
+                        const char *text) {
   page *p = arg;
   int item = strcmp(parent, "Contents") == 0 || strcmp(parent, "Upload") == 0;
   if (item && strcmp(name, "Key") == 0 && !p->cur.name) {
@@ -616,7 +641,8 @@ static void page_fields(void *arg, const char *parent, const char *name, const c
     memset(&p->cur, 0, sizeof p->cur);
   } else if (strcmp(name, "IsTruncated") == 0) {
     p->truncated = strcmp(text, "true") == 0;
-  } else if (strcmp(name, "NextContinuationToken") == 0 || strcmp(name, "NextKeyMarker") == 0) {
+  } else if (strcmp(name, "NextContinuationToken") == 0 ||
+             strcmp(name, "NextKeyMarker") == 0) {
     snprintf(p->next, sizeof p->next, "%s", text);
   } else if (strcmp(name, "NextUploadIdMarker") == 0) {
     snprintf(p->next_id, sizeof p->next_id, "%s", text);
@@ -652,28 +678,39 @@ static int list_pages(amber__s3 *s, const char *sub, int uploads, amber__s3_list
     snprintf(most, sizeof most, "%u", s->opts.list_page);
     const char *page_most = s->opts.list_page ? most : NULL;
     if (uploads) {
-      const char *kv[] = {"key-marker", marker[0] ? marker : NULL, "max-uploads", page_most,
-                          "prefix", full, "upload-id-marker", marker_id[0] ? marker_id : NULL,
-                          "uploads", ""};
+      const char *kv[] = {"key-marker",       marker[0] ? marker : NULL,
+                          "max-uploads",      page_most,
+                          "prefix",           full,
+                          "upload-id-marker", marker_id[0] ? marker_id : NULL,
+                          "uploads",          ""};
       q = query(kv, 10);
     } else {
-      const char *kv[] = {"continuation-token", marker[0] ? marker : NULL, "list-type", "2",
-                          "max-keys", page_most, "prefix", full};
+      const char *kv[] = {"continuation-token",
+                          marker[0] ? marker : NULL,
+                          "list-type",
+                          "2",
+                          "max-keys",
+                          page_most,
+                          "prefix",
+                          full};
       q = query(kv, 8);
     }
     amber__s3_req r;
-    rc = q ? amber__s3_req_init(s, &r, "GET", sub, 1, q, uploads ? "ListMultipartUploads" : "ListObjectsV2")
+    rc = q ? amber__s3_req_init(s, &r, "GET", sub, 1, q,
+                                uploads ? "ListMultipartUploads" : "ListObjectsV2")
            : amber__fail(NULL, AMBER_ENOMEM, "out of memory");
     free(q);
     r.body_max = AMBER__S3_XML_MAX;
     if (rc == 0) rc = amber__s3_run(s, &r, 1);
     p.next[0] = p.next_id[0] = 0;
-    if (rc == 0 && amber__s3_xml_parse(r.body ? r.body : "", r.body_len, page_fields, &p, NULL) < 0)
-      rc = amber__fail(NULL, AMBER_EIO, "s3://%s/%s: %s: the answer is not XML", s->conf.bucket,
-                       full, r.what);
+    if (rc == 0 &&
+        amber__s3_xml_parse(r.body ? r.body : "", r.body_len, page_fields, &p, NULL) < 0)
+      rc = amber__fail(NULL, AMBER_EIO, "s3://%s/%s: %s: the answer is not XML",
+                       s->conf.bucket, full, r.what);
     if (rc == 0 && p.oom) rc = amber__fail(NULL, AMBER_ENOMEM, "out of memory");
     if (rc == 0 && p.truncated && !p.next[0])
-      rc = amber__fail(NULL, AMBER_EIO, "s3://%s/%s: %s: a truncated page without a marker",
+      rc = amber__fail(NULL, AMBER_EIO,
+                       "s3://%s/%s: %s: a truncated page without a marker",
                        s->conf.bucket, full, r.what);
     amber__s3_req_free(&r);
     for (size_t i = 0; rc == 0 && i < p.n; i++) {

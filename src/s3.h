@@ -64,15 +64,20 @@ typedef struct amber__s3 amber__s3;
 
 /* Zero in a field means its default. */
 typedef struct amber__s3_opts {
-  uint32_t parallel;    /* requests in flight in one call: parts, ranges (0: 8) */
-  uint64_t part_size;   /* multipart part and parallel GET piece (0: 16 MiB; at least 5 MiB,
-                           S3's smallest part) */
-  uint32_t retries;     /* retries after a first failed attempt (0: 10) */
-  uint32_t backoff_ms;  /* the first retry waits up to this, doubling each time up to
-                           20 s (0: 200) */
-  uint32_t stall_s;     /* a transfer that moves no byte for this long is retried (0: 30) */
-  uint32_t connect_ms;  /* connection timeout (0: 10000) */
-  uint32_t list_page;   /* keys per listing page (0: the server's most, 1000) */
+  /* requests in flight in one call: parts, ranges (0: 8) */
+  uint32_t parallel;
+  /* multipart part and parallel GET piece (0: 16 MiB; at least 5 MiB, S3's smallest) */
+  uint64_t part_size;
+  /* retries after a first failed attempt (0: 10) */
+  uint32_t retries;
+  /* the first retry waits up to this, doubling each time up to 20 s (0: 200) */
+  uint32_t backoff_ms;
+  /* a transfer that moves no byte for this long is retried (0: 30) */
+  uint32_t stall_s;
+  /* connection timeout (0: 10000) */
+  uint32_t connect_ms;
+  /* keys per listing page (0: the server's most, 1000) */
+  uint32_t list_page;
 } amber__s3_opts;
 
 /* What the server holds for a key: HEAD's answer, or what an upload asked for. */

@@ -27,9 +27,11 @@ static const char *env(const char *name) {
 }
 
 static char *trim(char *s) {
-  while (isspace((unsigned char)*s)) s++;
+  while (isspace((unsigned char)*s))
+    s++;
   size_t n = strlen(s);
-  while (n > 0 && isspace((unsigned char)s[n - 1])) s[--n] = 0;
+  while (n > 0 && isspace((unsigned char)s[n - 1]))
+    s[--n] = 0;
   return s;
 }
 
@@ -107,7 +109,8 @@ static int parse_url(amber__s3_conf *c, const char *url) {
   c->bucket = strndup(b, blen);
   const char *p = slash ? slash + 1 : "";
   size_t plen = strlen(p);
-  while (plen > 0 && p[plen - 1] == '/') plen--;
+  while (plen > 0 && p[plen - 1] == '/')
+    plen--;
   c->prefix = malloc(plen + 2);
   if (!c->bucket || !c->prefix) return AMBER_ENOMEM;
   memcpy(c->prefix, p, plen);
@@ -157,7 +160,8 @@ int amber__s3_conf_load(amber__s3_conf *c, const char *url) {
         c->secret = secret;
         c->token = ini_get(files[i], secs[i], NULL, "aws_session_token", found);
         char from[600];
-        snprintf(from, sizeof from, "credentials of profile '%s' in %s", profile, files[i]);
+        snprintf(from, sizeof from, "credentials of profile '%s' in %s", profile,
+                 files[i]);
         c->creds_from = strdup(from);
       } else {
         free(id);
@@ -183,12 +187,14 @@ int amber__s3_conf_load(amber__s3_conf *c, const char *url) {
   char *style = ini_get(conf_path, csec, "s3", "addressing_style", NULL);
   c->path_style = c->endpoint != NULL || strchr(c->bucket, '.') != NULL;
   if (style && strcmp(style, "path") == 0) c->path_style = 1;
-  if (style && strcmp(style, "virtual") == 0 && !strchr(c->bucket, '.')) c->path_style = 0;
+  if (style && strcmp(style, "virtual") == 0 && !strchr(c->bucket, '.'))
+    c->path_style = 0;
   free(style);
 
   if (named && !in_creds && !in_conf && !c->key_id) {
-    rc = amber__fail(NULL, AMBER_EINVAL, "%s: AWS profile '%s' (AWS_PROFILE) is in neither %s nor %s",
-                     url, profile, cred_path ? cred_path : "~/.aws/credentials",
+    rc = amber__fail(NULL, AMBER_EINVAL,
+                     "%s: AWS profile '%s' (AWS_PROFILE) is in neither %s nor %s", url,
+                     profile, cred_path ? cred_path : "~/.aws/credentials",
                      conf_path ? conf_path : "~/.aws/config");
   } else if (!c->key_id) {
     rc = amber__fail(NULL, AMBER_EPERM,
@@ -199,14 +205,18 @@ int amber__s3_conf_load(amber__s3_conf *c, const char *url) {
                      url, profile, cred_path ? cred_path : "~/.aws/credentials");
   } else if (c->endpoint) {
     size_t n = strlen(c->endpoint);
-    while (n > 0 && c->endpoint[n - 1] == '/') c->endpoint[--n] = 0;
-    if (strncmp(c->endpoint, "http://", 7) != 0 && strncmp(c->endpoint, "https://", 8) != 0)
-      rc = amber__fail(NULL, AMBER_EINVAL, "%s: endpoint '%s' is not an http:// or https:// URL",
-                       url, c->endpoint);
+    while (n > 0 && c->endpoint[n - 1] == '/')
+      c->endpoint[--n] = 0;
+    if (strncmp(c->endpoint, "http://", 7) != 0 &&
+        strncmp(c->endpoint, "https://", 8) != 0)
+      rc = amber__fail(NULL, AMBER_EINVAL,
+                       "%s: endpoint '%s' is not an http:// or https:// URL", url,
+                       c->endpoint);
   }
   free(cred_path);
   free(conf_path);
-  if (rc == 0 && (!c->region || !c->creds_from || !c->key_id || !c->secret)) rc = AMBER_ENOMEM;
+  if (rc == 0 && (!c->region || !c->creds_from || !c->key_id || !c->secret))
+    rc = AMBER_ENOMEM;
   if (rc == 0) return 0;
 fail:
   amber__s3_conf_free(c);
@@ -214,8 +224,8 @@ fail:
 }
 
 void amber__s3_conf_free(amber__s3_conf *c) {
-  char **fields[] = {&c->bucket, &c->prefix,   &c->endpoint, &c->region,
-                     &c->key_id, &c->secret,   &c->token,    &c->creds_from};
+  char **fields[] = {&c->bucket, &c->prefix, &c->endpoint, &c->region,
+                     &c->key_id, &c->secret, &c->token,    &c->creds_from};
   for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
     if (*fields[i] && fields[i] == &c->secret) memset(*fields[i], 0, strlen(*fields[i]));
     free(*fields[i]);

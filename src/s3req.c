@@ -101,9 +101,11 @@ int amber__s3_engine_init(amber__s3 *s) {
     return amber__fail(NULL, AMBER_EIO, "curl_global_init failed: %s",
                        curl_easy_strerror(curl_init_rc));
   pthread_mutex_init(&s->lock, NULL);
-  for (int i = 0; i < CURL_LOCK_DATA_LAST; i++) pthread_mutex_init(&s->share_lock[i], NULL);
+  for (int i = 0; i < CURL_LOCK_DATA_LAST; i++)
+    pthread_mutex_init(&s->share_lock[i], NULL);
   s->locks_made = 1;
-  if (!(s->share = curl_share_init())) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  if (!(s->share = curl_share_init()))
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   curl_share_setopt(s->share, CURLSHOPT_LOCKFUNC, share_lock);
   curl_share_setopt(s->share, CURLSHOPT_UNLOCKFUNC, share_unlock);
   curl_share_setopt(s->share, CURLSHOPT_USERDATA, s);
@@ -122,7 +124,8 @@ void amber__s3_engine_fini(amber__s3 *s) {
   s->share = NULL;
   if (!s->locks_made) return;
   pthread_mutex_destroy(&s->lock);
-  for (int i = 0; i < CURL_LOCK_DATA_LAST; i++) pthread_mutex_destroy(&s->share_lock[i]);
+  for (int i = 0; i < CURL_LOCK_DATA_LAST; i++)
+    pthread_mutex_destroy(&s->share_lock[i]);
   s->locks_made = 0;
 }
 
@@ -135,8 +138,9 @@ char *amber__s3_uri_encode(const char *s, int keep_slash) {
   char *out = malloc(3 * n + 1), *o = out;
   if (!out) return NULL;
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if ((*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') || (*p >= '0' && *p <= '9') ||
-        *p == '-' || *p == '_' || *p == '.' || *p == '~' || (keep_slash && *p == '/')) {
+    if ((*p >= 'A' && *p <= 'Z') || (*p >= 'a' && *p <= 'z') ||
+        (*p >= '0' && *p <= '9') || *p == '-' || *p == '_' || *p == '.' || *p == '~' ||
+        (keep_slash && *p == '/')) {
       *o++ = (char)*p;
     } else {
       o += sprintf(o, "%%%02X", *p);
@@ -147,7 +151,8 @@ char *amber__s3_uri_encode(const char *s, int keep_slash) {
 }
 
 static void base64(const uint8_t *in, size_t n, char *out) {
-  static const char t[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  static const char t[] =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   for (size_t i = 0; i < n; i += 3) {
     uint32_t v = (uint32_t)in[i] << 16;
     if (i + 1 < n) v |= (uint32_t)in[i + 1] << 8;
@@ -168,7 +173,8 @@ void amber__s3_crc32_b64(uint32_t crc, char out[12]) {
 }
 
 /* CRC32 of `len` bytes of an upload's body from `off`. */
-static int body_crc32(const amber__s3_body *b, uint64_t off, uint64_t len, uint32_t *out) {
+static int body_crc32(const amber__s3_body *b, uint64_t off, uint64_t len,
+                      uint32_t *out) {
   uLong crc = crc32(0L, Z_NULL, 0);
   if (b->buf) {
     for (uint64_t done = 0; done < len;) { /* zlib's length is a uInt */
@@ -219,7 +225,8 @@ static void XMLCALL xw_start(void *ud, const XML_Char *name, const XML_Char **at
 static void XMLCALL xw_end(void *ud, const XML_Char *name) {
   xml_walk *w = ud;
   w->text[w->tlen] = 0;
-  if (w->fn && w->depth <= 8) w->fn(w->arg, w->depth >= 2 ? w->stack[w->depth - 2] : "", name, w->text);
+  if (w->fn && w->depth <= 8)
+    w->fn(w->arg, w->depth >= 2 ? w->stack[w->depth - 2] : "", name, w->text);
   w->depth--;
   w->tlen = 0;
 }
@@ -233,7 +240,8 @@ static void XMLCALL xw_text(void *ud, const XML_Char *s, int len) {
 
 /* Parses `len` bytes of XML; 0, or -1 when it is not well-formed. `root` gets the
  * root element's name. */
-int amber__s3_xml_parse(const char *buf, size_t len, amber__s3_xml_fn fn, void *arg, char root[48]) {
+int amber__s3_xml_parse(const char *buf, size_t len, amber__s3_xml_fn fn, void *arg,
+                        char root[48]) {
   xml_walk *w = calloc(1, sizeof *w);
   XML_Parser p = XML_ParserCreate(NULL);
   int rc = -1;
@@ -256,7 +264,8 @@ typedef struct s3_error {
   char message[256];
 } s3_error;
 
-static void error_fields(void *arg, const char *parent, const char *name, const char *text) {
+static void error_fields(void *arg, const char *parent, const char *name,
+                         const char *text) {
   s3_error *e = arg;
   if (strcmp(parent, "Error") != 0) return;
   if (strcmp(name, "Code") == 0) snprintf(e->code, sizeof e->code, "%s", text);
@@ -267,8 +276,8 @@ static void error_fields(void *arg, const char *parent, const char *name, const 
 
 /* A request of `key` (relative to the prefix), or of the bucket itself (`bucket`: a
  * listing of `key`'s names), with the headers that every request carries. */
-int amber__s3_req_init(amber__s3 *s, amber__s3_req *r, const char *method, const char *key, int bucket,
-                    const char *query, const char *what) {
+int amber__s3_req_init(amber__s3 *s, amber__s3_req *r, const char *method,
+                       const char *key, int bucket, const char *query, const char *what) {
   memset(r, 0, sizeof *r);
   r->method = method;
   snprintf(r->what, sizeof r->what, "%s", what ? what : method);
@@ -284,7 +293,8 @@ int amber__s3_req_init(amber__s3 *s, amber__s3_req *r, const char *method, const
   r->url = enc ? malloc(n) : NULL;
   if (r->url) {
     if (!bucket)
-      snprintf(r->url, n, "%s/%s%s%s", s->base, enc, query ? "?" : "", query ? query : "");
+      snprintf(r->url, n, "%s/%s%s%s", s->base, enc, query ? "?" : "",
+               query ? query : "");
     else /* the bucket itself: list requests; `key` names what is listed */
       snprintf(r->url, n, "%s%s?%s", s->base, s->conf.path_style ? "" : "/", query);
   }
@@ -303,7 +313,8 @@ int amber__s3_req_init(amber__s3 *s, amber__s3_req *r, const char *method, const
       r->hdrs = NULL;
     }
   }
-  if (!r->key || !r->url || !r->hdrs) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  if (!r->key || !r->url || !r->hdrs)
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   return 0;
 }
 
@@ -361,8 +372,10 @@ static int header_is(const char *p, size_t len, const char *name, const char **v
 
 /* Copies a header's value, trimmed of blanks, line end and (for ETag) quotes. */
 static void header_value(const char *v, const char *end, char *out, size_t cap) {
-  while (v < end && (*v == ' ' || *v == '\t' || *v == '"')) v++;
-  while (end > v && (end[-1] == '\r' || end[-1] == '\n' || end[-1] == ' ' || end[-1] == '"'))
+  while (v < end && (*v == ' ' || *v == '\t' || *v == '"'))
+    v++;
+  while (end > v &&
+         (end[-1] == '\r' || end[-1] == '\n' || end[-1] == ' ' || end[-1] == '"'))
     end--;
   size_t n = (size_t)(end - v) < cap - 1 ? (size_t)(end - v) : cap - 1;
   memcpy(out, v, n);
@@ -429,7 +442,8 @@ static size_t on_body(char *p, size_t size, size_t nitems, void *arg) {
   if (r->body_len + len + 1 > r->body_cap) {
     size_t cap = r->body_cap ? r->body_cap : 4096;
     if (ok && r->clen + 1 > cap && r->clen <= max) cap = (size_t)r->clen + 1;
-    while (cap < r->body_len + len + 1) cap *= 2;
+    while (cap < r->body_len + len + 1)
+      cap *= 2;
     char *b = realloc(r->body, cap);
     if (!b) {
       r->refused = 1;
@@ -511,9 +525,8 @@ static int req_start(amber__s3 *s, CURL *h, amber__s3_req *r) {
  * arrived other than it was sent (its checksum did not match). */
 static int transient_http(long status, const char *code) {
   return status >= 500 || status == 429 || strcmp(code, "SlowDown") == 0 ||
-         strcmp(code, "BadDigest") == 0 ||
-         strcmp(code, "RequestTimeout") == 0 || strcmp(code, "InternalError") == 0 ||
-         strcmp(code, "ServiceUnavailable") == 0;
+         strcmp(code, "BadDigest") == 0 || strcmp(code, "RequestTimeout") == 0 ||
+         strcmp(code, "InternalError") == 0 || strcmp(code, "ServiceUnavailable") == 0;
 }
 
 /* The network failed, not the request. */
@@ -537,13 +550,20 @@ static int transient_curl(CURLcode c) {
 
 static const char *status_text(long st) {
   switch (st) {
-  case 301: return "PermanentRedirect";
-  case 400: return "BadRequest";
-  case 403: return "Forbidden";
-  case 404: return "NotFound";
-  case 412: return "PreconditionFailed";
-  case 416: return "InvalidRange";
-  default: return "HTTP error";
+  case 301:
+    return "PermanentRedirect";
+  case 400:
+    return "BadRequest";
+  case 403:
+    return "Forbidden";
+  case 404:
+    return "NotFound";
+  case 412:
+    return "PreconditionFailed";
+  case 416:
+    return "InvalidRange";
+  default:
+    return "HTTP error";
   }
 }
 
@@ -555,7 +575,7 @@ static int http_fail(amber__s3 *s, amber__s3_req *r, const s3_error *e) {
              : st == 416 ? AMBER_ERANGE
              : st == 412 ? AMBER_ECHANGED /* an If-Match on a replaced object */
              : st == 301 || st == 307 || st == 400 ? AMBER_EINVAL
-                                                  : AMBER_EIO;
+                                                   : AMBER_EIO;
   char hint[200] = "";
   if (st == 403)
     snprintf(hint, sizeof hint, " (%s)", s->conf.creds_from);
@@ -578,10 +598,11 @@ static int req_verdict(amber__s3 *s, amber__s3_req *r, CURLcode cc) {
   s3_error e = {"", ""};
   if (cc != CURLE_OK) {
     if (!transient_curl(cc))
-      return amber__fail(NULL, AMBER_EIO, "s3://%s/%s: %s: %s%s%s", s->conf.bucket, r->key,
-                         r->what, curl_easy_strerror(cc), r->cerr[0] ? ": " : "", r->cerr);
-    snprintf(r->last, sizeof r->last, "%s%s%s", curl_easy_strerror(cc), r->cerr[0] ? ": " : "",
-             r->cerr);
+      return amber__fail(NULL, AMBER_EIO, "s3://%s/%s: %s: %s%s%s", s->conf.bucket,
+                         r->key, r->what, curl_easy_strerror(cc), r->cerr[0] ? ": " : "",
+                         r->cerr);
+    snprintf(r->last, sizeof r->last, "%s%s%s", curl_easy_strerror(cc),
+             r->cerr[0] ? ": " : "", r->cerr);
   } else {
     int ok = r->status >= 200 && r->status < 300;
     char root[48] = "";
@@ -598,12 +619,13 @@ static int req_verdict(amber__s3 *s, amber__s3_req *r, CURLcode cc) {
     if (ok) r->status = 500; /* S3's late failure: told as one */
     if (!transient_http(r->status, e.code)) return http_fail(s, r, &e);
     snprintf(r->last, sizeof r->last, "%ld %s%s%s", r->status,
-             e.code[0] ? e.code : status_text(r->status), e.message[0] ? ": " : "", e.message);
+             e.code[0] ? e.code : status_text(r->status), e.message[0] ? ": " : "",
+             e.message);
   }
   if (r->attempts > s->opts.retries)
-    return amber__fail(NULL, AMBER_EIO, "s3://%s/%s: %s: %s (gave up after %u attempts in %.1f s)",
-                       s->conf.bucket, r->key, r->what, r->last, r->attempts,
-                       amber__now() - r->first);
+    return amber__fail(
+        NULL, AMBER_EIO, "s3://%s/%s: %s: %s (gave up after %u attempts in %.1f s)",
+        s->conf.bucket, r->key, r->what, r->last, r->attempts, amber__now() - r->first);
   return 1;
 }
 
@@ -614,7 +636,8 @@ static double backoff_s(const amber__s3 *s, uint32_t attempts) {
   x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
   double u = (double)((x * 0x2545F4914F6CDD1Dull) >> 11) / 9007199254740992.0;
   double ceil_ms = s->opts.backoff_ms;
-  for (uint32_t i = 1; i < attempts && ceil_ms < BACKOFF_CAP_MS; i++) ceil_ms *= 2;
+  for (uint32_t i = 1; i < attempts && ceil_ms < BACKOFF_CAP_MS; i++)
+    ceil_ms *= 2;
   if (ceil_ms > BACKOFF_CAP_MS) ceil_ms = BACKOFF_CAP_MS;
   return u * ceil_ms / 1000.0;
 }
@@ -662,7 +685,8 @@ int amber__s3_run(amber__s3 *s, amber__s3_req *rs, size_t n) {
     if (rc) break;
     int running = 0;
     if (curl_multi_perform(c->multi, &running) != CURLM_OK) {
-      rc = amber__fail(NULL, AMBER_EIO, "s3://%s: curl_multi_perform failed", s->conf.bucket);
+      rc = amber__fail(NULL, AMBER_EIO, "s3://%s: curl_multi_perform failed",
+                       s->conf.bucket);
       break;
     }
     CURLMsg *m;

@@ -37,7 +37,6 @@ struct amber__s3 {
   amber__s3_counters counters; /* updated with atomics */
 };
 
-
 /* One request and its attempts, run by amber__s3_run. The operation fills the first
  * part (amber__s3_req_init, then its own fields); the engine the rest. */
 
@@ -83,8 +82,8 @@ void amber__s3_engine_fini(amber__s3 *s);
 /* A request of `key` (relative to the prefix), or of the bucket itself (`bucket`: a
  * listing, `key` naming what is listed), with `query` already canonical (sorted,
  * encoded) and `what` naming it in messages (NULL: the method). */
-int amber__s3_req_init(amber__s3 *s, amber__s3_req *r, const char *method, const char *key,
-                       int bucket, const char *query, const char *what);
+int amber__s3_req_init(amber__s3 *s, amber__s3_req *r, const char *method,
+                       const char *key, int bucket, const char *query, const char *what);
 int amber__s3_req_header(amber__s3_req *r, const char *h);
 void amber__s3_req_free(amber__s3_req *r);
 /* Runs `n` requests, opts.parallel at a time, each retried on its own after a backoff;

@@ -29,7 +29,8 @@ static const char *read_line(int fd, int ms) {
   while (n + 1 < sizeof line) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
-    int left = ms - (int)((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000);
+    int left =
+        ms - (int)((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000);
     struct pollfd p = {fd, POLLIN, 0};
     if (left <= 0 || poll(&p, 1, left) <= 0) break;
     char c;
@@ -47,8 +48,10 @@ static const char *read_line(int fd, int ms) {
 int tu_s3_skip(const char *why) {
   const char *ci = getenv("CI");
   if (ci && *ci && strcmp(ci, "false") != 0) {
-    fprintf(stderr, "FAILED: %s; under CI the S3 tests must run (scripts/setup --python "
-                    "installs moto into .venv)\n", why);
+    fprintf(stderr,
+            "FAILED: %s; under CI the S3 tests must run (scripts/setup --python "
+            "installs moto into .venv)\n",
+            why);
     return 1;
   }
   fprintf(stderr, "SKIPPED: %s\n", why);
@@ -60,8 +63,9 @@ int tu_s3_start(tu_s3 *h) {
   const char *py = getenv("AMBER_PYTHON");
   if (!py || !*py) py = AMBER_TEST_PYTHON;
   if (!*py) {
-    fprintf(stderr, "no Python for tests/s3_server.py: run scripts/setup --python, or set "
-                    "AMBER_PYTHON to a Python with moto[server]\n");
+    fprintf(stderr,
+            "no Python for tests/s3_server.py: run scripts/setup --python, or set "
+            "AMBER_PYTHON to a Python with moto[server]\n");
     return -1;
   }
   int in[2], out[2];
@@ -71,7 +75,8 @@ int tu_s3_start(tu_s3 *h) {
   if (h->pid == 0) {
     dup2(in[0], 0);
     dup2(out[1], 1);
-    execl(py, py, AMBER_SOURCE_DIR "/tests/s3_server.py", "--timeout", "900", (char *)NULL);
+    execl(py, py, AMBER_SOURCE_DIR "/tests/s3_server.py", "--timeout", "900",
+          (char *)NULL);
     fprintf(stderr, "exec %s: %s\n", py, strerror(errno));
     _exit(127);
   }
@@ -82,8 +87,10 @@ int tu_s3_start(tu_s3 *h) {
   const char *line = read_line(h->from, 120000);
   if (sscanf(line, "ready %d %d %127s %127s", &h->proxy_port, &h->server_port, h->key,
              h->secret) != 4) {
-    fprintf(stderr, "%s tests/s3_server.py did not start (said '%s'; is moto[server] "
-                    "installed in that Python?)\n", py, line);
+    fprintf(stderr,
+            "%s tests/s3_server.py did not start (said '%s'; is moto[server] "
+            "installed in that Python?)\n",
+            py, line);
     tu_s3_stop(h);
     return -1;
   }
@@ -114,7 +121,8 @@ const char *tu_s3_cmd(tu_s3 *h, const char *fmt, ...) {
   cmd[n++] = '\n';
   if (write(h->to, cmd, (size_t)n) != n) return "";
   const char *r = read_line(h->from, 60000);
-  if (strncmp(r, "ok", 2) != 0) fprintf(stderr, "s3_server.py: %.*s: '%s'\n", n - 1, cmd, r);
+  if (strncmp(r, "ok", 2) != 0)
+    fprintf(stderr, "s3_server.py: %.*s: '%s'\n", n - 1, cmd, r);
   return r;
 }
 
@@ -127,7 +135,8 @@ int tu_s3_requests(tu_s3 *h, int *most) {
 
 void tu_s3_env(tu_s3 *h, int direct) {
   char url[64];
-  snprintf(url, sizeof url, "http://127.0.0.1:%d", direct ? h->server_port : h->proxy_port);
+  snprintf(url, sizeof url, "http://127.0.0.1:%d",
+           direct ? h->server_port : h->proxy_port);
   setenv("AWS_ENDPOINT_URL", url, 1);
   setenv("AWS_ACCESS_KEY_ID", h->key, 1);
   setenv("AWS_SECRET_ACCESS_KEY", h->secret, 1);

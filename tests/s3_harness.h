@@ -31,7 +31,8 @@ void tu_s3_stop(tu_s3 *h);
 int tu_s3_skip(const char *why);
 /* Sends one command ("fail 2 503 SlowDown", "count", "down", ...) and returns its
  * answer line (static storage), "" when there was none within 60 s. */
-const char *tu_s3_cmd(tu_s3 *h, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *tu_s3_cmd(tu_s3 *h, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 /* Requests seen by the proxy since the last "reset", and the most in flight at once. */
 int tu_s3_requests(tu_s3 *h, int *most);
 

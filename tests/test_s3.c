@@ -97,7 +97,8 @@ static void test_keys_with_any_characters_round_trip_and_list(void) {
   CHECK(s != NULL);
   if (!s) return;
   const char *keys[] = {"a b+c=d&e", "x/y%z", "\xc3\xa9t\xc3\xa9~(1)"};
-  for (int i = 0; i < 3; i++) CHECK_OK(amber__s3_put(s, keys[i], keys[i], strlen(keys[i]), NULL));
+  for (int i = 0; i < 3; i++)
+    CHECK_OK(amber__s3_put(s, keys[i], keys[i], strlen(keys[i]), NULL));
   names l = {0};
   CHECK_OK(amber__s3_list(s, "", collect, &l));
   CHECK(l.n == 3);
@@ -121,14 +122,16 @@ static void test_list_walks_every_page_in_key_order(void) {
   CHECK(s != NULL);
   if (!s) return;
   const char *keys[] = {"ckpt-3", "ckpt-1", "LATEST", "ckpt-2", "sub/ckpt-9"};
-  for (int i = 0; i < 5; i++) CHECK_OK(amber__s3_put(s, keys[i], "xxxx", (size_t)i, NULL));
+  for (int i = 0; i < 5; i++)
+    CHECK_OK(amber__s3_put(s, keys[i], "xxxx", (size_t)i, NULL));
   tu_s3_cmd(&srv, "reset");
   names l = {0};
   CHECK_OK(amber__s3_list(s, "", collect, &l));
   CHECK(l.n == 5);
   CHECK(tu_s3_requests(&srv, NULL) == 3); /* pages of 2 */
   const char *order[] = {"LATEST", "ckpt-1", "ckpt-2", "ckpt-3", "sub/ckpt-9"};
-  for (int i = 0; i < 5 && i < l.n; i++) CHECK(strcmp(l.name[i], order[i]) == 0);
+  for (int i = 0; i < 5 && i < l.n; i++)
+    CHECK(strcmp(l.name[i], order[i]) == 0);
   CHECK(l.size[0] == 2 && l.size[1] == 1 && l.size[4] == 4);
   names sub = {0};
   CHECK_OK(amber__s3_list(s, "ckpt-", collect, &sub));
@@ -188,7 +191,8 @@ static void test_multipart_file_parts_in_parallel_and_ranged_gets(void) {
   size_t lens[4] = {13 * MiB, 100, 1, 1};
   uint64_t offs[4] = {3 * MiB, 8 * MiB - 50, 0, n - 1};
   amber__s3_range r[4];
-  for (int i = 0; i < 4; i++) r[i] = (amber__s3_range){offs[i], lens[i], malloc(lens[i])};
+  for (int i = 0; i < 4; i++)
+    r[i] = (amber__s3_range){offs[i], lens[i], malloc(lens[i])};
   tu_s3_cmd(&srv, "reset");
   CHECK_OK(amber__s3_get_ranges(s, "big", r, 4));
   CHECK(tu_s3_requests(&srv, &most) == 5);
@@ -376,7 +380,8 @@ static void test_leftover_uploads_are_listed_and_aborted(void) {
   CHECK(u.n == 2);
   CHECK(u.n >= 1 && strcmp(u.name[0], "a") == 0 && strcmp(u.id[0], id) == 0);
   CHECK(u.n >= 2 && strcmp(u.name[1], "b") == 0);
-  for (int i = 0; i < u.n && i < 8; i++) CHECK_OK(amber__s3_upload_abort(s, u.name[i], u.id[i]));
+  for (int i = 0; i < u.n && i < 8; i++)
+    CHECK_OK(amber__s3_upload_abort(s, u.name[i], u.id[i]));
   CHECK_OK(amber__s3_upload_abort(s, u.name[0], u.id[0])); /* gone already: fine */
   memset(&u, 0, sizeof u);
   CHECK_OK(amber__s3_uploads(s, "", collect_upload, &u));
@@ -393,16 +398,18 @@ static void test_credentials_from_a_profile_file(void) {
   snprintf(cred, sizeof cred, "%s/credentials", tu_tmpdir());
   snprintf(conf, sizeof conf, "%s/config", tu_tmpdir());
   char text[1024];
-  int n = snprintf(text, sizeof text,
-                   "[default]\naws_access_key_id = nobody\naws_secret_access_key = nothing\n\n"
-                   "# the test user\n[amber]\naws_access_key_id = %s\naws_secret_access_key = %s\n"
-                   "[wrong]\naws_access_key_id = %s\naws_secret_access_key = not-it\n",
-                   srv.key, srv.secret, srv.key);
+  int n = snprintf(
+      text, sizeof text,
+      "[default]\naws_access_key_id = nobody\naws_secret_access_key = nothing\n\n"
+      "# the test user\n[amber]\naws_access_key_id = %s\naws_secret_access_key = %s\n"
+      "[wrong]\naws_access_key_id = %s\naws_secret_access_key = not-it\n",
+      srv.key, srv.secret, srv.key);
   CHECK(tu_write_file(cred, text, (size_t)n) == 0);
-  n = snprintf(text, sizeof text,
-               "[profile amber]\nregion = us-east-1\ns3 =\n  endpoint_url = http://127.0.0.1:%d\n"
-               "[profile wrong]\nendpoint_url = http://127.0.0.1:%d\n",
-               srv.proxy_port, srv.proxy_port);
+  n = snprintf(
+      text, sizeof text,
+      "[profile amber]\nregion = us-east-1\ns3 =\n  endpoint_url = http://127.0.0.1:%d\n"
+      "[profile wrong]\nendpoint_url = http://127.0.0.1:%d\n",
+      srv.proxy_port, srv.proxy_port);
   CHECK(tu_write_file(conf, text, (size_t)n) == 0);
   unsetenv("AWS_ACCESS_KEY_ID");
   unsetenv("AWS_SECRET_ACCESS_KEY");

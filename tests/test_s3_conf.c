@@ -13,11 +13,13 @@ static char cred[512], conf[512];
 
 /* An environment with nothing of AWS in it but the two test files. */
 static void clean_env(void) {
-  const char *vars[] = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                        "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_REGION",
-                        "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                        "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"};
-  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+  const char *vars[] = {"AWS_ACCESS_KEY_ID",   "AWS_SECRET_ACCESS_KEY",
+                        "AWS_SESSION_TOKEN",   "AWS_PROFILE",
+                        "AWS_DEFAULT_PROFILE", "AWS_REGION",
+                        "AWS_DEFAULT_REGION",  "AWS_ENDPOINT_URL",
+                        "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+    unsetenv(vars[i]);
   setenv("AWS_SHARED_CREDENTIALS_FILE", cred, 1);
   setenv("AWS_CONFIG_FILE", conf, 1);
 }
@@ -38,8 +40,8 @@ static void test_url_gives_bucket_and_prefix(void) {
   CHECK_OK(amber__s3_conf_load(&c, "s3://my-bucket/runs/gpt2//"));
   CHECK(strcmp(c.prefix, "runs/gpt2/") == 0);
   amber__s3_conf_free(&c);
-  const char *bad[] = {"s3:/my-bucket", "file:///x", "s3://", "s3://ab", "s3://My_Bucket/x",
-                       "s3://my-bucket/a//b"};
+  const char *bad[] = {"s3:/my-bucket", "file:///x",        "s3://",
+                       "s3://ab",       "s3://My_Bucket/x", "s3://my-bucket/a//b"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     CHECK_RC(amber__s3_conf_load(&c, bad[i]), AMBER_EINVAL);
     CHECK(strstr(amber_last_error(NULL), bad[i]) != NULL);
@@ -48,8 +50,9 @@ static void test_url_gives_bucket_and_prefix(void) {
 
 static void test_environment_credentials_come_first(void) {
   clean_env();
-  write_files("[default]\naws_access_key_id = file-id\naws_secret_access_key = file-secret\n",
-              "[default]\nregion = eu-west-3\n");
+  write_files(
+      "[default]\naws_access_key_id = file-id\naws_secret_access_key = file-secret\n",
+      "[default]\nregion = eu-west-3\n");
   setenv("AWS_ACCESS_KEY_ID", "env-id", 1);
   setenv("AWS_SECRET_ACCESS_KEY", "env-secret", 1);
   setenv("AWS_SESSION_TOKEN", "env-token", 1);
@@ -57,8 +60,8 @@ static void test_environment_credentials_come_first(void) {
   CHECK_OK(amber__s3_conf_load(&c, "s3://bucket"));
   CHECK(strcmp(c.key_id, "env-id") == 0 && strcmp(c.secret, "env-secret") == 0);
   CHECK(c.token && strcmp(c.token, "env-token") == 0);
-  CHECK(strcmp(c.region, "eu-west-3") == 0);                 /* the profile's */
-  CHECK(c.endpoint == NULL && c.path_style == 0);            /* AWS, virtual-hosted */
+  CHECK(strcmp(c.region, "eu-west-3") == 0);      /* the profile's */
+  CHECK(c.endpoint == NULL && c.path_style == 0); /* AWS, virtual-hosted */
   amber__s3_conf_free(&c);
   /* a key id without its secret is not a credential: the file's are used */
   unsetenv("AWS_SECRET_ACCESS_KEY");
@@ -77,7 +80,8 @@ static void test_a_named_profile_reads_both_files(void) {
               "[default]\nregion = us-west-2\n"
               "[profile train]\nregion = ap-south-1\nendpoint_url = http://plain:1\n"
               "s3 =\n  addressing_style = path\n  endpoint_url = http://nested:9000/\n"
-              "other = 1\n[profile cfgonly]\naws_access_key_id = c\naws_secret_access_key = cs\n");
+              "other = 1\n[profile cfgonly]\naws_access_key_id = "
+              "c\naws_secret_access_key = cs\n");
   setenv("AWS_PROFILE", "train", 1);
   amber__s3_conf c;
   CHECK_OK(amber__s3_conf_load(&c, "s3://bucket/p"));
@@ -91,12 +95,14 @@ static void test_a_named_profile_reads_both_files(void) {
   setenv("AWS_DEFAULT_REGION", "eu-north-1", 1);
   setenv("AWS_ENDPOINT_URL", "http://general:1", 1);
   CHECK_OK(amber__s3_conf_load(&c, "s3://bucket/p"));
-  CHECK(strcmp(c.region, "eu-north-1") == 0 && strcmp(c.endpoint, "http://general:1") == 0);
+  CHECK(strcmp(c.region, "eu-north-1") == 0 &&
+        strcmp(c.endpoint, "http://general:1") == 0);
   amber__s3_conf_free(&c);
   setenv("AWS_REGION", "sa-east-1", 1);
   setenv("AWS_ENDPOINT_URL_S3", "https://s3only:2", 1);
   CHECK_OK(amber__s3_conf_load(&c, "s3://bucket/p"));
-  CHECK(strcmp(c.region, "sa-east-1") == 0 && strcmp(c.endpoint, "https://s3only:2") == 0);
+  CHECK(strcmp(c.region, "sa-east-1") == 0 &&
+        strcmp(c.endpoint, "https://s3only:2") == 0);
   amber__s3_conf_free(&c);
   setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true", 1);
   CHECK_OK(amber__s3_conf_load(&c, "s3://bucket/p"));

@@ -208,7 +208,8 @@ static void *put_thread(void *arg) {
  * runs, and comes back with its data: the upload succeeds, what was there before is
  * still there. */
 static void test_server_down_and_back_up(void) {
-  amber__s3_opts o = {.part_size = 5 * MiB, .parallel = 2, .retries = 30, .backoff_ms = 50};
+  amber__s3_opts o = {
+      .part_size = 5 * MiB, .parallel = 2, .retries = 30, .backoff_ms = 50};
   amber__s3 *s = tu_s3_client("restart", &o);
   CHECK(s != NULL);
   if (!s) return;
@@ -247,7 +248,8 @@ static void test_wrong_secret_and_unknown_key_fail_at_once(void) {
     tu_s3_cmd(&srv, "reset");
     CHECK_RC(amber__s3_put(s, "obj", "x", 1, NULL), AMBER_EPERM);
     const char *msg = amber_last_error(NULL);
-    CHECK(strstr(msg, "s3://amber-test/auth/obj") && strstr(msg, "403 SignatureDoesNotMatch"));
+    CHECK(strstr(msg, "s3://amber-test/auth/obj") &&
+          strstr(msg, "403 SignatureDoesNotMatch"));
     CHECK(strstr(msg, "AWS_ACCESS_KEY_ID") != NULL); /* where the credentials came from */
     void *got;
     size_t len;
@@ -281,7 +283,8 @@ static void test_missing_bucket_fails_at_once(void) {
   tu_s3_cmd(&srv, "reset");
   CHECK_RC(amber__s3_put(s, "obj", "x", 1, NULL), AMBER_ENOENT);
   const char *msg = amber_last_error(NULL);
-  CHECK(strstr(msg, "s3://no-such-bucket-here/run/obj") && strstr(msg, "404 NoSuchBucket"));
+  CHECK(strstr(msg, "s3://no-such-bucket-here/run/obj") &&
+        strstr(msg, "404 NoSuchBucket"));
   int n = 0;
   CHECK_RC(amber__s3_list(s, "", count_names, &n), AMBER_ENOENT);
   CHECK(strstr(amber_last_error(NULL), "NoSuchBucket") != NULL);
