@@ -280,7 +280,10 @@ def dtype_from_name(name):
 
 class AmberError(Exception):
     """A libamber failure: `code` (negative AMBER_E* value), `name`
-    ("AMBER_ENOENT", ...) and `message` (what failed: file, step, expectation)."""
+    ("AMBER_ENOENT", ...) and `message` (what failed: file, step, expectation).
+    `partial` is True when a load failed after it had changed some live tensors."""
+
+    partial = False
 
     def __init__(self, code, message, name=None):
         self.code = code
