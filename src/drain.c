@@ -60,6 +60,7 @@ struct amber_drain {
   amber__dest *dest;
   int layout, sync;
   int coord;            /* drains the manifests and GLOBAL */
+  uint64_t retained_g;  /* the durable GLOBAL of the last retention (multi-rank) */
   amber__dview *remote; /* the coordinator's views of ranks no lane drains, by rank */
   uint32_t nremote;
   amber__tcount cnt; /* the thread's; published to drained_* under mu */
@@ -443,6 +444,7 @@ static void retain_manifests(amber_drain *d) {
 }
 
 static int retain(amber_drain *d, amber__err *e) {
+  if (d->layout == LAYOUT_MULTI) d->retained_g = durable_global(d);
   if (d->coord) retain_manifests(d); /* manifests first: never a step without its files */
   int rc = 0;
   for (size_t i = 0; i < d->nlanes && !rc; i++)
@@ -597,7 +599,11 @@ static int unit(amber_drain *d, amber__err *e, int *progress, int *waiting) {
   int own = !rc && !*progress && lanes_free(d, d->layout);
   for (size_t i = 0; own && !rc && !*progress && i < d->nlanes; i++)
     rc = lane_unit(d, &d->lanes[i], e, progress);
-  if (!rc && *progress) rc = retain(d, e);
+  /* Retention after each step made durable, and when another process (rank 0's
+   * drain) moved the durable GLOBAL, which is a multi-rank lane's authority. */
+  if (!rc &&
+      (*progress || (d->layout == LAYOUT_MULTI && durable_global(d) != d->retained_g)))
+    rc = retain(d, e);
   return rc;
 }
 
@@ -787,7 +793,7 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
     d->memory[--len] = 0;
   d->o = *o;
   d->sync = sync;
-  d->g_d = AMBER_NO_STEP;
+  d->g_d = d->retained_g = AMBER_NO_STEP;
   pthread_mutex_init(&d->mu, NULL);
   pthread_cond_init(&d->wake, NULL);
   pthread_cond_init(&d->moved, NULL);

@@ -5,8 +5,9 @@
  * step there with its pointer last, and the memory tier's TIERS file.
  *
  * Installing follows the store's own commit protocol (FORMAT.md): each file of the
- * step's chain that the destination lacks is put whole (a temporary name, fsync,
- * rename, fsync of the directory), oldest first, and only then LATEST moves. A crash
+ * step's chain that the destination lacks is read and checked whole, then put whole
+ * (a temporary name, fsync, rename, fsync of the directory), oldest first, and only
+ * then LATEST moves. A crash
  * in between leaves whole files that no pointer names yet: readers ignore them, and
  * the next install finds them there (by their footer's state id) and does not copy
  * them again.
@@ -162,8 +163,7 @@ static int check_end(amber__vsrc *v, amber__err *e) {
   return 0;
 }
 
-int amber__vsrc_pull(void *ctx, amber__err *e, const void **p, size_t *n) {
-  amber__vsrc *v = ctx;
+int amber__vsrc_pull(amber__vsrc *v, amber__err *e, const void **p, size_t *n) {
   *p = v->buf, *n = 0;
   uint64_t left = v->c->size - v->pos;
   if (!left) return 0;
@@ -175,6 +175,17 @@ int amber__vsrc_pull(void *ctx, amber__err *e, const void **p, size_t *n) {
   v->pos += len;
   if (!rc && v->pos == v->c->size) rc = check_end(v, e);
   if (!rc) *n = len;
+  return rc;
+}
+
+int amber__vsrc_check(amber__err *e, const amber__ckpt *c) {
+  amber__vsrc *v;
+  int rc = amber__vsrc_open(&v, e, c);
+  for (size_t n = 1; !rc && n;) {
+    const void *p;
+    rc = amber__vsrc_pull(v, e, &p, &n);
+  }
+  amber__vsrc_close(v);
   return rc;
 }
 
@@ -340,20 +351,11 @@ int amber__tier_chain(amber_store *st, amber__err *e, uint64_t step, uint64_t st
   return 0;
 }
 
-typedef struct counted {
-  amber__vsrc *v;
-  amber__tcount *cnt;
-} counted;
-
-static int pull_counted(void *ctx, amber__err *e, const void **p, size_t *n) {
-  counted *c = ctx;
-  int rc = amber__vsrc_pull(c->v, e, p, n);
-  if (!rc && c->cnt) {
-    c->cnt->bytes += *n;
-    uint64_t t = c->cnt->total; /* done == total only at the end (amber_drain_run's) */
-    if (t && *n) amber__progress("drain", c->cnt->bytes < t ? c->cnt->bytes : t - 1, t);
-  }
-  return rc;
+static void count_bytes(void *arg, uint64_t n) {
+  amber__tcount *c = arg;
+  c->bytes += n;
+  if (c->total && n) /* done == total only at the end (amber_drain_run's) */
+    amber__progress("drain", c->bytes < c->total ? c->bytes : c->total - 1, c->total);
 }
 
 int amber__tier_install(amber_store *st, amber__dview *v, amber__err *e, uint64_t step,
@@ -368,14 +370,13 @@ int amber__tier_install(amber_store *st, amber__dview *v, amber__err *e, uint64_
       rc = AMBER_ECANCELED;
       break;
     }
+    /* Checked whole, then put: the file is immutable, so what is put is what was
+     * checked, and the destination reads it as it likes (in parallel parts). */
     char name[64];
     amber__dview_name(v, c[i].hdr.step, name, sizeof name);
-    amber__vsrc *src;
-    if ((rc = amber__vsrc_open(&src, e, &c[i])) != 0) break;
-    counted pc = {src, cnt};
-    rc = v->d->ops->put(v->d, e, name, c[i].size, pull_counted, &pc);
-    amber__vsrc_close(src);
-    if (rc) break;
+    amber__body body = {NULL, c[i].fd, c[i].size, cnt ? count_bytes : NULL, cnt};
+    if ((rc = amber__vsrc_check(e, &c[i])) != 0) break;
+    if ((rc = v->d->ops->put(v->d, e, name, &body)) != 0) break;
     amber__known k = {c[i].hdr.step, c[i].ftr.state_id, AMBER_NO_STEP, 0};
     if (c[i].hdr.kind != AMBER_KIND_FULL)
       k.parent = c[i].hdr.parent_step, k.parent_state = c[i].hdr.parent_state;

@@ -80,7 +80,8 @@ static void test_a_drain_per_rank_beside_the_global_writer(void) {
              .last = 12,
              .full_every = 4,
              .fail_rank = -1,
-             .durable = dur};
+             .durable = dur,
+             .linger_us = 600000};
   amber_drain_opts_init(&jb.dopts);
   jb.dopts.max_lag_steps = 3;
   g_run(&jb, 3);
@@ -88,7 +89,48 @@ static void test_a_drain_per_rank_beside_the_global_writer(void) {
   CHECK(g_steps(dur, steps, 64) == 12);
   for (uint64_t s = 1; s <= 12; s++)
     g_check(dur, s);
+  /* Each rank's drain, still open after rank 0's moved the durable GLOBAL to 12,
+   * removed what step 12 no longer needs. */
   check_memory_kept(mem, 12, 3);
+}
+
+/* The number of checkpoint files in rank store r of `mem`. */
+static size_t rank_files(const char *mem, int r) {
+  char p[4200];
+  snprintf(p, sizeof p, "%s/rank-%05d", mem, r);
+  uint64_t steps[MAXSTEP];
+  return steps_of(p, steps);
+}
+
+/* Ranks 1 and 2 drain everything before rank 0's drain (the coordinator) starts:
+ * until the durable tier has a GLOBAL they keep every file; once rank 0's drain
+ * writes it, their idle drains see it and keep only what its step needs. */
+static void test_idle_rank_drains_follow_the_durable_global(void) {
+  char mem[2048], dur[2048];
+  paths(mem, dur, sizeof mem);
+  gjob jb = {.path = mem, .first = 1, .last = 6, .full_every = 4, .fail_rank = -1};
+  g_run(&jb, 3); /* fulls at 1 and 6 */
+  amber_drain *d[3] = {NULL, NULL, NULL};
+  amber_drain_opts o;
+  amber_drain_opts_init(&o);
+  for (int r = 2; r >= 1; r--) {
+    o.rank = r;
+    CHECK_OK(amber_drain_start(&d[r], mem, dur, &o));
+    CHECK_OK(amber_drain_flush(d[r], 30));
+  }
+  CHECK(rank_files(mem, 1) == 6 && rank_files(mem, 2) == 6);
+  o.rank = 0;
+  CHECK_OK(amber_drain_start(&d[0], mem, dur, &o));
+  CHECK_OK(amber_drain_flush(d[0], 30));
+  uint64_t steps[64];
+  CHECK(g_steps(dur, steps, 64) == 6);
+  int waited = 0;
+  while ((rank_files(mem, 1) != 1 || rank_files(mem, 2) != 1) && waited < 3000)
+    usleep(10000), waited += 10;
+  CHECK(rank_files(mem, 1) == 1 && rank_files(mem, 2) == 1);
+  for (int r = 0; r < 3; r++)
+    CHECK_OK(amber_drain_close(d[r]));
+  check_memory_kept(mem, 6, 3);
 }
 
 /* Step 5 fails on rank 1: ranks 0 and 2 committed their part and move back; their
@@ -204,6 +246,7 @@ static void test_two_hosts_drain_in_either_order(void) {
 int main(void) {
   TEST_RUN(test_drain_run_of_every_rank_makes_each_global_step_durable);
   TEST_RUN(test_a_drain_per_rank_beside_the_global_writer);
+  TEST_RUN(test_idle_rank_drains_follow_the_durable_global);
   TEST_RUN(test_a_failed_global_step_breaks_neither_tier);
   TEST_RUN(test_a_rank_ahead_of_global_keeps_what_global_needs);
   TEST_RUN(test_two_hosts_drain_in_either_order);

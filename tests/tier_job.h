@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "comm_threads.h"
 #include "testutil.h"
@@ -142,6 +143,7 @@ typedef struct gjob {
   uint32_t flags;      /* of every save (AMBER_SAVE_FULL) */
   const char *durable; /* with each rank's drain (rank mode) beside its writer */
   amber_drain_opts dopts;
+  useconds_t linger_us; /* how long the drains stay open after their flush */
   atomic_int drain_errors;
 } gjob;
 
@@ -200,6 +202,7 @@ static inline void g_rank_main(const amber_comm *c, void *arg) {
       atomic_fetch_add(&jb->drain_errors, 1);
     }
     c->barrier(c->ctx);
+    usleep(jb->linger_us);
     if (amber_drain_close(d) != 0) atomic_fetch_add(&jb->drain_errors, 1);
   }
 }
