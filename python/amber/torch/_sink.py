@@ -84,8 +84,10 @@ def prune_warning(status, last, what):
 
 
 class _Sink:
-    """What both sinks share: the writer's calls and retention warnings."""
+    """What both sinks share: the writer's calls and retention warnings; `tiers` (a
+    _tiers.Tiers) when the sink's store is a memory tier, kicked after each commit."""
     writer = None
+    tiers = None
 
     def __init__(self, path: str, opts: WriterOptions, rules: tuple):
         self.path = path
@@ -126,6 +128,12 @@ class _Sink:
 
     def wait(self) -> None:
         self.writer.wait()
+        if self.tiers is not None:  # committed to the memory tier: the drain takes it on
+            self.tiers.committed()
+
+    def wants_full(self) -> bool:
+        """Whether the next save should be full: the memory tier is over its budget."""
+        return self.tiers is not None and self.tiers.wants_full()
 
     def warn_prune(self, what: str) -> None:
         if self.opts.keep_last and self.writer is not None:
