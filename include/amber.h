@@ -178,6 +178,17 @@ AMBER_API void amber_store_opts_init(amber_store_opts *opts);
  * A writable open takes an exclusive lock on the store (AMBER_ELOCKED if another
  * process or handle holds it) and removes temporary files and uncommitted
  * checkpoint files that a crashed writer left behind.
+ *
+ * `path` may be an object store, "s3://bucket/prefix" (built with S3 support;
+ * endpoint, region and credentials from the AWS environment variables and files, as
+ * the AWS CLI reads them: docs/DESIGN.md, "Object stores (S3)"). Readers, listing,
+ * verify, compact and prune work on it as on a directory, reading objects by ranges;
+ * a read-only open of a prefix that holds nothing is AMBER_ENOENT ("no store at
+ * URL"), a missing bucket AMBER_ENOENT and refused credentials AMBER_EPERM, each
+ * naming the object. An object store has no lock: a writable open (for compact and
+ * prune) takes none and cleans nothing (amber_store_sweep does, after a grace
+ * period), and amber_writer_open refuses it: a writer writes a directory that a drain
+ * moves to the object store (amber_drain_start(DIR, "s3://...")).
  * out: receives the handle; release with amber_store_close().
  * opts: NULL for defaults. */
 AMBER_API int amber_store_open(amber_store **out, const char *path,
@@ -231,6 +242,16 @@ AMBER_API int amber_store_compact(amber_store *st, uint64_t step);
  * removed: if not NULL, receives the number of files deleted. A file that cannot
  * be deleted does not stop the others; the first such failure is returned. */
 AMBER_API int amber_store_prune(amber_store *st, uint64_t keep_last, size_t *removed);
+
+/* An s3:// store (single- or multi-rank, by its URL `path`): removes what interrupted
+ * uploads left and no pointer reaches, when older than `grace_s` seconds: multipart
+ * uploads never completed, checkpoint objects after their store's LATEST (or the
+ * lone one of a store without LATEST), manifests after GLOBAL. The grace period is
+ * there because another process's upload in flight (a running drain's) looks the
+ * same until its pointer moves: give more than the longest upload takes (`amber
+ * prune` gives 3600). A directory store: nothing (its writable open removes such
+ * leftovers, holding the store's lock). removed: if not NULL, what was removed. */
+AMBER_API int amber_store_sweep(const char *path, uint64_t grace_s, size_t *removed);
 
 /* ---- Writer ------------------------------------------------------------------- */
 
@@ -976,7 +997,10 @@ typedef struct amber_global_step_info {
   uint64_t reserved[3];
 } amber_global_step_info;
 
-/* 1 when `path` is a multi-rank store (it holds a global LATEST or manifest), else 0. */
+/* 1 when `path` is a multi-rank store (it holds a global LATEST or manifest), else 0.
+ * Here and in the amber_global_* functions below (all but the writer) `path` may be an
+ * s3:// store (see amber_store_open): the same files as objects; prune and compact
+ * there take no lock, and a manifest they rewrite is uploaded and confirmed. */
 AMBER_API int amber_global_is_store(const char *path);
 /* Lists the committed global steps of store `path`, oldest first, up to and
  * including the latest (GLOBAL's). *out (release with amber_free) gets *count
@@ -1118,6 +1142,13 @@ AMBER_API void amber_drain_opts_init(amber_drain_opts *o);
  * (AMBER_ELOCKED while another drain or a writer holds one), and the temporary files
  * an earlier drain left there are removed. Resumes whatever an earlier drain, or a
  * crashed job, left: files already durable are not copied again.
+ * `durable` may be an object store, "s3://bucket/prefix": each file is uploaded
+ * whole (multipart, parts in parallel, for large ones) and confirmed by reading back
+ * its size and checksum before the pointer that names it is put, itself confirmed;
+ * nothing is locked there (a second drain of one s3:// store at once is the caller's
+ * mistake), and the multipart uploads an earlier drain left are aborted. Errors of
+ * the object store (refused credentials: AMBER_EPERM; a missing bucket: AMBER_ENOENT)
+ * name the object; 5xx answers, throttling and cut connections are retried.
  * AMBER_EINVAL when the two layouts differ (a single-rank store against a
  * multi-rank one), or when both are one directory. out: the handle; release with
  * amber_drain_close().
@@ -1180,6 +1211,14 @@ AMBER_API int amber_drain_run(const char *memory, const char *durable,
  * amber_free). AMBER_ENOENT when there is no TIERS file, AMBER_ECORRUPT when it is
  * malformed. */
 AMBER_API int amber_tier_durable(const char *memory, char **durable);
+/* The local directory through which the s3:// store `url` is written when the caller
+ * names no memory tier (what amber.torch's Checkpointer("s3://...") and `amber
+ * import` use): $AMBER_STAGING, else /dev/shm when it is a writable directory, else
+ * $TMPDIR, else /tmp, followed by "/amber-<uid>-<16 hex digits of the URL's xxh3>",
+ * so that every process of one user on one host that writes that URL finds the same
+ * one (a resume reads its newest step from there). Created by nobody here. *dir
+ * (release with amber_free). AMBER_EINVAL when `url` is not s3://. */
+AMBER_API int amber_tier_staging(const char *url, char **dir);
 
 /* ---- Replicas of a rank's files (pack, unpack, holdings) ---------------------- */
 

@@ -26,6 +26,7 @@
 #include "format.h"
 #include "internal.h"
 #include "io.h"
+#include "s3store.h"
 #include "store.h"
 
 /* ---- writing ---- */
@@ -161,12 +162,72 @@ int amber__ckpt_seal(amber__ckpt_out *o, const amber__index *ix, const uint64_t 
 /* ---- reading ---- */
 
 
+/* A checkpoint's tail is read with its header in one round trip, and holds the
+ * index of all but the largest ones, so that an s3:// file opens in two requests
+ * (HEAD, then both ranges at once) rather than four. */
+#define S3_TAIL (256u << 10)
+
+/* The header, footer and index of an s3:// checkpoint into hb, fb and *ib. */
+static int open_s3(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c,
+                   uint8_t *hb, uint8_t *fb, uint8_t **ib) {
+  char key[40];
+  amber__s3store_ckpt_key(step, key, sizeof key);
+  int rc = amber__s3_obj_open(&c->obj, st->s3, key);
+  if (rc == AMBER_ENOENT)
+    return amber__fail(e, AMBER_ENOENT, "%s: checkpoint file of step %" PRIu64 " is missing",
+                       c->path, step);
+  if (rc) return amber__fail(e, rc, "%s", amber_last_error(NULL));
+  c->size = amber__s3_obj_size(c->obj);
+  if (c->size < AMBER__HEADER_SIZE + AMBER__INDEX_FIXED + AMBER__FOOTER_SIZE)
+    return amber__fail(e, AMBER_ECORRUPT, "%s: file of %" PRIu64 " bytes is too short "
+                       "(truncated?)", c->path, c->size);
+  uint64_t body = c->size - AMBER__HEADER_SIZE;
+  size_t tlen = body < S3_TAIL ? (size_t)body : S3_TAIL;
+  uint8_t *tail = malloc(tlen);
+  if (!tail) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+  amber__s3_range rg[2] = {{0, AMBER__HEADER_SIZE, hb}, {c->size - tlen, tlen, tail}};
+  if ((rc = amber__s3_obj_preadv(c->obj, rg, 2)) != 0) {
+    free(tail);
+    return amber__fail(e, rc, "%s", amber_last_error(NULL));
+  }
+  memcpy(fb, tail + tlen - AMBER__FOOTER_SIZE, AMBER__FOOTER_SIZE);
+  amber__footer f;
+  if ((rc = amber__footer_decode(e, c->path, fb, c->size, &f)) != 0) {
+    free(tail);
+    return rc;
+  }
+  if (!(*ib = malloc(f.index_size ? f.index_size : 1))) rc = AMBER_ENOMEM;
+  else if (f.index_offset >= c->size - tlen) /* within the tail */
+    memcpy(*ib, tail + (f.index_offset - (c->size - tlen)), f.index_size);
+  else if ((rc = amber__s3_obj_pread(c->obj, *ib, f.index_size, f.index_offset)) != 0)
+    rc = amber__fail(e, rc, "%s", amber_last_error(NULL));
+  if (rc == AMBER_ENOMEM) amber__fail(e, rc, "%s: out of memory for the index", c->path);
+  free(tail);
+  return rc;
+}
+
 int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c) {
   char path[4200];
   memset(c, 0, sizeof *c);
   c->fd = c->dfd = -1;
   amber__ckpt_path(st, step, NULL, path, sizeof path);
   if (!(c->path = strdup(path))) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+  if (st->s3) {
+    uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE], *ib = NULL;
+    int rc = open_s3(e, st, step, c, hb, fb, &ib);
+    if (!rc) rc = amber__header_decode(e, path, hb, &c->hdr);
+    if (!rc && c->hdr.step != step)
+      rc = amber__fail(e, AMBER_ECORRUPT, "%s: file holds step %" PRIu64 ", not %" PRIu64,
+                       path, c->hdr.step, step);
+    if (!rc) rc = amber__footer_decode(e, path, fb, c->size, &c->ftr);
+    if (!rc && amber__xxh3(ib, c->ftr.index_size) != c->ftr.index_checksum)
+      rc = amber__fail(e, AMBER_ECORRUPT, "%s: index checksum mismatch", path);
+    if (!rc)
+      rc = amber__index_decode(e, path, ib, c->ftr.index_size, c->ftr.index_offset, &c->ix);
+    free(ib);
+    if (rc) amber__ckpt_close(c);
+    return rc;
+  }
   c->fd = open(path, O_RDONLY | O_CLOEXEC);
   if (c->fd < 0) {
     int err = errno;
@@ -218,6 +279,8 @@ void amber__ckpt_close(amber__ckpt *c) {
   if (!c) return;
   if (c->fd >= 0) close(c->fd);
   if (c->dfd >= 0) close(c->dfd);
+  amber__s3_obj_close(c->obj);
+  amber__ahead_free(c);
   amber__index_free(&c->ix);
   free(c->path);
   memset(c, 0, sizeof *c);
@@ -230,6 +293,44 @@ void amber__stage_free(amber__stage *s) {
   s->cap = 0;
 }
 
+static int check_payload(amber__err *e, const amber__ckpt *c, const amber__chunk *ch,
+                         const uint8_t *p) {
+  if (amber__xxh3(p, (size_t)ch->size) != ch->checksum)
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s (step %" PRIu64 "): chunk checksum mismatch at offset %" PRIu64,
+                       c->path, c->hdr.step, ch->offset);
+  return 0;
+}
+
+/* The span of `c` fetched ahead (amber__ahead_plan) that holds [off, off + len), or
+ * NULL. */
+static const amber__span *ahead_of(const amber__ckpt *c, uint64_t off, uint64_t len) {
+  size_t lo = 0, hi = c->nahead;
+  while (lo < hi) { /* the first span that starts after off */
+    size_t mid = (lo + hi) / 2;
+    if (c->ahead[mid].off <= off)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (!lo) return NULL;
+  const amber__span *s = &c->ahead[lo - 1];
+  return off + len <= s->off + s->len ? s : NULL;
+}
+
+/* Grows `s` to at least `need` bytes, aligned for O_DIRECT. */
+static int grow_stage(amber__err *e, amber__stage *s, size_t need) {
+  if (s->cap >= need) return 0;
+  free(s->buf);
+  s->cap = 0;
+  if (posix_memalign((void **)&s->buf, AMBER__ALIGN, need ? need : 1) != 0) {
+    s->buf = NULL;
+    return amber__fail(e, AMBER_ENOMEM, "out of memory");
+  }
+  s->cap = need;
+  return 0;
+}
+
 int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                       amber__stage *stage, const uint8_t **payload) {
   if (ch->size == 0) {
@@ -240,19 +341,23 @@ int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                          c->path, c->hdr.step);
     return 0;
   }
+  if (c->obj) { /* an object: fetched ahead, else one ranged GET of its own */
+    const amber__span *s = ahead_of(c, ch->offset, ch->size);
+    if (s) {
+      *payload = s->buf + (ch->offset - s->off);
+      return check_payload(e, c, ch, *payload);
+    }
+    if (grow_stage(e, stage, (size_t)ch->size)) return AMBER_ENOMEM;
+    int rc = amber__s3_obj_pread(c->obj, stage->buf, (size_t)ch->size, ch->offset);
+    if (rc) return amber__fail(e, rc, "%s", amber_last_error(NULL));
+    *payload = stage->buf;
+    return check_payload(e, c, ch, *payload);
+  }
   /* O_DIRECT needs aligned offsets and lengths: read the covering blocks. */
   uint64_t lo = ch->offset & ~(uint64_t)(AMBER__ALIGN - 1);
   uint64_t hi = (ch->offset + ch->size + AMBER__ALIGN - 1) & ~(uint64_t)(AMBER__ALIGN - 1);
   size_t need = (size_t)(hi - lo);
-  if (stage->cap < need) {
-    free(stage->buf);
-    stage->cap = 0;
-    if (posix_memalign((void **)&stage->buf, AMBER__ALIGN, need) != 0) {
-      stage->buf = NULL;
-      return amber__fail(e, AMBER_ENOMEM, "out of memory");
-    }
-    stage->cap = need;
-  }
+  if (grow_stage(e, stage, need)) return AMBER_ENOMEM;
   int rc = -1;
   /* O_DIRECT pays for large payloads; small ones (deltas) would each cost a disk
    * round trip, while buffered reads get the kernel's read-ahead. */
@@ -277,9 +382,64 @@ int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                          ch->offset, strerror(errno));
     *payload = stage->buf;
   }
-  if (amber__xxh3(*payload, ch->size) != ch->checksum)
-    return amber__fail(e, AMBER_ECORRUPT,
-                       "%s (step %" PRIu64 "): chunk checksum mismatch at offset %" PRIu64,
-                       c->path, c->hdr.step, ch->offset);
+  return check_payload(e, c, ch, *payload);
+}
+
+/* ---- reading ahead ---- */
+
+void amber__ahead_free(amber__ckpt *c) {
+  for (size_t i = 0; i < c->nahead; i++)
+    free(c->ahead[i].buf);
+  free(c->ahead);
+  c->ahead = NULL;
+  c->nahead = 0;
+}
+
+static int cmp_need(const void *a, const void *b) {
+  const amber__need *x = a, *y = b;
+  if (x->c != y->c) return (uintptr_t)x->c < (uintptr_t)y->c ? -1 : 1;
+  return x->off < y->off ? -1 : x->off > y->off;
+}
+
+int amber__ahead_plan(amber__err *e, amber__need *need, size_t n, size_t *nspans) {
+  *nspans = 0;
+  qsort(need, n, sizeof *need, cmp_need);
+  for (size_t i = 0; i < n;) {
+    amber__ckpt *c = need[i].c;
+    size_t j = i, cap = 0, k = 0;
+    amber__span *sp = NULL;
+    for (; j < n && need[j].c == c; j++) {
+      uint64_t end = need[j].off + need[j].len;
+      if (k && need[j].off <= sp[k - 1].off + sp[k - 1].len + AMBER__AHEAD_GAP &&
+          (end - sp[k - 1].off <= AMBER__AHEAD_SPAN || need[j].off < sp[k - 1].off +
+                                                                        sp[k - 1].len)) {
+        if (end > sp[k - 1].off + sp[k - 1].len) sp[k - 1].len = end - sp[k - 1].off;
+        continue;
+      }
+      if (k == cap) {
+        amber__span *g = realloc(sp, (cap = cap ? 2 * cap : 16) * sizeof *g);
+        if (!g) {
+          free(sp);
+          return amber__fail(e, AMBER_ENOMEM, "out of memory");
+        }
+        sp = g;
+      }
+      sp[k++] = (amber__span){need[j].off, need[j].len, NULL};
+    }
+    amber__ahead_free(c);
+    c->ahead = sp, c->nahead = k;
+    for (size_t s = 0; s < k; s++)
+      if (!(sp[s].buf = malloc(sp[s].len ? (size_t)sp[s].len : 1)))
+        return amber__fail(e, AMBER_ENOMEM, "out of memory for %" PRIu64 " bytes of %s",
+                           sp[s].len, c->path);
+    *nspans += k;
+    i = j;
+  }
   return 0;
+}
+
+int amber__ahead_fetch(amber__err *e, amber__ckpt *c, size_t i) {
+  amber__span *s = &c->ahead[i];
+  int rc = amber__s3_obj_pread(c->obj, s->buf, (size_t)s->len, s->off);
+  return rc ? amber__fail(e, rc, "%s", amber_last_error(NULL)) : 0;
 }

@@ -69,10 +69,20 @@ void amber__ckpt_abort(amber__ckpt_out *o);
 /* ---- reading ---- */
 
 /* An opened, checked checkpoint file: header, footer and index in memory. */
+/* A byte range of an s3:// file fetched ahead into memory. */
+typedef struct amber__span {
+  uint64_t off, len;
+  uint8_t *buf;
+} amber__span;
+
 typedef struct amber__ckpt {
   char *path;
   int fd;
   int dfd; /* O_DIRECT descriptor, or -1 */
+  struct amber__s3_obj *obj; /* an s3:// store's file: its object (fd, dfd -1), read by
+                                ranges pinned to the ETag it opened */
+  amber__span *ahead;        /* its ranges fetched ahead (sorted, disjoint) */
+  size_t nahead;
   uint64_t size;
   amber__header hdr;
   amber__footer ftr;
@@ -93,5 +103,29 @@ typedef struct amber__stage {
 int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                       amber__stage *stage, const uint8_t **payload);
 void amber__stage_free(amber__stage *s);
+
+/* ---- reading ahead (s3:// files) ----
+ *
+ * A restore from an object store does not read chunk by chunk: each request costs a
+ * round trip. The reader fetches the payloads a batch of its jobs needs first, in as
+ * few ranges as their offsets allow, in parallel, and amber__chunk_load then finds
+ * them in memory (one that it does not find it reads on its own). */
+
+/* One payload a restore needs: `len` bytes at `off` of file `c`. */
+typedef struct amber__need {
+  amber__ckpt *c;
+  uint64_t off, len;
+} amber__need;
+/* Sets the spans that the `n` needs (sorted here, by file and offset) call for:
+ * neighbours less than AMBER__AHEAD_GAP apart share one, up to AMBER__AHEAD_SPAN bytes
+ * unless a payload is longer; each file's spans replace its earlier ones, their
+ * buffers allocated, not yet filled. *nspans gets how many there are in all. */
+#define AMBER__AHEAD_GAP (1u << 20)
+#define AMBER__AHEAD_SPAN (64u << 20)
+int amber__ahead_plan(amber__err *e, amber__need *need, size_t n, size_t *nspans);
+/* Fills span `i` of file `c` (one ranged GET, in parallel pieces when long). */
+int amber__ahead_fetch(amber__err *e, amber__ckpt *c, size_t i);
+/* Frees file `c`'s spans. */
+void amber__ahead_free(amber__ckpt *c);
 
 #endif /* AMBER_CKPT_H */

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "global.h"
+#include "s3store.h"
 #include "tier.h"
 
 #define POLL_IDLE_S 0.2    /* the thread looks for commits that no kick announced */
@@ -804,16 +805,26 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
   struct stat sb;
   if (!rc && (stat(d->memory, &sb) != 0 || !S_ISDIR(sb.st_mode)))
     rc = amber__fail(&e, AMBER_ENOENT, "no memory tier at %s", d->memory);
-  if (!rc) rc = amber__dest_dir_open(&d->dest, &e, d->durable, 1);
-  char *rm = rc ? NULL : realpath(d->memory, NULL),
-       *rd = rc ? NULL : realpath(d->durable, NULL);
+  int s3 = amber__is_s3(d->durable);
+  if (!rc)
+    rc = s3 ? amber__dest_s3_open(&d->dest, &e, d->durable)
+            : amber__dest_dir_open(&d->dest, &e, d->durable, 1);
+  if (!rc && s3) { /* refused credentials or a missing bucket: now, naming it */
+    char **names = NULL;
+    size_t n = 0;
+    rc = d->dest->ops->list(d->dest, &e, "", &names, &n);
+    amber__names_list_free(names, n);
+  }
+  char *rm = rc || s3 ? NULL : realpath(d->memory, NULL),
+       *rd = rc || s3 ? NULL : realpath(d->durable, NULL);
   if (rm && rd && !strcmp(rm, rd)) /* retention would remove the only copy */
     rc = amber__fail(&e, AMBER_EINVAL,
                      "the memory tier and the durable tier are one directory");
   free(rm), free(rd);
   if (!rc) rc = discover(d, &e);
   if (!rc) {
-    char *abs = realpath(d->durable, NULL); /* what TIERS records: any process finds it */
+    /* what TIERS records: any process finds it */
+    char *abs = s3 ? NULL : realpath(d->durable, NULL);
     rc = amber__tiers_write(&e, d->memory, abs ? abs : d->durable);
     free(abs);
   }

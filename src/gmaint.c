@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "global.h"
+#include "s3store.h"
 
 /* Every rank store of `path`, opened writable (with its writer lock). */
 typedef struct ranks {
@@ -41,7 +42,7 @@ static int ranks_open(const char *path, ranks *rs) {
     char p[4200];
     struct stat sb;
     amber__global_rank_path(path, r, p, sizeof p);
-    if (stat(p, &sb) < 0) break;
+    if (amber__is_s3(p) ? amber__s3_has_dir(p) != 1 : stat(p, &sb) < 0) break;
     amber_store **ns = realloc(rs->st, (rs->n + 1) * sizeof *ns);
     if (!ns) {
       ranks_close(rs);
@@ -93,7 +94,9 @@ int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
   char p[4200];
   for (size_t i = 0; i < n - keep_last; i++) {
     amber__global_manifest_path(path, gs[i].step, p, sizeof p);
-    if (unlink(p) < 0 && errno != ENOENT) {
+    if (amber__is_s3(p)) {
+      if ((rc = amber__s3_remove_path(p, NULL)) < 0) break;
+    } else if (unlink(p) < 0 && errno != ENOENT) {
       rc = amber__fail(NULL, amber__errno_code(errno), "cannot remove %s: %s", p,
                        strerror(errno));
       break;
@@ -101,7 +104,7 @@ int amber_global_prune(const char *path, uint64_t keep_last, size_t *removed) {
     if (removed) (*removed)++;
   }
   amber_free(gs);
-  if (rc == 0 && amber__fsync_dir(path) < 0)
+  if (rc == 0 && !amber__is_s3(path) && amber__fsync_dir(path) < 0)
     rc = amber__fail(NULL, AMBER_EIO, "%s: fsync of the directory failed", path);
   for (uint32_t r = 0; rc == 0 && r < rs.n; r++) rc = prune_rank(rs.st[r], r, oldest);
   ranks_close(&rs);

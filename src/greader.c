@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "global.h"
+#include "s3store.h"
 
 struct amber_global_reader {
   amber__err err; /* first: amber_last_error reads it */
@@ -36,6 +37,7 @@ struct amber_global_reader {
 };
 
 int amber_global_is_store(const char *path) {
+  if (amber__is_s3(path)) return amber__s3_is_global(path);
   char p[4200];
   struct stat sb;
   snprintf(p, sizeof p, "%s/GLOBAL", path);
@@ -366,7 +368,8 @@ int amber_global_reader_read_many(amber_global_reader *g, size_t count, const si
     if (rc) return rc;
   }
   if (!np) return 0;
-  if (!g->rp && amber__rpool_create(&g->rp, 0) != 0)
+  if (!g->rp &&
+      amber__rpool_create(&g->rp, amber__is_s3(g->path) ? AMBER__S3_READ_THREADS : 0) != 0)
     return amber__fail(&g->err, AMBER_ENOMEM, "out of memory");
   return amber__read_parts(g->rp, &g->err, g->parts, np);
 }

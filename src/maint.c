@@ -18,6 +18,7 @@
 #include "format.h"
 #include "internal.h"
 #include "io.h"
+#include "s3store.h"
 #include "store.h"
 
 /* Writes the full file for the reader's step, with state id `state_id`, into a
@@ -69,7 +70,7 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
 
 int amber_store_compact(amber_store *st, uint64_t step) {
   if (!st) return amber__fail(NULL, AMBER_EINVAL, "amber_store_compact: NULL store");
-  if (st->lockfd < 0)
+  if (!amber__store_writable(st))
     return amber__fail(&st->err, AMBER_EREADONLY, "store %s is open read-only", st->path);
   amber_reader *r = NULL;
   int rc = amber_reader_open(&r, st, step, NULL);
@@ -91,10 +92,19 @@ int amber_store_compact(amber_store *st, uint64_t step) {
   }
   amber__index *ix = amber__reader_index(r);
   char tmp[4200] = "", dst[4200];
-  amber__ckpt_path(st, ci.step, NULL, dst, sizeof dst);
+  if (st->s3) { /* written locally, then uploaded whole under the step's key */
+    const char *dir = getenv("TMPDIR");
+    snprintf(dst, sizeof dst, "%s/amber-compact-%ld", dir && *dir ? dir : "/tmp",
+             (long)getpid());
+  } else {
+    amber__ckpt_path(st, ci.step, NULL, dst, sizeof dst);
+  }
   rc = write_compacted(st, r, ix, ci.hash, dst, tmp);
   amber_reader_close(r);
-  if (!rc) rc = amber__commit_file(st, &st->err, tmp, ci.step);
+  /* An object store replaces the object at once: a reader that opened the delta
+   * fails with AMBER_ECHANGED (its reads are pinned to its ETag), never mixes two. */
+  if (!rc && st->s3) rc = amber__s3store_commit_file(st, &st->err, tmp, ci.step);
+  else if (!rc) rc = amber__commit_file(st, &st->err, tmp, ci.step);
   return rc;
 }
 
@@ -107,7 +117,7 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
   if (removed) *removed = 0;
   if (keep_last == 0)
     return amber__fail(e, AMBER_EINVAL, "prune must keep at least one checkpoint");
-  if (st->lockfd < 0)
+  if (!amber__store_writable(st))
     return amber__fail(e, AMBER_EREADONLY, "store %s is open read-only", st->path);
   amber_ckpt_info *info = NULL;
   size_t n = 0;
@@ -143,7 +153,11 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
     if (keep[i]) continue;
     char path[4200];
     amber__ckpt_path(st, info[i].step, NULL, path, sizeof path);
-    if (unlink(path) != 0 && errno != ENOENT) {
+    if (st->s3) {
+      int r2 = amber__s3store_remove(st, e, info[i].step);
+      if (r2 && !rc) rc = r2;
+      if (!r2 && removed) (*removed)++;
+    } else if (unlink(path) != 0 && errno != ENOENT) {
       if (!rc)
         rc = amber__fail(e, amber__errno_code(errno), "cannot remove %s: %s", path,
                          strerror(errno));
@@ -151,7 +165,7 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
       (*removed)++;
     }
   }
-  if (amber__fsync_dir(st->path) != 0 && !rc)
+  if (!st->s3 && amber__fsync_dir(st->path) != 0 && !rc)
     rc = amber__fail(e, AMBER_EIO, "cannot fsync %s", st->path);
   free(keep);
   amber_free(info);

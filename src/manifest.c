@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "global.h"
+#include "s3store.h"
 
 #define GLOBAL_MAGIC "AMBERGL1"
 #define GLOBAL_SIZE AMBER__GLOBAL_SIZE
@@ -48,6 +49,7 @@ static int cmp_u64(const void *a, const void *b) {
 }
 
 int amber__manifest_steps(const char *path, uint64_t upto, uint64_t **steps, size_t *n) {
+  if (amber__is_s3(path)) return amber__s3_manifest_steps(path, upto, steps, n);
   *steps = NULL, *n = 0;
   DIR *d = opendir(path);
   if (!d) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", path, strerror(errno));
@@ -397,6 +399,7 @@ int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, s
 
 int amber__read_small(const char *path, amber__err *e, uint8_t **out, size_t *len,
                       size_t max) {
+  if (amber__is_s3(path)) return amber__s3_read_small(path, e, out, len, max);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
     return amber__fail(e, errno == ENOENT ? AMBER_ENOENT : amber__errno_code(errno),
@@ -444,7 +447,10 @@ int amber__global_state(const char *store, amber__err *e, uint64_t *step) {
    * empty and remove every rank's committed files). */
   size_t manifests = 0, files = 0;
   uint32_t rank = 0;
-  DIR *d = opendir(store);
+  if (amber__is_s3(store) && (rc = amber__s3_global_counts(store, e, &manifests, &files,
+                                                           &rank)) != 0)
+    return rc;
+  DIR *d = amber__is_s3(store) ? NULL : opendir(store);
   struct dirent *de;
   while (d && (de = readdir(d))) {
     uint64_t s;
@@ -497,6 +503,7 @@ int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step) 
 
 int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
                               const void *data, size_t len) {
+  if (amber__is_s3(path)) return amber__s3_write_small(path, e, data, len);
   char tmp[4200];
   int fd;
   int rc = amber__create_tmp(e, path, tmp, sizeof tmp, &fd);

@@ -51,6 +51,11 @@ struct amber__rpool {
   rctx *ctx; /* one per worker */
   rjob *jobs;
   size_t njobs, jobs_cap;
+  size_t base; /* the loop in progress runs jobs[base ..] */
+  amber__need *need; /* an object store's window: the payloads it fetches ahead */
+  size_t need_cap;
+  struct fetch { amber__ckpt *c; size_t i; } *fetch;
+  size_t nfetch, fetch_cap;
   pthread_mutex_t mu;
   int rc; /* first failure of the loop in progress */
   amber__err err;
@@ -285,6 +290,8 @@ void amber__rpool_destroy(amber__rpool *p) {
     }
   free(p->ctx);
   free(p->jobs);
+  free(p->need);
+  free(p->fetch);
   amber__pool_destroy(p->pool);
   pthread_mutex_destroy(&p->mu);
   free(p);
@@ -293,7 +300,9 @@ void amber__rpool_destroy(amber__rpool *p) {
 /* The reader's own pool, made at its first read (a rank's reader inside a global
  * reader never needs one: the global reader's pool runs its jobs). */
 static int own_pool(amber_reader *r) {
-  if (!r->rp && amber__rpool_create(&r->rp, r->st->threads) != 0)
+  if (!r->rp && amber__rpool_create(&r->rp, r->st->threads ? r->st->threads
+                                            : r->st->s3   ? AMBER__S3_READ_THREADS
+                                                          : 0) != 0)
     return amber__fail(&r->err, AMBER_ENOMEM, "out of memory");
   return 0;
 }
@@ -576,7 +585,7 @@ static int plan_part(amber__rpool *p, amber__err *e, const amber__part *pt) {
 static void run_job(void *arg, int worker, size_t i) {
   amber__rpool *p = arg;
   if (__atomic_load_n(&p->rc, __ATOMIC_RELAXED)) return; /* a failure stops the rest */
-  const rjob *jb = &p->jobs[i];
+  const rjob *jb = &p->jobs[p->base + i];
   rctx *x = &p->ctx[worker];
   uint8_t *at = NULL;
   int rc = restore_chunk(x, jb->r, jb->tensor, jb->chunk, jb->dst, &at);
@@ -611,14 +620,123 @@ static void advise_deltas(amber_reader *r) {
   if (r->advised) return;
   r->advised = 1;
 #ifdef POSIX_FADV_WILLNEED
-  for (size_t k = 1; k < r->nchain; k++) posix_fadvise(r->chain[k].fd, 0, 0, POSIX_FADV_WILLNEED);
+  for (size_t k = 1; k < r->nchain; k++)
+    if (r->chain[k].fd >= 0) posix_fadvise(r->chain[k].fd, 0, 0, POSIX_FADV_WILLNEED);
 #endif
 }
 
-/* Runs the jobs planned into p: every worker of the pool and the caller. */
+/* Records the first failure of a parallel loop (its message from `from`). */
+static void loop_failed(amber__rpool *p, int rc, const amber__err *from) {
+  pthread_mutex_lock(&p->mu);
+  if (!p->rc) {
+    memcpy(p->err.msg, from->msg, sizeof p->err.msg);
+    __atomic_store_n(&p->rc, rc, __ATOMIC_RELAXED);
+  }
+  pthread_mutex_unlock(&p->mu);
+}
+
+/* ---- an object store's restore: windows of jobs, their payloads fetched ahead ----
+ *
+ * A ranged GET per chunk and file (a round trip each) would make a restore wait on
+ * request latency, hundreds of small requests for tensors of a few KB. Instead the
+ * jobs run in windows of about AHEAD_WINDOW bytes of payload: a window's payloads,
+ * in every file of their chains, are fetched first, neighbours in a file together
+ * (amber__ahead_plan), all spans at once on the pool's workers (each a ranged GET in
+ * parallel pieces), and then its jobs decode them from memory. A box reads only the
+ * chunks that hold it, plus what lies less than AMBER__AHEAD_GAP between two of them. */
+#define AHEAD_WINDOW ((uint64_t)256 << 20)
+
+static void fetch_job(void *arg, int worker, size_t i) {
+  amber__rpool *p = arg;
+  if (__atomic_load_n(&p->rc, __ATOMIC_RELAXED)) return;
+  rctx *x = &p->ctx[worker];
+  int rc = amber__ahead_fetch(&x->err, p->fetch[i].c, p->fetch[i].i);
+  if (rc) loop_failed(p, rc, &x->err);
+}
+
+/* The payloads of jobs [a, b) that their s3:// files hold: into p->need. */
+static int window_needs(amber__rpool *p, amber__err *e, size_t a, size_t b, size_t *n) {
+  *n = 0;
+  for (size_t i = a; i < b; i++) {
+    const rjob *jb = &p->jobs[i];
+    for (size_t k = 0; k < jb->r->nchain; k++) {
+      amber__ckpt *c = &jb->r->chain[k];
+      const amber__chunk *ch = &c->ix.chunks[c->ix.tensors[jb->tensor].first_chunk + jb->chunk];
+      if (!c->obj || !ch->size || ch->encoding == AMBER__ENC_UNCHANGED) continue;
+      if (*n == p->need_cap) {
+        size_t cap = p->need_cap ? 2 * p->need_cap : 256;
+        amber__need *g = realloc(p->need, cap * sizeof *g);
+        if (!g) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+        p->need = g, p->need_cap = cap;
+      }
+      p->need[(*n)++] = (amber__need){c, ch->offset, ch->size};
+    }
+  }
+  return 0;
+}
+
+static uint64_t job_bytes(const rjob *jb) {
+  uint64_t n = 0;
+  for (size_t k = 0; k < jb->r->nchain; k++) {
+    const amber__ckpt *c = &jb->r->chain[k];
+    n += c->ix.chunks[c->ix.tensors[jb->tensor].first_chunk + jb->chunk].size;
+  }
+  return n;
+}
+
+/* Fetches the window of jobs [a, b) ahead: 0, or the first failure (in p). */
+static int fetch_window(amber__rpool *p, amber__err *e, size_t a, size_t b) {
+  size_t n, spans;
+  int rc = window_needs(p, e, a, b, &n);
+  if (!rc) rc = amber__ahead_plan(e, p->need, n, &spans);
+  if (rc || !spans) return rc;
+  if (spans > p->fetch_cap) {
+    struct fetch *g = realloc(p->fetch, spans * sizeof *g);
+    if (!g) return amber__fail(e, AMBER_ENOMEM, "out of memory");
+    p->fetch = g, p->fetch_cap = spans;
+  }
+  p->nfetch = 0;
+  for (size_t i = 0; i < n; i++) /* need is sorted by file: each file's spans once */
+    if (!i || p->need[i].c != p->need[i - 1].c)
+      for (size_t s = 0; s < p->need[i].c->nahead; s++)
+        p->fetch[p->nfetch++] = (struct fetch){p->need[i].c, s};
+  amber__pool_for(p->pool, p->nfetch, fetch_job, p);
+  return p->rc;
+}
+
+/* Frees what the window of jobs [a, b) fetched ahead. */
+static void drop_window(amber__rpool *p, size_t a, size_t b) {
+  for (size_t i = a; i < b; i++)
+    for (size_t k = 0; k < p->jobs[i].r->nchain; k++)
+      amber__ahead_free(&p->jobs[i].r->chain[k]);
+}
+
+/* Runs the jobs planned into p: every worker of the pool and the caller; an object
+ * store's in windows fetched ahead. */
 static int run_jobs(amber__rpool *p, amber__err *e) {
   p->rc = 0;
-  amber__pool_for(p->pool, p->njobs, run_job, p);
+  p->base = 0;
+  int remote = 0;
+  for (size_t i = 0; i < p->njobs && !remote; i++)
+    remote = p->jobs[i].r->chain[0].obj != NULL;
+  if (!remote) {
+    amber__pool_for(p->pool, p->njobs, run_job, p);
+  } else {
+    for (size_t a = 0; a < p->njobs && !p->rc;) {
+      size_t b = a;
+      for (uint64_t bytes = 0; b < p->njobs && (b == a || bytes < AHEAD_WINDOW); b++)
+        bytes += job_bytes(&p->jobs[b]);
+      int rc = fetch_window(p, e, a, b);
+      if (rc && !p->rc) return rc; /* planning failed (no memory): nothing fetched */
+      if (!p->rc) {
+        p->base = a;
+        amber__pool_for(p->pool, b - a, run_job, p);
+      }
+      drop_window(p, a, b);
+      a = b;
+    }
+    p->base = 0;
+  }
   if (p->rc) return amber__fail(e, p->rc, "%s", p->err.msg); /* also the thread's message */
   return 0;
 }

@@ -63,12 +63,25 @@ int amber__s3_get_ranges(amber__s3 *s, const char *k, const amber__s3_range *r,
   (void)s, (void)k, (void)r, (void)n;
   UNBUILT;
 }
+int amber__s3_get_rangesm(amber__s3 *s, const char *const *k, const amber__s3_range *r,
+                          size_t n) {
+  (void)s, (void)k, (void)r, (void)n;
+  UNBUILT;
+}
 int amber__s3_delete(amber__s3 *s, const char *k) {
   (void)s, (void)k;
   UNBUILT;
 }
 int amber__s3_list(amber__s3 *s, const char *sub, amber__s3_list_fn fn, void *arg) {
   (void)s, (void)sub, (void)fn, (void)arg;
+  UNBUILT;
+}
+int amber__s3_list_dir(amber__s3 *s, const char *sub, amber__s3_list_fn fn, void *arg) {
+  (void)s, (void)sub, (void)fn, (void)arg;
+  UNBUILT;
+}
+int amber__s3_exists(amber__s3 *s, const char *sub) {
+  (void)s, (void)sub;
   UNBUILT;
 }
 int amber__s3_uploads(amber__s3 *s, const char *sub, amber__s3_upload_fn fn, void *arg) {
@@ -246,10 +259,11 @@ int amber__s3_get(amber__s3 *s, const char *key, size_t max, void **out, size_t 
   return rc;
 }
 
-/* Ranged GETs of `n` ranges, each longer than a part in several pieces; with
- * `if_match`, of that version of the object only (a 412 otherwise). */
-static int get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg, size_t n,
-                      const char *if_match) {
+/* Ranged GETs of `n` ranges, each longer than a part in several pieces, range i of
+ * key keys[i] (keys[0] for all when `one`); with etags, of that version of the object
+ * only (a 412 otherwise). */
+static int get_ranges(amber__s3 *s, const char *const *keys, const char *const *etags,
+                      int one, const amber__s3_range *rg, size_t n) {
   size_t np = 0;
   uint64_t piece = s->opts.part_size;
   for (size_t i = 0; i < n; i++)
@@ -259,6 +273,7 @@ static int get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg, 
   int rc = 0;
   size_t k = 0;
   for (size_t i = 0; i < n && rc == 0; i++) {
+    const char *key = keys[one ? 0 : i], *if_match = etags ? etags[one ? 0 : i] : NULL;
     for (uint64_t off = 0; off < rg[i].len && rc == 0; off += piece, k++) {
       uint64_t len = rg[i].len - off < piece ? rg[i].len - off : piece;
       uint64_t a = rg[i].off + off, b = a + len - 1;
@@ -286,7 +301,12 @@ static int get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg, 
 
 int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *rg,
                          size_t n) {
-  return get_ranges(s, key, rg, n, NULL);
+  return get_ranges(s, &key, NULL, 1, rg, n);
+}
+
+int amber__s3_get_rangesm(amber__s3 *s, const char *const *keys, const amber__s3_range *rg,
+                          size_t n) {
+  return get_ranges(s, keys, NULL, 0, rg, n);
 }
 
 /* ---- an object read by ranges ---- */
@@ -320,21 +340,29 @@ uint64_t amber__s3_obj_size(const amber__s3_obj *o) {
   return o->st.size;
 }
 
+/* Range `r` lies inside object `o`: 0, else AMBER_ECORRUPT, asked of no server. */
+static int inside(const amber__s3_obj *o, const amber__s3_range *r) {
+  if (r->off <= o->st.size && r->len <= o->st.size - r->off) return 0;
+  return amber__fail(NULL, AMBER_ECORRUPT,
+                     "%s/%s: bytes %llu..%llu asked of an object of %llu bytes", o->s->url,
+                     o->key, (unsigned long long)r->off,
+                     (unsigned long long)(r->off + r->len), (unsigned long long)o->st.size);
+}
+
+/* A read pinned to an ETag that failed with AMBER_ECHANGED, told as such. */
+static int changed(const amber__s3_obj *o, int rc) {
+  if (rc != AMBER_ECHANGED) return rc;
+  return amber__fail(
+      NULL, AMBER_ECHANGED,
+      "%s/%s: the object was replaced while it was read (its ETag is no longer %s)",
+      o->s->url, o->key, o->st.etag);
+}
+
 int amber__s3_obj_preadv(amber__s3_obj *o, const amber__s3_range *r, size_t n) {
   for (size_t i = 0; i < n; i++)
-    if (r[i].off > o->st.size || r[i].len > o->st.size - r[i].off)
-      return amber__fail(NULL, AMBER_ECORRUPT,
-                         "%s/%s: bytes %llu..%llu asked of an object of %llu bytes",
-                         o->s->url, o->key, (unsigned long long)r[i].off,
-                         (unsigned long long)(r[i].off + r[i].len),
-                         (unsigned long long)o->st.size);
-  int rc = get_ranges(o->s, o->key, r, n, o->st.etag);
-  if (rc == AMBER_ECHANGED)
-    rc = amber__fail(
-        NULL, AMBER_ECHANGED,
-        "%s/%s: the object was replaced while it was read (its ETag is no longer %s)",
-        o->s->url, o->key, o->st.etag);
-  return rc;
+    if (inside(o, &r[i])) return AMBER_ECORRUPT;
+  const char *key = o->key, *etag = o->st.etag;
+  return changed(o, get_ranges(o->s, &key, &etag, 1, r, n));
 }
 
 int amber__s3_obj_pread(amber__s3_obj *o, void *buf, size_t len, uint64_t off) {
@@ -621,9 +649,15 @@ static void page_fields(void *arg, const char *parent, const char *name,
     if (!(p->cur.upload_id = strdup(text))) p->oom = 1;
   } else if (item && strcmp(name, "Size") == 0) {
     p->cur.size = strtoull(text, NULL, 10);
-  } else if (item && strcmp(name, "Initiated") == 0) {
+  } else if (item && (strcmp(name, "Initiated") == 0 || strcmp(name, "LastModified") == 0)) {
     p->cur.initiated = parse_time(text);
-  } else if (strcmp(name, "Contents") == 0 || strcmp(name, "Upload") == 0) {
+  } else if (strcmp(parent, "CommonPrefixes") == 0 && strcmp(name, "Prefix") == 0 &&
+             !p->cur.name) { /* a "directory" of a listing with a delimiter */
+    size_t pl = strlen(p->prefix);
+    p->cur.name = strdup(strncmp(text, p->prefix, pl) == 0 ? text + pl : text);
+    if (!p->cur.name) p->oom = 1;
+  } else if (strcmp(name, "Contents") == 0 || strcmp(name, "Upload") == 0 ||
+             strcmp(name, "CommonPrefixes") == 0) {
     if (p->n == p->cap) {
       size_t cap = p->cap ? 2 * p->cap : 64;
       page_entry *e = realloc(p->e, cap * sizeof *e);
@@ -661,10 +695,11 @@ static void page_clear(page *p) {
   p->truncated = 0;
 }
 
-/* Every page of a listing (`uploads`: ListMultipartUploads, else ListObjectsV2), each
- * entry handed to one of the callbacks once its page is read. */
-static int list_pages(amber__s3 *s, const char *sub, int uploads, amber__s3_list_fn fn,
-                      amber__s3_upload_fn ufn, void *arg) {
+/* Every page of a listing (`uploads`: ListMultipartUploads, else ListObjectsV2, with
+ * `delim` the keys and common prefixes directly under `sub`), each entry handed to one
+ * of the callbacks once its page is read; `most` > 0: one page of at most that many. */
+static int list_pages(amber__s3 *s, const char *sub, int uploads, int delim, uint32_t most,
+                      amber__s3_list_fn fn, amber__s3_upload_fn ufn, void *arg) {
   char *full = malloc(strlen(s->conf.prefix) + strlen(sub) + 1);
   if (!full) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   sprintf(full, "%s%s", s->conf.prefix, sub);
@@ -674,9 +709,9 @@ static int list_pages(amber__s3 *s, const char *sub, int uploads, amber__s3_list
   int rc = 0, more = 1;
   char marker[1024] = "", marker_id[1024] = "";
   while (rc == 0 && more) {
-    char *q, most[16];
-    snprintf(most, sizeof most, "%u", s->opts.list_page);
-    const char *page_most = s->opts.list_page ? most : NULL;
+    char *q, cap[16];
+    snprintf(cap, sizeof cap, "%u", most ? most : s->opts.list_page);
+    const char *page_most = most || s->opts.list_page ? cap : NULL;
     if (uploads) {
       const char *kv[] = {"key-marker",       marker[0] ? marker : NULL,
                           "max-uploads",      page_most,
@@ -687,13 +722,15 @@ static int list_pages(amber__s3 *s, const char *sub, int uploads, amber__s3_list
     } else {
       const char *kv[] = {"continuation-token",
                           marker[0] ? marker : NULL,
+                          "delimiter",
+                          delim ? "/" : NULL,
                           "list-type",
                           "2",
                           "max-keys",
                           page_most,
                           "prefix",
                           full};
-      q = query(kv, 8);
+      q = query(kv, 10);
     }
     amber__s3_req r;
     rc = q ? amber__s3_req_init(s, &r, "GET", sub, 1, q,
@@ -716,9 +753,9 @@ static int list_pages(amber__s3 *s, const char *sub, int uploads, amber__s3_list
     for (size_t i = 0; rc == 0 && i < p.n; i++) {
       if (!p.e[i].name || (uploads && !p.e[i].upload_id)) continue;
       rc = uploads ? ufn(arg, p.e[i].name, p.e[i].upload_id, p.e[i].initiated)
-                   : fn(arg, p.e[i].name, p.e[i].size);
+                   : fn(arg, p.e[i].name, p.e[i].size, p.e[i].initiated);
     }
-    more = p.truncated;
+    more = p.truncated && !most;
     snprintf(marker, sizeof marker, "%s", p.next);
     snprintf(marker_id, sizeof marker_id, "%s", p.next_id);
     page_clear(&p);
@@ -729,11 +766,27 @@ static int list_pages(amber__s3 *s, const char *sub, int uploads, amber__s3_list
 }
 
 int amber__s3_list(amber__s3 *s, const char *sub, amber__s3_list_fn fn, void *arg) {
-  return list_pages(s, sub, 0, fn, NULL, arg);
+  return list_pages(s, sub, 0, 0, 0, fn, NULL, arg);
+}
+
+int amber__s3_list_dir(amber__s3 *s, const char *sub, amber__s3_list_fn fn, void *arg) {
+  return list_pages(s, sub, 0, 1, 0, fn, NULL, arg);
+}
+
+static int found(void *arg, const char *name, uint64_t size, time_t mtime) {
+  (void)name, (void)size, (void)mtime;
+  *(int *)arg = 1;
+  return 0;
+}
+
+int amber__s3_exists(amber__s3 *s, const char *sub) {
+  int any = 0;
+  int rc = list_pages(s, sub, 0, 0, 1, found, NULL, &any);
+  return rc < 0 ? rc : any;
 }
 
 int amber__s3_uploads(amber__s3 *s, const char *sub, amber__s3_upload_fn fn, void *arg) {
-  return list_pages(s, sub, 1, NULL, fn, arg);
+  return list_pages(s, sub, 1, 0, 0, NULL, fn, arg);
 }
 
 #endif /* AMBER_HAVE_S3 */

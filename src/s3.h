@@ -135,6 +135,9 @@ typedef struct amber__s3_range {
  * AMBER_ECORRUPT. The buffers are written only inside their ranges. */
 int amber__s3_get_ranges(amber__s3 *s, const char *key, const amber__s3_range *r,
                          size_t n);
+/* As amber__s3_get_ranges, range i of key keys[i]: headers of many objects at once. */
+int amber__s3_get_rangesm(amber__s3 *s, const char *const *keys, const amber__s3_range *r,
+                          size_t n);
 
 /* One object opened for reading by ranges, the way a reader reads a checkpoint file:
  * its size and ETag are read once (HEAD), and every read asks for that version only
@@ -155,10 +158,17 @@ void amber__s3_obj_close(amber__s3_obj *o);
 int amber__s3_delete(amber__s3 *s, const char *key);
 
 /* Lists the keys that start with `sub` (relative to the prefix, "" for all) in key
- * order, all pages of ListObjectsV2; `fn` gets each name (relative to the prefix) and
- * size, and a non-zero return stops the listing and is returned. */
-typedef int (*amber__s3_list_fn)(void *arg, const char *name, uint64_t size);
+ * order, all pages of ListObjectsV2; `fn` gets each name (relative to the prefix),
+ * size and time of last modification (0 when the server gives none it can parse), and
+ * a non-zero return stops the listing and is returned. */
+typedef int (*amber__s3_list_fn)(void *arg, const char *name, uint64_t size, time_t mtime);
 int amber__s3_list(amber__s3 *s, const char *sub, amber__s3_list_fn fn, void *arg);
+/* As amber__s3_list, but only what lies directly under `sub` (which is "" or ends in
+ * '/'): its keys, and each deeper level once, as a name ending in '/' of size 0
+ * ("rank-00003/"), as a directory listing gives a subdirectory (delimiter '/'). */
+int amber__s3_list_dir(amber__s3 *s, const char *sub, amber__s3_list_fn fn, void *arg);
+/* 1 when some key starts with `sub`, 0 when none does (one request). */
+int amber__s3_exists(amber__s3 *s, const char *sub);
 
 /* Multipart uploads begun and neither completed nor aborted under the prefix + `sub`
  * (ListMultipartUploads, all pages): what a crashed upload leaves, which S3 keeps

@@ -18,6 +18,7 @@
 #include "format.h"
 #include "internal.h"
 #include "io.h"
+#include "s3store.h"
 #include "store.h"
 
 void amber_store_opts_init(amber_store_opts *opts) {
@@ -88,6 +89,7 @@ size_t amber__latest_encode(uint64_t step, uint64_t state, char buf[AMBER__LATES
 }
 
 int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state) {
+  if (st->s3) return amber__s3store_read_latest(st, e, step, state);
   char path[4200], buf[128];
   snprintf(path, sizeof path, "%s/LATEST", st->path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -164,7 +166,12 @@ int amber__store_state(amber_store *st, amber__err *e, uint64_t *step, uint64_t 
   if (rc != AMBER_ENOENT) return rc;
   /* No LATEST: one checkpoint file is what a crash in the very first commit
    * leaves (never committed: the store is empty); more cannot come from a crash. */
-  size_t n = amber__count_ckpt_files(st->path, NULL);
+  size_t n = 0;
+  if (st->s3) {
+    if ((rc = amber__s3store_count(st, e, &n)) != 0) return rc;
+  } else {
+    n = amber__count_ckpt_files(st->path, NULL);
+  }
   if (n >= 2)
     return amber__fail(e, AMBER_ECORRUPT,
                        "%s/LATEST is missing but the store holds %zu checkpoint files "
@@ -221,6 +228,31 @@ int amber_store_open(amber_store **out, const char *path, const amber_store_opts
   return amber__store_open(out, path, opts, 1);
 }
 
+int amber__store_writable(const amber_store *st) {
+  return st->lockfd >= 0 || (st->s3 && !(st->flags & AMBER_OPEN_READONLY));
+}
+
+/* amber__store_open of an s3:// store: no directory, lock or clean-up (see s3store.c). */
+static int open_s3(amber_store **out, const char *path, const amber_store_opts *opts) {
+  amber_store *st = calloc(1, sizeof *st);
+  if (!st || !(st->path = strdup(path))) {
+    free(st);
+    return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+  }
+  size_t len = strlen(st->path);
+  while (len > 5 && st->path[len - 1] == '/') st->path[--len] = 0;
+  st->dirfd = st->lockfd = -1;
+  st->flags = opts->flags;
+  st->threads = opts->threads;
+  int rc = amber__s3store_open(st);
+  if (rc) {
+    amber_store_close(st);
+    return rc;
+  }
+  *out = st;
+  return 0;
+}
+
 int amber__store_open(amber_store **out, const char *path, const amber_store_opts *opts,
                       int clean) {
   amber_store_opts def;
@@ -234,6 +266,7 @@ int amber__store_open(amber_store **out, const char *path, const amber_store_opt
   for (int i = 0; i < 6; i++)
     if (opts->reserved[i])
       return amber__fail(NULL, AMBER_EINVAL, "amber_store_open: reserved option set");
+  if (amber__is_s3(path)) return open_s3(out, path, opts);
   int ro = (opts->flags & AMBER_OPEN_READONLY) != 0;
   /* Only an open that may create tries mkdir: a read-only or NOCREATE open must not
    * touch the file system, not even with a mkdir it undoes (which also changes the
@@ -304,6 +337,7 @@ void amber_store_close(amber_store *st) {
   if (!st) return;
   if (st->lockfd >= 0) close(st->lockfd); /* releases the flock */
   if (st->dirfd >= 0) close(st->dirfd);
+  amber__s3_close(st->s3);
   free(st->path);
   free(st);
 }
@@ -320,6 +354,7 @@ static int cmp_u64(const void *a, const void *b) {
 
 int amber__store_steps(amber_store *st, amber__err *e, uint64_t latest, uint64_t **out,
                        size_t *count) {
+  if (st->s3) return amber__s3store_steps(st, e, latest, out, NULL, count);
   DIR *d = opendir(st->path);
   if (!d)
     return amber__fail(e, amber__errno_code(errno), "cannot list %s: %s", st->path,
@@ -392,14 +427,22 @@ int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, siz
   int rc = amber__store_state(st, e, &latest, &state);
   if (rc == AMBER_ENOENT) return 0;
   if (rc) return rc;
-  if ((rc = amber__store_steps(st, e, latest, &steps, &n))) return rc;
+  uint64_t *sizes = NULL;
+  if (st->s3)
+    rc = amber__s3store_steps(st, e, latest, &steps, &sizes, &n);
+  else
+    rc = amber__store_steps(st, e, latest, &steps, &n);
+  if (rc) return rc;
   amber_ckpt_info *info = calloc(n ? n : 1, sizeof *info);
   if (!info) {
-    free(steps);
+    free(steps), free(sizes);
     return amber__fail(e, AMBER_ENOMEM, "out of memory");
   }
-  for (size_t i = 0; i < n; i++) peek_ckpt(st, steps[i], &info[i]);
-  free(steps);
+  if (st->s3)
+    amber__s3store_peek(st, steps, sizes, n, info);
+  else
+    for (size_t i = 0; i < n; i++) peek_ckpt(st, steps[i], &info[i]);
+  free(steps), free(sizes);
   *out = info;
   *count = n;
   return 0;

@@ -20,7 +20,13 @@ struct amber_store {
   uint32_t flags;
   uint32_t threads;
   int writers;     /* open writers (at most 1) */
+  struct amber__s3 *s3; /* an s3:// store (src/s3store.c): its client, whose prefix is
+                           the store's; dirfd and lockfd are then -1 */
 };
+
+/* Whether the store was opened to be changed: its lock held, or an s3:// store opened
+ * writable (by maintenance: an object store has no lock). */
+int amber__store_writable(const amber_store *st);
 
 /* 1 when `name` is a checkpoint file's name ("ckpt-<20 digits>.amber"), its step
  * in *step. */
@@ -107,7 +113,10 @@ typedef struct amber__part {
  * (reused from loop to loop). One per reader, and one per global reader. */
 typedef struct amber__rpool amber__rpool;
 /* threads: 0 for the default (the online CPUs, at least 4: a restore waits on the
- * disk and wants more reads in flight than there are cores). */
+ * disk and wants more reads in flight than there are cores). A restore from an
+ * s3:// store waits on the network: AMBER__S3_READ_THREADS workers, each fetching its
+ * chunk's payloads of the whole chain at once. */
+#define AMBER__S3_READ_THREADS 16
 int amber__rpool_create(amber__rpool **out, uint32_t threads);
 void amber__rpool_destroy(amber__rpool *p);
 /* Restores the parts (their boxes are checked by the caller) in one parallel loop.

@@ -71,7 +71,7 @@ typedef struct amber__dest_ops {
 
 struct amber__dest {
   const amber__dest_ops *ops;
-  char *where; /* the destination in messages (a path) */
+  char *where; /* the destination in messages (a path, or an s3:// URL) */
 };
 
 /* Tests only: every put of a directory destination first waits `delay_us`; after
@@ -80,6 +80,9 @@ struct amber__dest {
 void amber__tier_inject(int delay_us, int after, int err);
 /* A destination over directory `root`, created (not its parents) when `create`. */
 int amber__dest_dir_open(amber__dest **out, amber__err *e, const char *root, int create);
+/* A destination over the objects under `url` ("s3://bucket/prefix", src/s3dest.c): a
+ * put is an upload confirmed by reading back its size and checksum. */
+int amber__dest_s3_open(amber__dest **out, amber__err *e, const char *url);
 void amber__dest_close(amber__dest *d);
 void amber__names_list_free(char **names, size_t n);
 /* Puts `n` bytes from memory as `name`. */

@@ -158,6 +158,12 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   if (opts->stage_bytes && opts->stage_bytes < AMBER__MIN_STAGE_BYTES)
     return amber__fail(NULL, AMBER_EINVAL, "stage_bytes %" PRIu64 " is below the minimum %u",
                        opts->stage_bytes, AMBER__MIN_STAGE_BYTES);
+  if (st->s3)
+    return amber__fail(NULL, AMBER_EINVAL,
+                       "%s: a writer writes a store in a directory; an s3:// store is "
+                       "written through one, drained to it (amber_drain_start(DIR, \"%s\"); "
+                       "amber_tier_staging names a DIR for it)",
+                       st->path, st->path);
   if (st->lockfd < 0)
     return amber__fail(NULL, AMBER_EREADONLY, "store %s is open read-only", st->path);
   if (st->writers)

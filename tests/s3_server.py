@@ -24,11 +24,15 @@ then one command per line on stdin, each answered by one line "ok ..." or "error
     flip K N             change byte N of the next K requests' bodies on the way
     delay K MS           hold the next K responses MS milliseconds
     pass K               let the next K requests through (before the faults queued after)
-    count                "ok REQUESTS CONNECTIONS MOST" since the last reset: requests and
-                         client connections seen, most requests in flight at once
+    count                "ok REQUESTS CONNECTIONS MOST UP DOWN" since the last reset:
+                         requests and client connections seen, most requests in flight
+                         at once, bytes of request and of response bodies
     down / up            stop the S3 server (open connections are cut) / start it again
     reset                clear the faults and the counters
 Exits when stdin closes or after --timeout seconds, whichever comes first.
+
+Python drives it through `Server` below (the Python tests, bench/s3_bench.py), which
+starts this file in a child process; the C tests through tests/s3_harness.c.
 """
 import argparse
 import asyncio
@@ -37,11 +41,10 @@ import collections
 import os
 import socket
 import struct
+import subprocess
 import sys
+import threading
 import zlib
-
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "setup")  # boto3 signs the setup calls
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "setup")
 
 BUCKET = "amber-test"
 REGION = "us-east-1"
@@ -108,6 +111,7 @@ class Faults:
         self.connections = 0
         self.in_flight = 0
         self.most = 0
+        self.bytes_up = self.bytes_down = 0
 
     def take(self):
         self.requests += 1
@@ -271,6 +275,7 @@ class Proxy:
             await cwriter.drain()
             self.drop(conn)  # it waits for a body that will not come
             return True
+        self.faults.bytes_up += len(body)
         uwriter.write(body)
         await uwriter.drain()
         rhead, status, rfields = await self.head_of(ureader)
@@ -305,6 +310,7 @@ class Proxy:
         elif "chunked" in rfields.get("transfer-encoding", ""):
             await self.copy_chunked(ureader, cwriter)
         elif "content-length" in rfields:
+            self.faults.bytes_down += int(rfields["content-length"])
             await self.copy(ureader, cwriter, int(rfields["content-length"]))
         else:
             cwriter.write(await ureader.read())
@@ -348,7 +354,8 @@ async def control(backend, faults, proxy):
                 faults.queue.extend([("pass",)] * int(cmd[1]))
                 reply = "ok"
             elif cmd[0] == "count":
-                reply = f"ok {faults.requests} {faults.connections} {faults.most}"
+                reply = (f"ok {faults.requests} {faults.connections} {faults.most} "
+                         f"{faults.bytes_up} {faults.bytes_down}")
             elif cmd[0] == "down":
                 proxy.cut_all()
                 await asyncio.to_thread(backend.down)
@@ -359,6 +366,7 @@ async def control(backend, faults, proxy):
             elif cmd[0] == "reset":
                 faults.queue.clear()
                 faults.requests = faults.connections = faults.most = 0
+                faults.bytes_up = faults.bytes_down = 0
                 reply = "ok"
             else:
                 reply = f"error unknown command {cmd[0]}"
@@ -369,6 +377,8 @@ async def control(backend, faults, proxy):
 
 
 async def main():
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "setup")  # boto3 signs the setup calls
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "setup")
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", type=float, default=600, help="exit after this many seconds")
     args = ap.parse_args()
@@ -389,6 +399,57 @@ async def main():
     backend.down()
     sys.stdout.flush()
     os._exit(0)  # no teardown of the tasks still waiting, nor of moto's daemon threads
+
+
+class Server:
+    """This file's server in a child process, driven from Python. Server(python)
+    starts it (RuntimeError when it cannot: moto missing); cmd("fail 2 503 SlowDown")
+    sends a command and returns its answer; env() the AWS environment variables that
+    point a client at the proxy (direct=True: at moto itself) as the test user;
+    counts() the proxy's (requests, bytes up, bytes down) since the last "reset";
+    stop() ends it. Commands may come from several threads."""
+
+    def __init__(self, python=None, timeout=1800):
+        self.proc = subprocess.Popen([python or sys.executable, os.path.abspath(__file__),
+                                      "--timeout", str(timeout)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().split()
+        if len(line) != 5 or line[0] != "ready":
+            self.stop()
+            raise RuntimeError(f"tests/s3_server.py did not start (said {' '.join(line)!r}; "
+                               "is moto[server] installed?)")
+        self.proxy_port, self.server_port = int(line[1]), int(line[2])
+        self.key, self.secret = line[3], line[4]
+        self._lock = threading.Lock()
+
+    def cmd(self, line):
+        with self._lock:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline().strip()
+        if not reply.startswith("ok"):
+            raise RuntimeError(f"s3_server.py: {line}: {reply!r}")
+        return reply
+
+    def env(self, direct=False):
+        port = self.server_port if direct else self.proxy_port
+        return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": self.key,
+                "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_REGION": REGION,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
+                "AWS_CONFIG_FILE": "/nonexistent/config"}
+
+    def counts(self):
+        f = self.cmd("count").split()
+        return int(f[1]), int(f[4]), int(f[5])
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 if __name__ == "__main__":

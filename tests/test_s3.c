@@ -27,7 +27,8 @@ typedef struct names {
   int n;
 } names;
 
-static int collect(void *arg, const char *name, uint64_t size) {
+static int collect(void *arg, const char *name, uint64_t size, time_t mtime) {
+  (void)mtime;
   names *l = arg;
   if (l->n < 16) {
     snprintf(l->name[l->n], sizeof l->name[0], "%s", name);

@@ -270,8 +270,8 @@ static void test_wrong_secret_and_unknown_key_fail_at_once(void) {
   tu_s3_env(&srv, 0);
 }
 
-static int count_names(void *arg, const char *name, uint64_t size) {
-  (void)name, (void)size;
+static int count_names(void *arg, const char *name, uint64_t size, time_t mtime) {
+  (void)name, (void)size, (void)mtime;
   ++*(int *)arg;
   return 0;
 }

@@ -45,14 +45,15 @@ enum {
   OPT_FULL = 1u << 4,
   OPT_CHUNK = 1u << 5,
   OPT_KEEP = 1u << 6,
+  OPT_GRACE = 1u << 7,
 };
 
 typedef struct args {
   const char *pos[2];
   int npos;
   int json, full, have_step;
-  uint64_t step, chunk_elems, keep_last;
-  int have_keep;
+  uint64_t step, chunk_elems, keep_last, grace;
+  int have_keep, have_grace;
   const char *out;
   const char **policies; /* point into argv */
   size_t npolicies;
@@ -134,6 +135,7 @@ static int parse_args(const command *c, int argc, char **argv, args *a) {
                    : IS("--full")               ? OPT_FULL
                    : IS("--chunk-elems")        ? OPT_CHUNK
                    : IS("--keep-last")          ? OPT_KEEP
+                   : IS("--grace")              ? OPT_GRACE
                                                 : 0;
 #undef IS
     if (!(opt & c->opts)) return usage_error(c, "unknown option '%s'", s);
@@ -159,6 +161,10 @@ static int parse_args(const command *c, int argc, char **argv, args *a) {
       if (parse_u64(v, &a->keep_last) || !a->keep_last)
         return usage_error(c, "bad --keep-last '%s' (a positive decimal number)", v);
       a->have_keep = 1;
+    } else if (opt == OPT_GRACE) {
+      if (parse_u64(v, &a->grace))
+        return usage_error(c, "bad --grace '%s' (seconds, a decimal number)", v);
+      a->have_grace = 1;
     } else if (parse_u64(v, &a->chunk_elems) || !a->chunk_elems) {
       return usage_error(c, "bad --chunk-elems '%s' (a positive decimal number)", v);
     }
@@ -195,6 +201,11 @@ __attribute__((format(printf, 1, 2))) static int sys_fail(const char *fmt, ...) 
   fprintf(stderr, ": %s\n", strerror(err));
   va_end(ap);
   return 1;
+}
+
+/* An object store's URL ("s3://bucket/prefix"), which the library reads as a store. */
+static int is_url(const char *path) {
+  return strncmp(path, "s3://", 5) == 0;
 }
 
 static double now(void) {
@@ -425,8 +436,38 @@ static int import_report(const args *a, amber_store *st, const amber__st_header 
   return 0;
 }
 
+/* An s3:// store is written through its staging directory (amber_tier_staging), then
+ * drained to it: the step must come after the object store's latest, which the
+ * staging directory may not hold. *staging (malloc'd) names the directory. */
+static int import_staging(const args *a, char **staging) {
+  const char *url = a->pos[1];
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY;
+  amber_store *st = NULL;
+  uint64_t latest = AMBER_NO_STEP;
+  int rc = amber_store_open(&st, url, &so);
+  if (rc == 0 && (rc = amber_store_latest(st, &latest)) == AMBER_ENOENT) rc = 0;
+  amber_store_close(st);
+  if (rc == AMBER_ENOENT) rc = 0, latest = AMBER_NO_STEP; /* nothing there yet */
+  if (rc) return fail(rc, NULL, "cannot open store %s", url);
+  if (latest != AMBER_NO_STEP && a->step <= latest) {
+    fprintf(stderr, "amber: step %" PRIu64 " is not after the latest step %" PRIu64 " of %s\n",
+            a->step, latest, url);
+    return 1;
+  }
+  if ((rc = amber_tier_staging(url, staging)) != 0)
+    return fail(rc, NULL, "cannot name a staging directory for %s", url);
+  return 0;
+}
+
 static int cmd_import(const args *a) {
   const char *file = a->pos[0], *dir = a->pos[1];
+  char *staging = NULL;
+  if (is_url(dir)) {
+    if (import_staging(a, &staging)) return 1;
+    dir = staging;
+  }
   int fd = open(file, O_RDONLY | O_CLOEXEC);
   struct stat sb;
   const char *why = NULL;
@@ -437,6 +478,7 @@ static int cmd_import(const args *a) {
   if (why) {
     fprintf(stderr, "amber: cannot read %s: %s\n", file, why);
     if (fd >= 0) close(fd);
+    free(staging);
     return 1;
   }
   size_t size = (size_t)sb.st_size;
@@ -447,6 +489,7 @@ static int cmd_import(const args *a) {
     if (p == MAP_FAILED) {
       fprintf(stderr, "amber: cannot map %s: %s\n", file, strerror(errno));
       close(fd);
+      free(staging);
       return 1;
     }
     madvise(p, size, MADV_SEQUENTIAL);
@@ -462,6 +505,7 @@ static int cmd_import(const args *a) {
     /* Parsed before the store is opened, so a bad file leaves the store untouched. */
     fprintf(stderr, "amber: %s: %s\n", file, err);
     if (map) munmap((void *)map, size);
+    free(staging);
     return 1;
   }
   amber_store *st = NULL;
@@ -474,10 +518,22 @@ static int cmd_import(const args *a) {
     fail(rc, NULL, "cannot open store %s for writing", dir);
   else if ((rc = amber_writer_open(&w, st, &wo)) != 0)
     fail(rc, NULL, "cannot write to store %s", dir);
-  else if (import_save(a, w, &h, map) == 0)
-    ret = import_report(a, st, &h, now() - t0);
+  else if (import_save(a, w, &h, map) == 0) {
+    rc = 0;
+    if (staging) { /* committed in the staging directory: durable once drained */
+      amber_writer_close(w), w = NULL; /* the drain reads a store no writer holds */
+      progress_begin("upload step %" PRIu64 " to %s", a->step, a->pos[1]);
+      rc = amber_drain_run(staging, a->pos[1], NULL);
+      progress_end();
+      if (rc)
+        fail(rc, NULL, "step %" PRIu64 " is committed in %s but not in %s (amber drain %s "
+             "finishes it)", a->step, staging, a->pos[1], staging);
+    }
+    if (!rc) ret = import_report(a, st, &h, now() - t0);
+  }
   amber_writer_close(w);
   amber_store_close(st);
+  free(staging);
   amber__st_header_free(&h);
   if (map) munmap((void *)map, size);
   return ret;
@@ -752,6 +808,7 @@ static int check_empty(amber_store *st, const char *path) {
   int rc = amber_reader_open(&r, st, AMBER_LATEST, NULL);
   amber_reader_close(r);
   if (rc != AMBER_ENOENT && rc != 0) return fail(rc, NULL, "store %s is damaged", path);
+  if (is_url(path)) return 0; /* a read-only open of an empty prefix failed already */
   static const char *const marks[] = {"LATEST", ".lock"};
   char p[4200];
   struct stat sb;
@@ -1365,13 +1422,27 @@ static int cmd_compact(const args *a) {
   return ret;
 }
 
+/* An s3:// store: what interrupted uploads left, older than --grace (default an
+ * hour, so that a running drain's uploads in flight are left alone). */
+static int prune_sweep(const args *a, size_t *swept) {
+  *swept = 0;
+  if (!is_url(a->pos[0])) return 0;
+  int rc = amber_store_sweep(a->pos[0], a->have_grace ? a->grace : 3600, swept);
+  return rc ? fail(rc, NULL, "cannot sweep %s", a->pos[0]) : 0;
+}
+
 static int cmd_prune(const args *a) {
+  size_t swept = 0;
   if (amber_global_is_store(a->pos[0])) {
     size_t removed = 0;
     int rc = amber_global_prune(a->pos[0], a->keep_last, &removed);
     if (rc) return fail(rc, NULL, "cannot prune %s", a->pos[0]), 1;
-    if (a->json) return print_json(json_pack("{s:o}", "removed", ju64(removed)));
-    printf("removed %zu global step%s\n", removed, removed == 1 ? "" : "s");
+    if (prune_sweep(a, &swept)) return 1;
+    if (a->json)
+      return print_json(json_pack("{s:o,s:o}", "removed", ju64(removed), "swept", ju64(swept)));
+    printf("removed %zu global step%s", removed, removed == 1 ? "" : "s");
+    if (is_url(a->pos[0])) printf(", swept %zu leftover%s", swept, swept == 1 ? "" : "s");
+    printf("\n");
     return 0;
   }
   amber_store *st = NULL;
@@ -1386,9 +1457,15 @@ static int cmd_prune(const args *a) {
   amber_ckpt_info *ck = NULL;
   size_t n = 0;
   amber_store_list(st, &ck, &n);
-  int ret = 0;
-  if (a->json)
-    ret = print_json(json_pack("{s:o,s:o}", "removed", ju64(removed), "kept", ju64(n)));
+  int ret = prune_sweep(a, &swept);
+  if (ret)
+    ;
+  else if (a->json)
+    ret = print_json(json_pack("{s:o,s:o,s:o}", "removed", ju64(removed), "kept", ju64(n),
+                               "swept", ju64(swept)));
+  else if (is_url(a->pos[0]))
+    printf("removed %zu checkpoint%s, kept %zu, swept %zu leftover%s\n", removed,
+           removed == 1 ? "" : "s", n, swept, swept == 1 ? "" : "s");
   else
     printf("removed %zu checkpoint%s, kept %zu\n", removed, removed == 1 ? "" : "s", n);
   amber_free(ck);
@@ -1504,11 +1581,16 @@ static const command commands[] = {
      "or the new file. Bounds restore time and the damage of a lost file.\n"
      "  --step N           the step (default: the latest)\n"
      "  --json             print the result as a JSON object\n"},
-    {"prune", cmd_prune, OPT_KEEP | OPT_JSON, 1, 0, OPT_KEEP, "STORE --keep-last K [--json]",
+    {"prune", cmd_prune, OPT_KEEP | OPT_GRACE | OPT_JSON, 1, 0, OPT_KEEP,
+     "STORE --keep-last K [--grace SECONDS] [--json]",
      "Deletes old checkpoints, keeping the newest K and every checkpoint their restores\n"
-     "need (their chains back to a full checkpoint).\n"
+     "need (their chains back to a full checkpoint). An s3:// store also loses what\n"
+     "interrupted uploads left and no pointer reaches (unfinished multipart uploads,\n"
+     "checkpoint objects after LATEST, manifests after GLOBAL) once older than the grace\n"
+     "period, since a running drain's uploads look the same until its pointer moves.\n"
      "  --keep-last K      how many of the newest checkpoints to keep (>= 1)\n"
-     "  --json             print {removed, kept}\n"},
+     "  --grace SECONDS    s3:// only: leave leftovers younger than this (default 3600)\n"
+     "  --json             print {removed, kept, swept}\n"},
     {"drain", cmd_drain, OPT_JSON, 1, 1, 0, "MEMDIR [DURABLE] [--json]",
      "Finishes the drain of a memory tier (a store on a memory file system, such as\n"
      "/dev/shm/RUN, that a job checkpoints into) to its durable tier: copies every\n"

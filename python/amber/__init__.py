@@ -64,7 +64,7 @@ __all__ = [
     "ETIMEDOUT",
     "GlobalWriter", "GlobalReader", "GlobalStepInfo", "GlobalTensorInfo", "is_global_store",
     "global_steps", "global_prune", "SHARD_REPLICATED",
-    "Drain", "DrainStatus", "drain", "tier_durable",
+    "Drain", "DrainStatus", "drain", "tier_durable", "tier_staging", "sweep", "is_url",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -1254,6 +1254,8 @@ _drain_status = _fn("amber_drain_get_status", c_int, _H, POINTER(_DrainStatus))
 _drain_close = _fn("amber_drain_close", c_int, _H)
 _drain_run = _fn("amber_drain_run", c_int, c_char_p, c_char_p, POINTER(_DrainOpts))
 _tier_durable = _fn("amber_tier_durable", c_int, c_char_p, POINTER(c_void_p))
+_tier_staging = _fn("amber_tier_staging", c_int, c_char_p, POINTER(c_void_p))
+_store_sweep = _fn("amber_store_sweep", c_int, c_char_p, c_uint64, POINTER(c_size_t))
 
 
 def _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank):
@@ -1346,6 +1348,34 @@ def drain(memory, durable=None, rank=-1):
     recorded one), in this thread (what `amber drain` runs)."""
     o = _drain_opts(0, 0, 0, rank)
     _check(_drain_run(_opt_path(memory), _opt_path(durable), byref(o)), None)
+
+
+def is_url(path):
+    """Whether `path` names a store in an object store ("s3://bucket/prefix") rather
+    than a directory: the library reads and drains such stores over S3, and a writer
+    writes them through a local directory (tier_staging)."""
+    return isinstance(path, str) and path.startswith("s3://")
+
+
+def tier_staging(url):
+    """The local directory through which the s3:// store `url` is written when no
+    memory tier is named: $AMBER_STAGING, else /dev/shm, else $TMPDIR or /tmp, with
+    "amber-<uid>-<hash of the URL>" (amber_tier_staging); not created here."""
+    p = c_void_p()
+    _check(_tier_staging(os.fsencode(url), byref(p)), None)
+    try:
+        return os.fsdecode(ctypes.string_at(p.value))
+    finally:
+        _free(p)
+
+
+def sweep(path, grace=3600):
+    """Removes from the s3:// store `path` what interrupted uploads left that no
+    pointer reaches, once older than `grace` seconds (amber_store_sweep; what `amber
+    prune` does besides retention); returns how many. Nothing for a directory."""
+    n = c_size_t()
+    _check(_store_sweep(os.fsencode(os.fspath(path)), int(grace), byref(n)), None)
+    return n.value
 
 
 def tier_durable(memory):

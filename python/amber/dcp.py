@@ -92,6 +92,7 @@ from amber.torch._naming import box, is_dtensor
 from amber.torch._options import Options
 from amber.torch._save import Saver, in_place_names
 from amber.torch._sink import GlobalSink, StoreSink
+from amber.torch._tiers import TierOptions, Tiers
 from amber.torch._values import Decoder, Encoder
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
@@ -217,6 +218,7 @@ class Writer(StorageWriter, AsyncStager):
         self._comm = None     # amber's collectives, on a gloo group of its own (many ranks)
         self._saver = None    # the save pipeline over the store of the save in progress
         self._id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._path = None     # the store the saver writes (as named: a path or an s3:// URL)
         self._target = None   # (store path, step) of the save in progress
         self._begun = None    # ({fqn: name}, objects) of a save whose scan has started
         self._staged = None   # Future of the fence of a staged save
@@ -226,21 +228,30 @@ class Writer(StorageWriter, AsyncStager):
 
     # -- the store and its saver --
     def _use(self, path, many):
-        """The saver of the store at `path` (a multi-rank store when `many`)."""
-        if self._saver is not None and self._saver.sink.path == path and \
-                self._saver.sink.dist == many:
+        """The saver of the store at `path` (a multi-rank store when `many`); an s3://
+        store's writes go through its staging directory, drained at each commit."""
+        if self._saver is not None and self._path == path and self._saver.sink.dist == many:
             return
         self._drop()
         opts = self._options
+        tiers = TierOptions.make(path, None)  # None for a directory
+        where = tiers.memory if tiers is not None else path
         if many:
             if self._comm is None:
                 # a gloo group of amber's own: async saves commit from DCP's thread while
                 # training uses the job's groups on its own (collective, every rank)
                 self._comm = _comm.comm_for(self._pg, own=True) if _world(self._pg) > 1 \
                     else _comm.SoloComm()
-            sink = GlobalSink(path, opts.writer, opts.rules, self._comm)
+            sink = GlobalSink(where, opts.writer, opts.rules, self._comm)
         else:
-            sink = StoreSink(path, opts.writer, opts.rules, threads=opts.threads)
+            sink = StoreSink(where, opts.writer, opts.rules, threads=opts.threads)
+        if tiers is not None:
+            try:
+                sink.tiers = Tiers(tiers, path, rank=self._comm.rank if many else -1)
+            except BaseException:
+                sink.close()
+                raise
+        self._path = path
         self._saver = Saver(sink, self._comm or _comm.SoloComm(), opts, confirm_at_fence=False)
 
     def _drop(self):
@@ -297,7 +308,7 @@ class Writer(StorageWriter, AsyncStager):
         # many ranks; or one process saving into a store that many ranks wrote (a step
         # of world size 1, which every world size loads)
         many = _world(self._pg) > 1 or _amber.is_global_store(path)
-        path = os.path.abspath(path)
+        path = path if _amber.is_url(path) else os.path.abspath(path)
         if self._begun is not None:
             if self._target[0] != path or (step is not None and step != self._target[1]):
                 self._abort()
@@ -319,7 +330,7 @@ class Writer(StorageWriter, AsyncStager):
                 "amber's committed steps are immutable (a later step can only follow the "
                 "latest; overwrite cannot replace one): save to a later step, or to "
                 f"checkpoint_id={path!r} for the next one")
-        self._target = (self._saver.sink.path, step)
+        self._target = (path, step)
         self._ready = True
 
     def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
@@ -589,7 +600,7 @@ class Reader(StorageReader):
             raise ValueError("amber.dcp.Writer needs a checkpoint_id: Writer(\"STORE\") or "
                              "dcp.save(..., checkpoint_id=\"STORE/step-N\")")
         path, step = parse_checkpoint_id(cid)
-        if not os.path.isdir(path):
+        if not _amber.is_url(path) and not os.path.isdir(path):
             raise FileNotFoundError(f"amber.dcp.Reader: no amber store at {path!r} "
                                     f"(checkpoint_id {cid!r})")
         self._path, self._step, self._meta = path, step, None

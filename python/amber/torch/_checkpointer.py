@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 import amber as _amber
-from amber import AmberError, Store
+from amber import AmberError
 from amber import device as _device
 
 from . import _comm, _dtypes, _meta, _presets, _rng
@@ -36,7 +36,7 @@ from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
 from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
 from ._source import GlobalSource, StoreSource
-from ._tiers import TierOptions, Tiers, latest_of, pick
+from ._tiers import TierOptions, Tiers, is_url, latest_of, pick, single_store, steps_of
 
 log = logging.getLogger("amber.torch")
 
@@ -53,7 +53,14 @@ class Checkpointer:
                  max_lag=None, max_lag_bytes=None)
 
     Args:
-      path: the store's directory (made, with its parents, if missing).
+      path: the store's directory (made, with its parents, if missing), or an object
+          store, "s3://bucket/prefix" (endpoint, region and credentials from the AWS
+          environment variables and files, as the AWS CLI reads them). An s3:// store
+          is written through a memory tier: `memory` when given, else the library's
+          staging directory of the URL (amber.tier_staging: /dev/shm/amber-UID-HASH),
+          drained at each commit, so that wait() returns once the step is durable in
+          the object store; loads read its objects by ranges, straight into the
+          tensors.
       policy: "exact" (default, also for None), "lossy", "lossy-frequent",
           "lossy-compact", "lossy-capped", a rule, a list of rules or a dict
           {pattern: spec} (see amber.torch's documentation).
@@ -118,16 +125,20 @@ class Checkpointer:
         self.served_by = None   # the tier the last load read ("memory", "durable", ...)
         tiers = self.tier_options if not opts.readonly else None
         if many or _amber.is_global_store(path):
-            if tiers is not None:
+            if tiers is not None and not tiers.staging:
                 raise NotImplementedError("memory= with many ranks: not yet")
-            sink = GlobalSink(path, opts.writer, opts.rules, self._comm)
             self.store = None
             self.path = os.fspath(path)
+            if tiers is None:
+                sink = GlobalSink(path, opts.writer, opts.rules, self._comm)
+            else:  # an s3:// store: this rank's part through the staging directory
+                sink = GlobalSink(tiers.memory, opts.writer, opts.rules, self._comm)
+                self._tiers = sink.tiers = Tiers(tiers, self.path, rank=self.rank)
         elif tiers is not None:
             # the writer's store is the memory tier's; the run's path is the durable tier
             sink = StoreSink(tiers.memory, opts.writer, opts.rules, False, opts.threads)
             self.store = sink.store
-            self.path = os.path.abspath(os.fspath(path))
+            self.path = os.fspath(path) if is_url(path) else os.path.abspath(os.fspath(path))
             try:
                 self._tiers = sink.tiers = Tiers(tiers, self.path)
             except BaseException:
@@ -227,6 +238,8 @@ class Checkpointer:
                              name="AMBER_EREADONLY")
         t0 = time.perf_counter()
         self.wait()
+        if self._tiers is not None:  # a memory tier that lost its steps starts after the durable's
+            self._tiers.check_step(int(step))
         full = full or self._sink.wants_full()
         planned = self._save_planned(int(step), state, full)
         if not planned:
@@ -430,12 +443,13 @@ class Checkpointer:
         self.wait()
         mem = self._memory_tier()
         if mem is None:
+            if self._tiers is not None:  # many ranks on an s3:// store: drained at each commit
+                return _amber.global_steps(self.path) if _amber.is_global_store(self.path) \
+                    else []
             return self._sink.steps()
         got = {}
         for path in (self.path, mem):
-            if os.path.exists(os.path.join(path, "LATEST")):
-                with Store(path, readonly=True, create=False) as st:
-                    got.update((i.step, i) for i in st.list())
+            got.update((i.step, i) for i in steps_of(path))
         return [got[k] for k in sorted(got)]
 
     def _memory_tier(self) -> Optional[str]:
@@ -459,8 +473,7 @@ class Checkpointer:
     def _source(self):
         if self.store is not None:
             return StoreSource(self.path, self.store)
-        if not _amber.is_global_store(self.path) and \
-                os.path.exists(os.path.join(self.path, "LATEST")):
+        if single_store(self.path):
             return StoreSource(self.path)  # a store of one process, loaded at many ranks
         return GlobalSource(self.path)
 

@@ -326,6 +326,7 @@ class Saver:
             self.dev.settle(self.sink.wait, err)
         else:
             self.sink.wait()
+        self.sink.committed()  # then the durable tier's part (its failure is raised)
         if prune_what:
             self.sink.warn_prune(prune_what)
 

@@ -21,6 +21,7 @@ import amber as _amber
 from amber import AmberError, GlobalWriter, Store
 from amber import device as _device
 
+from . import _tiers
 from ._meta import TORCH, TORCH_DIST
 
 
@@ -85,7 +86,8 @@ def prune_warning(status, last, what):
 
 class _Sink:
     """What both sinks share: the writer's calls and retention warnings; `tiers` (a
-    _tiers.Tiers) when the sink's store is a memory tier, kicked after each commit."""
+    _tiers.Tiers) when the sink's store is a memory tier, kicked after each commit
+    (an s3:// store's is always one: see _tiers), and closed with the sink."""
     writer = None
     tiers = None
 
@@ -128,7 +130,12 @@ class _Sink:
 
     def wait(self) -> None:
         self.writer.wait()
-        if self.tiers is not None:  # committed to the memory tier: the drain takes it on
+
+    def committed(self) -> None:
+        """After the writer's wait: the drain takes the step on (kicked; flushed for an
+        s3:// store's staging directory), raising its failure. The step is committed
+        in the memory tier whatever this raises."""
+        if self.tiers is not None:
             self.tiers.committed()
 
     def wants_full(self) -> bool:
@@ -145,6 +152,18 @@ class _Sink:
             self.writer.close()
             self.writer = None
 
+    def close_tiers(self) -> None:
+        """Waits until the durable tier holds every committed step, then stops the
+        drain (raising its failure)."""
+        tiers, self.tiers = self.tiers, None
+        if tiers is not None:
+            tiers.close(flush=True)
+
+    def newest(self, mine: Optional[int]) -> Optional[int]:
+        """The newer of `mine` (the sink's own store's latest) and the durable tier's."""
+        d = self.tiers.durable_latest() if self.tiers is not None else None
+        return mine if d is None else d if mine is None else max(mine, d)
+
 
 class StoreSink(_Sink):
     """A store of one process (STORE/LATEST, STORE/ckpt-*.amber). The store is opened,
@@ -155,7 +174,7 @@ class StoreSink(_Sink):
     background_ok = True    # a device selection may run on a thread (AMBER_DEVICE_ASYNC)
 
     def __init__(self, path, opts: WriterOptions, rules, readonly=False, threads=0):
-        if not readonly:
+        if not readonly and not _amber.is_url(os.fspath(path)):
             os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
         self.store = Store(path, readonly=readonly, create=not readonly, threads=threads)
         super().__init__(self.store.path, opts, rules)
@@ -189,16 +208,19 @@ class StoreSink(_Sink):
         self.writer.seed_reference(step)
 
     def latest(self) -> Optional[int]:
-        return self.store.latest()
+        return self.newest(self.store.latest())
 
     def steps(self) -> list:
         return self.store.list()
 
     def close(self) -> None:
         self.close_writer()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        try:
+            self.close_tiers()
+        finally:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
 
 
 class GlobalSink(_Sink):
@@ -213,7 +235,8 @@ class GlobalSink(_Sink):
     store = None
 
     def __init__(self, path, opts: WriterOptions, rules, comm):
-        super().__init__(os.path.abspath(os.fspath(path)), opts, rules)
+        path = os.fspath(path)
+        super().__init__(path if _amber.is_url(path) else os.path.abspath(path), opts, rules)
         self.comm = comm
 
     @staticmethod
@@ -245,10 +268,10 @@ class GlobalSink(_Sink):
         self.writer = w
 
     def check_save(self) -> None:
-        if not _amber.is_global_store(self.path) and \
-                os.path.exists(os.path.join(self.path, "LATEST")):
-            raise ValueError(f"{self.path} holds a store written by one process, which "
-                             "many ranks load but do not save into: save to a new path")
+        for path in (self.path,) + ((self.tiers.durable,) if self.tiers is not None else ()):
+            if _tiers.single_store(path):
+                raise ValueError(f"{path} holds a store written by one process, which "
+                                 "many ranks load but do not save into: save to a new path")
 
     def plan_device(self, dev, step, flags):
         return dev.plan_global(self.writer, self.comm, self.path, step, flags)
@@ -259,13 +282,32 @@ class GlobalSink(_Sink):
 
     def latest(self) -> Optional[int]:
         steps = _amber.global_steps(self.path) if _amber.is_global_store(self.path) else []
-        return steps[-1].step if steps else None
+        return self.newest(steps[-1].step if steps else None)
 
     def steps(self) -> list:
         return _amber.global_steps(self.path) if _amber.is_global_store(self.path) else []
 
+    def committed(self) -> None:
+        """Each rank's part drained; for an s3:// store's staging directory the ranks
+        then agree (one all_gather), so that wait() returns on every rank once the
+        global step is durable in the object store (rank 0's drain moves GLOBAL), or
+        raises on every rank, naming the rank whose drain failed."""
+        if self.tiers is None or not self.tiers.opts.staging:
+            return super().committed()
+        why = None
+        try:
+            self.tiers.committed()
+        except AmberError as e:
+            why = (e.code, e.message)
+        votes = self.comm.gather_objects(why)
+        bad = [(r, v) for r, v in enumerate(votes) if v]
+        if bad:
+            r, (code, msg) = bad[0]
+            raise AmberError(code, f"rank {r}: {msg}")
+
     def close(self) -> None:
         self.close_writer()
+        self.close_tiers()
 
 
 def device_wanted(t: torch.Tensor, forced: bool) -> bool:

@@ -19,6 +19,7 @@ import amber as _amber
 from amber import AmberError, GlobalReader, Store
 
 from . import _meta
+from ._tiers import latest_of
 
 
 @dataclass
@@ -81,6 +82,8 @@ class StoreSource:
     def empty(self) -> bool:
         if self.store is not None:
             return self.store.latest() is None
+        if _amber.is_url(self.path):  # an empty prefix is an empty store, not "no store"
+            return latest_of(self.path) is None
         with Store(self.path, readonly=True, create=False) as st:
             return st.latest() is None
 

@@ -15,6 +15,11 @@ a load restores from the fastest tier that holds an intact newest step.
 The sinks and sources are _sink's and _source's: the memory tier is an ordinary store
 at DIR, so every front end (the Checkpointer, amber.dcp's Writer and Reader) gets
 the tiers through the same calls.
+
+An object store ("s3://bucket/prefix") is always written through a memory tier: the
+one given, drained in the background; or, without one, the library's staging
+directory of the URL (amber.tier_staging), drained at each commit, so that a save's
+wait() returns once the step is durable in the object store.
 """
 
 import logging
@@ -42,18 +47,23 @@ class TierOptions:
     memory_budget: Optional[int] = None
     max_lag: Optional[int] = None
     max_lag_bytes: Optional[int] = None
+    # the memory tier is the staging directory of an s3:// store that named none:
+    # every commit is drained before the save's wait() returns
+    staging: bool = False
 
     @staticmethod
     def make(path, memory, replicas=0, memory_budget=None, max_lag=None, max_lag_bytes=None):
-        """The options, or None without a memory tier; ValueError or TypeError for
-        arguments that cannot work (nothing is created)."""
+        """The options, or None without a memory tier (a directory store written
+        directly); ValueError or TypeError for arguments that cannot work (nothing is
+        created)."""
+        url = is_url(path)
         if memory is None:
             if replicas:
                 raise ValueError("replicas= needs a memory tier (memory=DIR): replicas are "
                                  "kept in the peers' memory tiers")
             if memory_budget is not None or max_lag is not None or max_lag_bytes is not None:
                 raise ValueError("memory_budget= and max_lag= need a memory tier (memory=DIR)")
-            return None
+            return TierOptions(_amber.tier_staging(path), staging=True) if url else None
         if not isinstance(memory, (str, os.PathLike)):
             raise TypeError(f"memory= is a directory path, not {type(memory).__name__}")
         for name, v in (("replicas", replicas), ("memory_budget", memory_budget),
@@ -61,11 +71,18 @@ class TierOptions:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name}= must be an int >= 0, not {v!r}")
         mem = os.path.abspath(os.fspath(memory))
-        dur = os.path.abspath(os.fspath(path))
-        if mem == dur or mem.startswith(dur + os.sep) or dur.startswith(mem + os.sep):
+        dur = os.path.abspath(os.fspath(path)) if not url else None
+        if dur is not None and (mem == dur or mem.startswith(dur + os.sep) or
+                                dur.startswith(mem + os.sep)):
             raise ValueError(f"the memory tier {mem} and the durable tier {dur} must be "
                              "separate directories, neither inside the other")
         return TierOptions(mem, int(replicas or 0), memory_budget, max_lag, max_lag_bytes)
+
+
+def is_url(path) -> bool:
+    """Whether a store path names an object store ("s3://..."), which os.path must not
+    touch (amber.is_url)."""
+    return isinstance(path, (str, os.PathLike)) and _amber.is_url(os.fspath(path))
 
 
 def fs_type(path: str) -> Optional[str]:
@@ -102,66 +119,145 @@ def default_budget(memory: str) -> int:
 class Tiers:
     """The drain of one sink's memory tier to its durable tier. `rank`: the rank
     store this process drains in a multi-rank memory tier (rank 0 also drains the
-    manifests and GLOBAL), -1 for a store of one process."""
+    manifests and GLOBAL), -1 for a store of one process.
+
+    A drain's failure is sticky: raised by every later call, what is not durable
+    staying in the memory tier. For an s3:// store's staging directory, whose commits
+    are each drained before wait() returns, the failed drain is dropped instead, so
+    that the next save (or close) starts a new one, which resumes where it stopped:
+    a fault that outlasts the client's retries fails that save, not the run."""
 
     def __init__(self, opts: TierOptions, durable: str, rank: int = -1):
         self.opts = opts
         self.memory = opts.memory
-        self.durable = os.path.abspath(os.fspath(durable))
+        self.rank = rank
+        url = is_url(durable)
+        self.durable = os.fspath(durable) if url else os.path.abspath(os.fspath(durable))
+        self._durable_latest = False  # not read yet
+        self._closed = False
         kind = fs_type(self.memory)
-        if kind is not None and kind not in _MEMORY_FS:
+        if kind is not None and kind not in _MEMORY_FS and not opts.staging:
             log.warning("the memory tier %s is on a %s file system, not in memory (tmpfs, "
                         "such as /dev/shm): saves and restores go at its pace", self.memory,
                         kind)
         self.budget = default_budget(self.memory) if opts.memory_budget is None \
             else opts.memory_budget
-        os.makedirs(os.path.dirname(self.durable), exist_ok=True)
-        self.drain = _amber.Drain(self.memory, self.durable, max_lag_steps=opts.max_lag or 0,
-                                  max_lag_bytes=opts.max_lag_bytes or 0,
-                                  memory_budget=self.budget, rank=rank)
+        if not url:
+            os.makedirs(os.path.dirname(self.durable), exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(self.memory), exist_ok=True)
+        self.drain = self._start()
+
+    def _start(self):
+        o = self.opts
+        return _amber.Drain(self.memory, self.durable, max_lag_steps=o.max_lag or 0,
+                            max_lag_bytes=o.max_lag_bytes or 0, memory_budget=self.budget,
+                            rank=self.rank)
+
+    def _drop(self):
+        drain, self.drain = self.drain, None
+        try:
+            drain.close()
+        except _amber.AmberError:
+            pass  # its failure, raised already
 
     def committed(self) -> None:
         """After a commit to the memory tier: wakes the drain; waits while the durable
-        tier lags beyond its bound or the memory tier is over its budget; raises the
-        drain's sticky error (AmberError, naming the file and the tier)."""
-        self.drain.kick()
+        tier lags beyond its bound or the memory tier is over its budget (and, for an
+        s3:// store's staging directory, until the step is durable there); raises the
+        drain's failure (AmberError, naming the file and the tier)."""
+        if self.drain is None:  # the staging directory's last drain failed
+            self.drain = self._start()
+        try:
+            self.drain.kick()
+            if self.opts.staging:
+                self.drain.flush()
+        except _amber.AmberError:
+            if self.opts.staging:
+                self._drop()
+            raise
+
+    def durable_latest(self) -> Optional[int]:
+        """The durable tier's latest step when first asked (read once): a memory tier
+        that lost its steps (wiped, or a new host's staging directory) must not commit
+        steps at or below it, which the drain would never make durable."""
+        if self._durable_latest is False:
+            self._durable_latest = latest_of(self.durable, self.rank >= 0)
+        return self._durable_latest
+
+    def check_step(self, step: int) -> None:
+        """Raises AmberError (AMBER_EEXIST) for a step that is not after the durable
+        tier's latest."""
+        d = self.durable_latest()
+        if d is not None and step <= d:
+            raise _amber.AmberError(_amber.EEXIST, f"step {step} is not after the latest "
+                                    f"step {d} of {self.durable}", name="AMBER_EEXIST")
 
     def wants_full(self) -> bool:
         """Whether the next save must be full: the memory tier is over its budget and
         only a full checkpoint lets it drop the chain that fills it."""
-        return self.drain.wants_full()
+        return self.drain is not None and self.drain.wants_full()
 
     def status(self):
+        if self.drain is None:
+            self.drain = self._start()
         return self.drain.status()
 
     def flush(self, timeout: Optional[float] = None) -> None:
+        if self.drain is None:
+            self.drain = self._start()
         self.drain.flush(timeout)
 
     def close(self, flush: bool = True) -> None:
         """Waits for the durable tier to hold every committed step (unless `flush` is
-        False), then stops the drain; raises its sticky error."""
+        False), then stops the drain; raises its failure. Once only."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.drain is None:
+            if not flush:
+                return
+            self.drain = self._start()  # a last try at what the failed one left
         try:
             if flush:
                 self.drain.flush()
         except BaseException:
-            try:
-                self.drain.close()
-            except _amber.AmberError:
-                pass  # the same sticky error, raised by the flush
+            self._drop()
             raise
         self.drain.close()
 
 
-def latest_of(path: str) -> Optional[int]:
-    """The latest step of the store of one process at `path`, or None (no store, or
-    an empty or unreadable one)."""
-    if not os.path.exists(os.path.join(path, "LATEST")):
-        return None
+def latest_of(path: str, many: bool = False) -> Optional[int]:
+    """The latest step of the store of one process at `path` (`many`: of the
+    multi-rank store), or None (no store, or an empty or unreadable one)."""
     try:
+        if many or _amber.is_global_store(path):
+            steps = _amber.global_steps(path) if _amber.is_global_store(path) else []
+            return steps[-1].step if steps else None
+        if not is_url(path) and not os.path.exists(os.path.join(path, "LATEST")):
+            return None
         with _amber.Store(path, readonly=True, create=False) as st:
             return st.latest()
     except _amber.AmberError:
         return None
+
+
+def single_store(path) -> bool:
+    """Whether `path` holds a store of one process (its LATEST), not a multi-rank one."""
+    if is_url(path):
+        return not _amber.is_global_store(path) and latest_of(path) is not None
+    return not _amber.is_global_store(path) and os.path.exists(os.path.join(path, "LATEST"))
+
+
+def steps_of(path) -> list:
+    """The committed checkpoints of the store of one process at `path` (CheckpointInfo),
+    [] when there is none."""
+    if is_url(path) and latest_of(path) is None:  # an empty prefix, or none readable
+        return []
+    if not is_url(path) and not os.path.exists(os.path.join(path, "LATEST")):
+        return []
+    with _amber.Store(path, readonly=True, create=False) as st:
+        return st.list()
 
 
 def pick(memory: str, durable: str, memory_latest: Optional[int], step: Optional[int]):
