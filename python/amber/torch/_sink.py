@@ -145,6 +145,13 @@ class _Sink:
             self.writer.close()
             self.writer = None
 
+    def close_tiers(self, flush: bool) -> None:
+        """Stops the drain of the memory tier (after waiting until the durable tier
+        holds every committed step, with `flush`); raises the drain's failure."""
+        tiers, self.tiers = self.tiers, None
+        if tiers is not None:
+            tiers.close(flush=flush)
+
 
 class StoreSink(_Sink):
     """A store of one process (STORE/LATEST, STORE/ckpt-*.amber). The store is opened,
@@ -189,13 +196,28 @@ class StoreSink(_Sink):
         self.writer.seed_reference(step)
 
     def latest(self) -> Optional[int]:
-        return self.store.latest()
+        """The latest step (with a memory tier: of either tier)."""
+        mine = self.store.latest()
+        if self.tiers is None:
+            return mine
+        other = self.tiers.durable_latest()
+        return mine if other is None else other if mine is None else max(mine, other)
 
     def steps(self) -> list:
-        return self.store.list()
+        """The committed checkpoints (with a memory tier: of both tiers, the memory
+        tier's where both hold a step)."""
+        if self.tiers is None:
+            return self.store.list()
+        got = {i.step: i for i in self.tiers.durable_steps()}
+        got.update((i.step, i) for i in self.store.list())
+        return [got[k] for k in sorted(got)]
 
     def close(self) -> None:
         self.close_writer()
+        try:
+            self.close_tiers(flush=False)
+        except AmberError:
+            pass  # raised by the close that flushed, or by the next save's kick
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -134,6 +134,15 @@ class Tiers:
     def status(self):
         return self.drain.status()
 
+    def durable_latest(self) -> Optional[int]:
+        return latest_of(self.durable)
+
+    def durable_steps(self) -> list:
+        if not os.path.exists(os.path.join(self.durable, "LATEST")):
+            return []
+        with _amber.Store(self.durable, readonly=True, create=False) as st:
+            return st.list()
+
     def flush(self, timeout: Optional[float] = None) -> None:
         self.drain.flush(timeout)
 
@@ -162,6 +171,17 @@ def latest_of(path: str) -> Optional[int]:
             return st.latest()
     except _amber.AmberError:
         return None
+
+
+def holds(path: str, step: Optional[int]) -> bool:
+    """Whether the store of one process at `path` holds committed `step` (None: any)."""
+    if not os.path.exists(os.path.join(path, "LATEST")):
+        return False
+    try:
+        with _amber.Store(path, readonly=True, create=False) as st:
+            return any(i.step == step or step is None for i in st.list())
+    except _amber.AmberError:
+        return False
 
 
 def pick(memory: str, durable: str, memory_latest: Optional[int], step: Optional[int]):
