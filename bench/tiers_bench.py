@@ -190,6 +190,15 @@ def one_round(tr, out, r, a):
             got = ck.load(tr.state)
             f["restore_memory"] = time.perf_counter() - t0
             assert ck.served_by == "memory" and got == step, (ck.served_by, got, step)
+            # the same from the chain's full checkpoint alone (no delta to apply): what a
+            # restore costs right after a full save
+            full = max(i.step for i in ck.steps() if i.kind == "full")
+            t0 = time.perf_counter()
+            ck.load(tr.state, step=full)
+            f["restore_memory_full"] = time.perf_counter() - t0
+            assert ck.served_by == "memory"
+            f["chain_deltas"] = step - full
+            ck.load(tr.state)  # back to the newest step for what follows
         drop_cache(files(durable))
         log(f"round {r}: cold load from the durable tier")
         with Checkpointer(durable, readonly=True) as ck:
@@ -226,6 +235,7 @@ def one_round(tr, out, r, a):
     shutil.rmtree(last, ignore_errors=True)
     # the ratios
     f["memory_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_memory"]
+    f["memory_full_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_memory_full"]
     f["memory_vs_durable_cold"] = f["restore_durable_cold"] / f["restore_memory"]
     f["memory_vs_tc_load"] = f["tc_load_cold"] / f["restore_memory"]
     f["floor_vs_dcp_load"] = f["dcp_load_cold"] / f["copy_floor"]
@@ -254,6 +264,7 @@ def report(res, markdown):
                     ("stall_tc", "torch_checkpointing save stall (save + staging)"),
                     ("tc_durable", "torch_checkpointing save to durable"),
                     ("restore_memory", "amber restore from the memory tier"),
+                    ("restore_memory_full", "amber restore from memory, the chain's full step"),
                     ("restore_durable_cold", "amber load from the durable tier, cold"),
                     ("dcp_load_cold", "dcp.load + set_state_dict, cold"),
                     ("tc_load_cold", "torch_checkpointing load, cold"),
@@ -267,6 +278,7 @@ def report(res, markdown):
     if markdown:
         lines.append("|---|---|")
     for k, text in (("memory_vs_dcp_load", "restore: dcp.load / memory tier"),
+                    ("memory_full_vs_dcp_load", "restore: dcp.load / memory tier, full step"),
                     ("memory_vs_durable_cold", "restore: durable cold / memory tier"),
                     ("memory_vs_tc_load", "restore: torch_checkpointing / memory tier"),
                     ("floor_vs_dcp_load", "bound: dcp.load / one copy of the state"),
@@ -302,13 +314,16 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     rounds = [one_round(tr, a.out, r, a) for r in range(a.repeat)]
     ratio_keys = [k for k in rounds[0] if "_vs_" in k or k.endswith("_pct_of_full_state")]
+    for f in rounds:
+        f.pop("chain_deltas", None)
     res = {"machine": platform.node(), "cpus": os.cpu_count(), "amber": amber.version(),
            "policy": a.policy, "figures": spreads(rounds, skip=ratio_keys),
            "ratios": spreads([{k: f[k] for k in ratio_keys} for f in rounds])}
     res["targets"] = target_records(TARGETS, res["ratios"], BOUNDS)
     head = (f"tiers_bench: {'quick model' if a.quick else 'GPT-2 small + AdamW'} "
             f"({rounds[0]['state_bytes'] / 1e9:.2f} GB), policy {a.policy}, {a.repeat} round(s), "
-            f"{a.deltas} deltas, {os.cpu_count()} CPUs")
+            f"{a.deltas} deltas (the memory tier's chain: a full and {a.deltas} deltas), "
+            f"{os.cpu_count()} CPUs")
     emit(head, report(res, a.markdown), res, a.json)
 
 
