@@ -239,6 +239,13 @@ typedef struct amber_writer amber_writer;
 #define AMBER_WRITER_COMPRESS_FULL (1u << 0)
 /* Never use O_DIRECT (it is used when the file system supports it). */
 #define AMBER_WRITER_NO_DIRECT_IO (1u << 1)
+/* amber_global_writer_open only ("local mode"; amber_writer_open refuses it): each
+ * rank's `path` is its own or its host's (a memory tier such as /dev/shm/run on
+ * every node), never seen by the ranks of other hosts. Every rank's path gets the
+ * step's manifest and GLOBAL at each commit (rank 0 broadcasts the manifest's
+ * bytes), and holds the rank stores of the ranks that write there. See
+ * amber_global_writer_open and docs/DESIGN.md, "Local mode". */
+#define AMBER_WRITER_GLOBAL_LOCAL (1u << 2)
 
 typedef struct amber_writer_opts {
   uint64_t chunk_elems;  /* elements per chunk; 0 = 1 Mi (1048576); at most 16 Mi and
@@ -776,7 +783,26 @@ typedef struct amber_global_writer amber_global_writer;
  * (AMBER_ELOCKED: a global writer of another job, or maintenance). A rank store
  * whose LATEST is missing or damaged gets it back from the newest manifest that
  * names its file (the file must carry the manifest's state id, else
- * AMBER_ECORRUPT). */
+ * AMBER_ECORRUPT).
+ *
+ * Local mode (opts->flags AMBER_WRITER_GLOBAL_LOCAL, on every rank alike): `path` is
+ * this rank's own directory or its host's, which no rank of another host reads;
+ * ranks that share one keep their stores side by side under it (rank-RRRRR/).
+ * Each commit writes the step's manifest and GLOBAL on every rank's path (rank 0
+ * builds the manifest and broadcasts its bytes; each rank writes its copy, a
+ * temporary file of its own renamed into place); a copy that fails on one path
+ * fails the step on every rank, and every path takes its copy back. The open
+ * agrees on the committed step when a crash left the paths' copies different: the
+ * newest step whose manifest some path holds and whose every rank's part is
+ * committed in that rank's own store (the file the manifest names, with its state
+ * id and its chain) at the same world size; each path then gets that step's
+ * manifest and GLOBAL, and loses the manifests and its ranks' files of later
+ * steps. Manifests but no such step (a path wiped, a host replaced): refused on
+ * every rank with AMBER_ECORRUPT and nothing removed (restore the path first:
+ * amber_tiers_restore). A reader of one path (amber_global_reader_open) reads the
+ * boxes of the ranks whose stores are there; replicated tensors are in rank 0's
+ * files, which are on rank 0's path (amber_tiers_restore brings them to every
+ * path that needs them). */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);

@@ -161,5 +161,10 @@ int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
 /* Reads and decodes the manifest of `step`. */
 int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
                                 amber__manifest *m);
+/* Reads the manifest of `step` and checks that it decodes: *out (malloc'd; may be
+ * NULL: not kept) gets its bytes, *len their count, *m (may be NULL) the decoded
+ * manifest (release with amber__manifest_free). For a copy of it elsewhere. */
+int amber__global_manifest_bytes(const char *store, uint64_t step, amber__err *e, uint8_t **out,
+                                 size_t *len, amber__manifest *m);
 
 #endif /* AMBER_GLOBAL_H */

@@ -219,7 +219,7 @@ static void remove_stale_manifests(amber_global_writer *gw) {
  * and remove it. When no manifest names this rank's files, they belong to no
  * committed step and the store is left to the usual rules (amber__store_state).
  * Called with the rank store's lock held, before its stale files are cleaned. */
-static int repair_rank_latest(amber_global_writer *gw) {
+int amber__gw_repair_rank_latest(amber_global_writer *gw) {
   uint64_t s, id;
   int rc = amber__read_latest(gw->st, NULL, &s, &id);
   if ((rc != AMBER_ENOENT && rc != AMBER_ECORRUPT) || gw->latest == AMBER_NO_STEP ||
@@ -267,11 +267,12 @@ static int prepare_rank_store(amber_global_writer *gw) {
     if ((rc = amber__store_open(&gw->st, gw->rankdir, &so, 0)) < 0)
       return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
   }
-  if ((rc = repair_rank_latest(gw)) < 0) return rc;
+  if (gw->local.on && (rc = amber__gw_local_install(gw)) < 0) return rc;
+  if ((rc = amber__gw_repair_rank_latest(gw)) < 0) return rc;
   if ((rc = amber__store_clean(gw->st)) < 0)
     return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
   if ((rc = remove_leftovers(gw)) < 0) return rc;
-  if (gw->comm.rank == 0) remove_stale_manifests(gw);
+  if (gw->comm.rank == 0 && !gw->local.on) remove_stale_manifests(gw);
   return 0;
 }
 
@@ -290,6 +291,8 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   gw->comm = *comm;
   if (opts) gw->opts = *opts;
   else amber_writer_opts_init(&gw->opts);
+  gw->local.on = (gw->opts.flags & AMBER_WRITER_GLOBAL_LOCAL) != 0;
+  gw->opts.flags &= ~(uint32_t)AMBER_WRITER_GLOBAL_LOCAL; /* the rank writers' flags */
   gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
   gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
   double share = gw->opts.full_share == 0 ? AMBER__DEFAULT_FULL_SHARE : gw->opts.full_share;
@@ -303,6 +306,9 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
    * changes nothing (a store in use by another job is left exactly as it was),
    * then this rank's store made ready. */
   rc = agree(gw, check_store(gw));
+  /* local mode: the paths' copies of the commit point agreed (its own outcome is
+   * the same on every rank) */
+  if (rc == 0 && gw->local.on) rc = amber__gw_local_agree(gw);
   if (rc == 0) {
     int lrc = prepare_rank_store(gw);
     if (lrc == 0) {
