@@ -761,6 +761,31 @@ typedef struct amber_comm {
 /* The communicator of a job of one rank (rank 0, size 1). Static; never freed. */
 AMBER_API const amber_comm *amber_comm_self(void);
 
+/* Point-to-point exchange over the job's own communicator, for what moves one
+ * rank's files to another (peer replicas, the restore from the tiers): amber never
+ * opens sockets. Ranks are numbered as in the amber_comm given beside it.
+ * libamber_mpi's amber_mpi_p2p_init makes one from an amber_mpi_comm_init
+ * communicator (MPI_Sendrecv); Python's binding from any object with a sendrecv
+ * method. */
+typedef struct amber_p2p {
+  /* Sends `slen` bytes of `send` to rank `dest` and receives exactly `rlen` bytes
+   * from rank `src` into `recv`, both at once, returning when both are done: the
+   * semantics of MPI_Sendrecv, so that a ring of exchanges cannot deadlock.
+   * dest == AMBER_P2P_NONE sends nothing (slen is 0); src == AMBER_P2P_NONE
+   * receives nothing (rlen is 0). Messages from one rank to another arrive in the
+   * order they were sent. amber calls it from one thread at a time, in a sequence
+   * where every send meets a receive of the same length on its destination.
+   * Returns 0 or a negative AMBER_E* code (AMBER_EIO when the peer is gone). */
+  int (*sendrecv)(void *ctx, const void *send, size_t slen, int dest, void *recv,
+                  size_t rlen, int src);
+  void *ctx;            /* passed to sendrecv */
+  uint64_t flags;       /* AMBER_COMM_ANY_THREAD, as for amber_comm */
+  uint64_t reserved[3]; /* must be zero */
+} amber_p2p;
+
+/* amber_p2p.sendrecv's dest or src: no peer this time. */
+#define AMBER_P2P_NONE (-1)
+
 typedef struct amber_global_writer amber_global_writer;
 
 /* amber_global_writer_add flags: the tensor is replicated (every rank holds the

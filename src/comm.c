@@ -2,7 +2,8 @@
  * comm.c - the collectives that many-rank saves need, over the job's own
  * communicator (amber_comm): the trivial one-rank communicator and an allgather of
  * blobs of any length built from the fixed-length allgather the interface asks of
- * an engine, so that engines implement as little as possible.
+ * an engine, so that engines implement as little as possible; and the check of a
+ * caller's point-to-point exchange (amber_p2p).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,19 @@ int amber__comm_check(const amber_comm *c, amber__err *e) {
   for (int i = 0; i < 3; i++)
     if (c->reserved[i])
       return amber__fail(e, AMBER_EINVAL, "communicator: reserved fields must be zero");
+  return 0;
+}
+
+int amber__p2p_check(const amber_p2p *p, amber__err *e) {
+  if (!p || !p->sendrecv)
+    return amber__fail(e, AMBER_EINVAL, "invalid point-to-point exchange (no sendrecv)");
+  if (p->flags & ~(uint64_t)AMBER_COMM_ANY_THREAD)
+    return amber__fail(e, AMBER_EINVAL, "point-to-point exchange: unknown flags 0x%llx",
+                       (unsigned long long)p->flags);
+  for (int i = 0; i < 3; i++)
+    if (p->reserved[i])
+      return amber__fail(e, AMBER_EINVAL,
+                         "point-to-point exchange: reserved fields must be zero");
   return 0;
 }
 

@@ -20,6 +20,8 @@ int amber__comm_allgatherv(const amber_comm *c, amber__err *e, const void *send,
                            uint8_t **out, uint64_t *lens, uint64_t *offs);
 /* Checks a communicator given by a caller. */
 int amber__comm_check(const amber_comm *c, amber__err *e);
+/* Checks a point-to-point exchange given by a caller. */
+int amber__p2p_check(const amber_p2p *p, amber__err *e);
 
 /* ---- manifest (src/manifest.c) ---- */
 

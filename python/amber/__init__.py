@@ -746,6 +746,8 @@ SHARD_REPLICATED = 1 << 0
 _ALLGATHER = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_void_p)
 _BROADCAST = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_int)
 _BARRIER = ctypes.CFUNCTYPE(c_int, c_void_p)
+_SENDRECV = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t,
+                             c_int)
 
 
 class _Comm(Structure):
@@ -754,6 +756,11 @@ class _Comm(Structure):
                 ("flags", c_uint64), ("reserved", c_uint64 * 3)]
     # flags stays 0: a Python communicator is called on the thread that saves (the
     # commit of a split save runs in wait), never from the library's own threads
+
+
+class _P2P(Structure):
+    _fields_ = [("sendrecv", _SENDRECV), ("ctx", c_void_p), ("flags", c_uint64),
+                ("reserved", c_uint64 * 3)]
 
 
 class _GlobalStepInfo(Structure):
@@ -836,28 +843,52 @@ def _box_arrays(items):
     return idx, off, shp, bufs, sizes
 
 
-class _CommBridge:
+class _Bridge:
+    """What the ctypes callbacks over a Python object share: an exception inside one is
+    kept (`error`) and reported to the library as AMBER_EIO, so that it never unwinds
+    through C; `check` then raises it, named and chained."""
+
+    what = "collective"
+
+    def __init__(self):
+        self.error = None
+
+    def guard(self, fn):
+        def call(*args):
+            try:
+                fn(*args)
+                return 0
+            except BaseException as e:  # never let an exception cross the C frames
+                if self.error is None:
+                    self.error = e
+                return EIO
+        return call
+
+    def check(self, rc, handle):
+        """_check, with the callback's own exception named and chained."""
+        err, self.error = self.error, None
+        if rc < 0 and err is not None:
+            e = _error(rc, handle)
+            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
+                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
+                e.rank = err.ranks[0]
+            else:
+                e = AmberError(rc, f"{e.message} ({self.what} failed: {type(err).__name__}: "
+                               f"{err})", name=e.name)
+            raise e from err
+        return _check(rc, handle)
+
+
+class _CommBridge(_Bridge):
     """An amber_comm whose collectives are the methods of a Python object:
     `rank`, `size`, `allgather(data: bytes) -> bytes` (every rank's bytes, rank
     order), `broadcast(data: bytes, root) -> bytes` and `barrier()`. The library
-    calls them on the thread that called it; an exception inside one is kept
-    (`error`) and reported to the library as AMBER_EIO, so that it never unwinds
-    through C. The ctypes callbacks live as long as this object."""
+    calls them on the thread that called it. The ctypes callbacks live as long as
+    this object."""
 
     def __init__(self, comm):
+        super().__init__()
         self.comm = comm
-        self.error = None
-
-        def guard(fn):
-            def call(*args):
-                try:
-                    fn(*args)
-                    return 0
-                except BaseException as e:  # never let an exception cross the C frames
-                    if self.error is None:
-                        self.error = e
-                    return EIO
-            return call
 
         def allgather(_ctx, send, n, recv):
             out = comm.allgather(ctypes.string_at(send, n) if n else b"")
@@ -873,24 +904,41 @@ class _CommBridge:
             if n:
                 ctypes.memmove(buf, out, n)
 
-        self._cbs = (_ALLGATHER(guard(allgather)), _BROADCAST(guard(broadcast)),
-                     _BARRIER(guard(lambda _ctx: comm.barrier())))
+        self._cbs = (_ALLGATHER(self.guard(allgather)), _BROADCAST(self.guard(broadcast)),
+                     _BARRIER(self.guard(lambda _ctx: comm.barrier())))
         self.c = _Comm(rank=comm.rank, size=comm.size, allgather=self._cbs[0],
                        broadcast=self._cbs[1], barrier=self._cbs[2], ctx=None)
 
-    def check(self, rc, handle):
-        """_check, with the collective's own exception named and chained."""
-        err, self.error = self.error, None
-        if rc < 0 and err is not None:
-            e = _error(rc, handle)
-            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
-                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
-                e.rank = err.ranks[0]
-            else:
-                e = AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: "
-                               f"{err})", name=e.name)
-            raise e from err
-        return _check(rc, handle)
+
+class _P2PBridge(_Bridge):
+    """An amber_p2p whose exchange is the method of a Python object:
+    `sendrecv(data: bytes, dest, rlen, src) -> bytes` sends `data` to rank `dest` and
+    returns the `rlen` bytes that rank `src` sent, both at once (as MPI_Sendrecv: post
+    the receive before waiting on the send, so that a ring cannot deadlock); `dest`
+    None: nothing to send (data is b""); `src` None: nothing to receive (return b"").
+    Ranks as the communicator beside it numbers them. Called on the thread that
+    called the library."""
+
+    what = "sendrecv"
+
+    def __init__(self, p2p):
+        super().__init__()
+        self.p2p = p2p
+
+        def sendrecv(_ctx, send, slen, dest, recv, rlen, src):
+            data = ctypes.string_at(send, slen) if slen and dest >= 0 else b""
+            out = p2p.sendrecv(data, dest if dest >= 0 else None, rlen if src >= 0 else 0,
+                               src if src >= 0 else None)
+            want = rlen if src >= 0 else 0
+            if out is None:
+                out = b""
+            if len(out) != want:
+                raise RuntimeError(f"sendrecv returned {len(out)} bytes, not {want}")
+            if want:
+                ctypes.memmove(recv, bytes(out), want)
+
+        self._cb = _SENDRECV(self.guard(sendrecv))
+        self.c = _P2P(sendrecv=self._cb, ctx=None)
 
 
 class GlobalWriter(_Handle):
