@@ -79,7 +79,8 @@ AMBER_API const char *amber_version_string(void);
   XX(ECANCELED, -14, "operation canceled")                                       \
   XX(EPERM, -15, "permission denied")                                            \
   XX(EREADONLY, -16, "store opened read-only")                                   \
-  XX(ECHANGED, -17, "the data changed while it was being saved")
+  XX(ECHANGED, -17, "the data changed while it was being saved")                 \
+  XX(ETIMEDOUT, -18, "timed out")
 
 typedef enum amber_errno {
 #define AMBER__XX(name, value, msg) AMBER_##name = (value),
@@ -93,8 +94,8 @@ AMBER_API const char *amber_strerror(int code);
 AMBER_API const char *amber_err_name(int code);
 
 /* Returns the detailed message of the last failure on `handle`, which may be an
- * amber_store*, amber_writer*, amber_reader*, amber_global_writer* or
- * amber_global_reader*. With NULL, returns the calling
+ * amber_store*, amber_writer*, amber_reader*, amber_global_writer*,
+ * amber_global_reader* or amber_drain*. With NULL, returns the calling
  * thread's most recent failure of any call (useful when an _open failed and no
  * handle exists). Never NULL; "" when there was none. Valid until the next call on
  * the same handle or thread. */
@@ -136,7 +137,8 @@ AMBER_API void amber_free(void *p);
 /* Progress of long operations, for programs that show it (the CLI on a terminal):
  * fn(ctx, what, done, total) is called as the work advances, with `what` one of
  * "save" (a checkpoint's chunks written), "verify" (amber_reader_verify: tensors
- * checked) or "compact" (amber_store_compact: tensors rewritten), `done` of `total`
+ * checked), "compact" (amber_store_compact: tensors rewritten) or "drain"
+ * (amber_drain_run: files copied to the durable tier), `done` of `total`
  * bytes (done == total once at the end). It is called from the library's threads,
  * possibly several at once, and must be quick and thread-safe; it must not call
  * amber. Process-wide; NULL removes it. Set it while no operation runs. */
@@ -1121,6 +1123,164 @@ AMBER_API int amber_global_reader_meta(amber_global_reader *g, uint32_t rank,
 /* Checks the manifest and every rank's files that the step needs: each rank's
  * part against the manifest (as a read does) and every chunk of its chain. */
 AMBER_API int amber_global_reader_verify(amber_global_reader *g);
+
+/* ---- Storage tiers ------------------------------------------------------------
+ *
+ * A memory tier is an ordinary store (single-rank or multi-rank) in a directory on
+ * a memory file system (/dev/shm/...), which outlives the training process; the
+ * durable tier is an ordinary store of the same layout at the run's path. A drain
+ * copies every committed step of the memory tier to the durable tier, in commit
+ * order, each step's files first and its pointer last (LATEST; for a multi-rank
+ * store the manifest, then GLOBAL, once every rank's files of the step are there),
+ * so that a crash at any point leaves the durable tier's committed steps intact and
+ * no partial step visible. Once a step is durable, the drain removes from the
+ * memory tier the files that no newer step needs. The memory tier records its
+ * durable tier in a small file, TIERS (docs/FORMAT.md, "Storage tiers"). */
+
+typedef struct amber_drain amber_drain;
+
+typedef struct amber_drain_opts {
+  uint64_t max_lag_steps; /* committed steps the durable tier may lag behind the memory
+                             tier; beyond it amber_drain_kick waits (back-pressure).
+                             0: no bound */
+  uint64_t max_lag_bytes; /* bytes of committed files not yet durable; beyond it
+                             amber_drain_kick waits. 0: no bound */
+  uint64_t memory_budget; /* bytes the memory tier may hold of the stores this drain
+                             drains (checkpoint files and manifests). 0: no bound */
+  int32_t rank;           /* a multi-rank memory tier: drain rank `rank`'s rank store
+                             only; rank 0 also drains the manifests and GLOBAL, each once
+                             every rank's files of its step are durable (it polls the
+                             durable tier for them). -1: every rank store the memory
+                             directory holds, and its manifests (what `amber drain` does);
+                             a single-rank memory tier takes -1 */
+  uint32_t flags;         /* reserved, must be 0 */
+  uint64_t reserved[4];   /* must be zero */
+} amber_drain_opts;
+
+/* Fills `o` with defaults: no bounds, rank -1. */
+AMBER_API void amber_drain_opts_init(amber_drain_opts *o);
+
+/* Starts draining the store at `memory` to the store at `durable` on a background
+ * thread: every committed step, in commit order, and then each step as it is
+ * committed. `durable` is created if missing (its parent must exist); NULL takes the
+ * durable tier that `memory`'s TIERS file records. The memory directory is created
+ * if missing, and its TIERS file records `durable`. The durable store's rank stores
+ * that this drain writes (the store itself for a single-rank one) are locked for it
+ * (AMBER_ELOCKED while another drain or a writer holds one), and the temporary files
+ * an earlier drain left there are removed. Resumes whatever an earlier drain, or a
+ * crashed job, left: files already durable are not copied again.
+ * AMBER_EINVAL when the two layouts differ (a single-rank store against a
+ * multi-rank one). out: the handle; release with amber_drain_close().
+ * o: NULL for defaults. Thread safety: kick, wants_full, flush and get_status may be
+ * called from any one thread at a time; the drain's own thread never calls back. */
+AMBER_API int amber_drain_start(amber_drain **out, const char *memory, const char *durable,
+                                const amber_drain_opts *o);
+/* Tells the drain that a step was committed to the memory tier (call it after each
+ * commit): wakes its thread, then waits while the lag is beyond its bounds
+ * (back-pressure) and while the memory tier is over its budget and the drain can
+ * still shrink it (files outside the newest step's chain wait to become durable and
+ * be removed). Without bounds and budget it returns at once. Returns the drain's
+ * sticky error (a negative AMBER_E* code; amber_last_error(d) names the file and the
+ * tier: a full durable disk is AMBER_ENOSPC naming the durable path), or 0. A
+ * budget that cannot hold one full checkpoint is a sticky AMBER_ENOSPC that says how
+ * large one is (the drain itself goes on). */
+AMBER_API int amber_drain_kick(amber_drain *d);
+/* 1 when the memory tier is over its budget and only a full checkpoint would let it
+ * shrink (what fills it is the chain of its newest step, full and deltas): the
+ * caller should make its next save full (AMBER_SAVE_FULL). 0 otherwise. As of the
+ * last amber_drain_kick or amber_drain_get_status. */
+AMBER_API int amber_drain_wants_full(amber_drain *d);
+/* Waits at most `timeout_s` seconds (negative: no limit) until every step committed
+ * to the memory tier when it was called is durable. AMBER_ETIMEDOUT when the time
+ * runs out; the sticky error if there is one. */
+AMBER_API int amber_drain_flush(amber_drain *d, double timeout_s);
+
+typedef struct amber_drain_status {
+  uint64_t memory_step;   /* the newest committed step of the memory tier (a multi-rank
+                             drain that drains manifests: the global step; a rank's:
+                             its rank store's); AMBER_NO_STEP when none */
+  uint64_t durable_step;  /* the newest step the drain made durable (same kind); AMBER_NO_STEP */
+  uint64_t lag_steps;     /* committed steps not yet durable */
+  uint64_t lag_bytes;     /* their bytes */
+  uint64_t memory_bytes;  /* bytes the memory tier holds of what this drain drains */
+  uint64_t drained_bytes; /* bytes copied by this handle */
+  uint64_t drained_files; /* files copied by this handle (pointers not counted) */
+  int error;              /* the sticky error, or 0 */
+  int wants_full;         /* as amber_drain_wants_full */
+  uint64_t reserved[4];
+} amber_drain_status;
+
+/* Fills `st` with the drain's position (the memory tier looked at now). Returns the
+ * sticky error, or 0; st is filled either way. */
+AMBER_API int amber_drain_get_status(amber_drain *d, amber_drain_status *st);
+/* Stops the thread after the file in progress (what is left resumes at the next
+ * start or `amber drain`) and frees the handle. Returns the sticky error, or 0.
+ * Accepts NULL. */
+AMBER_API int amber_drain_close(amber_drain *d);
+/* Drains, in the calling thread, everything committed to `memory` (what `amber drain
+ * MEMORY [DURABLE]` runs): returns when every committed step is durable. `durable`
+ * NULL: the recorded one. A multi-rank step whose rank files are in neither tier (a
+ * rank store on another host's memory tier, not yet drained) fails with
+ * AMBER_ENOENT naming the rank and the file. Progress goes to the progress hook as
+ * "drain", in bytes. */
+AMBER_API int amber_drain_run(const char *memory, const char *durable,
+                              const amber_drain_opts *o);
+/* The durable tier that `memory`'s TIERS file records: *durable (release with
+ * amber_free). AMBER_ENOENT when there is no TIERS file, AMBER_ECORRUPT when it is
+ * malformed. */
+AMBER_API int amber_tier_durable(const char *memory, char **durable);
+
+/* ---- Replicas of a rank's files (pack, unpack, holdings) ---------------------- */
+
+/* The files a replica of `memory`'s rank store `rank` (-1: `memory` is a single-rank
+ * store) needs to go from step `have` (AMBER_NO_STEP: nothing) to committed step
+ * `want`, as one blob (docs/FORMAT.md, "Pack"): the files of want's chain after
+ * `have` (all of it for AMBER_NO_STEP), each checked against its checksums as it is
+ * read; the rank store's LATEST pointing at want; and, for a multi-rank store whose
+ * directory holds want's manifest, that manifest and GLOBAL pointing at want.
+ * `want` is committed when its manifest names it (then the rank file must carry the
+ * manifest's state id) or when it is at most the rank store's LATEST.
+ * *blob (release with amber_free) of *len bytes. Thread safety: any thread; it only
+ * reads. */
+AMBER_API int amber_tier_pack(const char *memory, int32_t rank, uint64_t have, uint64_t want,
+                              void **blob, size_t *len);
+/* Installs a blob of amber_tier_pack into directory `dir` (created if missing), with
+ * the same layout (rank files under dir/rank-RRRRR/): every frame's checksum and name
+ * is checked first (a damaged or hostile blob changes nothing: AMBER_ECORRUPT); then
+ * the files, each under a temporary name, fsynced, renamed, the directory fsynced;
+ * then the pointers, last: a rank store's LATEST once the file it names is there
+ * with its state id (it never moves back to an older step), GLOBAL once its manifest
+ * is there (never back either). A crash leaves the pointers where they were. */
+AMBER_API int amber_tier_unpack(const char *dir, const void *blob, size_t len);
+
+/* amber_tier_holding.kind */
+#define AMBER_TIER_STORE 0u    /* a rank store (rank), or the single-rank store (rank -1) */
+#define AMBER_TIER_MANIFEST 1u /* a global step's manifest */
+/* amber_tier_holding.flags */
+#define AMBER_TIER_COMMITTED (1u << 0) /* MANIFEST: at most the directory's GLOBAL */
+
+typedef struct amber_tier_holding {
+  uint32_t kind;   /* AMBER_TIER_STORE or AMBER_TIER_MANIFEST */
+  int32_t rank;    /* STORE: the rank, -1 for a single-rank store; MANIFEST: -1 */
+  uint64_t step;   /* STORE: the newest committed step whose whole chain is present and
+                      intact (AMBER_NO_STEP: none); MANIFEST: its step */
+  uint64_t state;  /* STORE: that step's state id; MANIFEST: 0 */
+  uint64_t oldest; /* STORE: the oldest step from which every committed step up to
+                      `step` restores (AMBER_NO_STEP: none); MANIFEST: its step */
+  uint32_t flags;  /* AMBER_TIER_COMMITTED */
+  uint32_t reserved0;
+  uint64_t reserved[3];
+} amber_tier_holding;
+
+/* What directory `dir` can restore: one STORE entry for each rank store it holds
+ * (its own and replicas), or one for a single-rank store, then one MANIFEST entry
+ * for each intact manifest, oldest first. "Present and intact" is what opening a
+ * reader checks (each file's header, footer and index checksums, each link's state
+ * id; a committed step is at most the store's LATEST, or any step when the store has
+ * no readable LATEST, as a replica's rank store may not); the chunks' checksums are
+ * checked when they are read. *out (release with amber_free) gets *n entries;
+ * AMBER_ENOENT when `dir` does not exist. Reads only. */
+AMBER_API int amber_tier_holdings(const char *dir, amber_tier_holding **out, size_t *n);
 
 #ifdef __cplusplus
 }

@@ -151,12 +151,27 @@ int amber__parse_manifest_name(const char *name, uint64_t *step);
  * more (the message says what). */
 int amber__global_state(const char *store, amber__err *e, uint64_t *step);
 
+/* The steps of the manifests in directory `path` up to `upto`, sorted: *steps
+ * (malloc'd) of *n. */
+int amber__manifest_steps(const char *path, uint64_t upto, uint64_t **steps, size_t *n);
+/* 1 when `name` is a rank store's directory name ("rank-" and five to seven digits),
+ * its rank in *rank. */
+int amber__parse_rank_name(const char *name, uint32_t *rank);
 void amber__global_manifest_path(const char *store, uint64_t step, char *buf, size_t len);
 void amber__global_rank_path(const char *store, uint32_t rank, char *buf, size_t len);
+/* GLOBAL's bytes, both ways: the 24 bytes that point at `step`; and `len` bytes of
+ * one, checked (`what` names it: AMBER_ECORRUPT when damaged). */
+#define AMBER__GLOBAL_SIZE 24
+void amber__global_encode(uint64_t step, uint8_t out[AMBER__GLOBAL_SIZE]);
+int amber__global_decode(amber__err *e, const char *what, const uint8_t *b, size_t len,
+                         uint64_t *step);
 /* Reads STORE/GLOBAL: 0 and the step; AMBER_ENOENT when absent. */
 int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step);
 /* Atomically points STORE/GLOBAL at `step` (tmp, fsync, rename, fsync dir). */
 int amber__global_write_latest(const char *store, amber__err *e, uint64_t step);
+/* Reads file `path` whole, at most `max` bytes (AMBER_ECORRUPT when larger; AMBER_ENOENT
+ * when missing): *out (malloc'd) of *len bytes. */
+int amber__read_small(const char *path, amber__err *e, uint8_t **out, size_t *len, size_t max);
 /* Writes `len` bytes as file `path` atomically and durably. */
 int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
                               const void *data, size_t len);

@@ -410,36 +410,6 @@ int amber_global_reader_verify(amber_global_reader *g) {
   return 0;
 }
 
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return x < y ? -1 : x > y;
-}
-
-/* The steps of the manifests in `path` up to `latest`, sorted: *steps (malloc'd). */
-static int manifest_steps(const char *path, uint64_t latest, uint64_t **steps, size_t *n) {
-  *steps = NULL, *n = 0;
-  DIR *d = opendir(path);
-  if (!d) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", path, strerror(errno));
-  size_t cap = 0;
-  struct dirent *de;
-  while ((de = readdir(d))) {
-    uint64_t s;
-    if (!amber__parse_manifest_name(de->d_name, &s) || s > latest) continue;
-    if (*n == cap) {
-      uint64_t *ns = realloc(*steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
-      if (!ns) {
-        closedir(d), free(*steps), *steps = NULL;
-        return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
-      }
-      *steps = ns;
-    }
-    (*steps)[(*n)++] = s;
-  }
-  closedir(d);
-  if (*n) qsort(*steps, *n, sizeof **steps, cmp_u64);
-  return 0;
-}
-
 int amber_global_list(const char *path, amber_global_step_info **out, size_t *count) {
   *out = NULL, *count = 0;
   uint64_t latest, again, *steps = NULL;
@@ -450,7 +420,7 @@ int amber_global_list(const char *path, amber_global_step_info **out, size_t *co
   for (int tries = 0;; tries++) {
     rc = amber__global_state(path, NULL, &latest);
     if (rc == AMBER_ENOENT) return 0;
-    if (rc == 0) rc = manifest_steps(path, latest, &steps, &n);
+    if (rc == 0) rc = amber__manifest_steps(path, latest, &steps, &n);
     if (rc < 0) return rc;
     if ((n && steps[n - 1] == latest) || tries == 3 ||
         amber__global_read_latest(path, NULL, &again) < 0 || again == latest)

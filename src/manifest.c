@@ -20,7 +20,7 @@
 #include "global.h"
 
 #define GLOBAL_MAGIC "AMBERGL1"
-#define GLOBAL_SIZE 24
+#define GLOBAL_SIZE AMBER__GLOBAL_SIZE
 
 void amber__global_manifest_path(const char *store, uint64_t step, char *buf, size_t len) {
   snprintf(buf, len, "%s/step-%020" PRIu64 ".manifest", store, step);
@@ -42,8 +42,36 @@ int amber__parse_manifest_name(const char *name, uint64_t *step) {
   return 1;
 }
 
-/* "rank-" and at least five digits: a rank store's directory. */
-static int parse_rank_name(const char *name, uint32_t *rank) {
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+int amber__manifest_steps(const char *path, uint64_t upto, uint64_t **steps, size_t *n) {
+  *steps = NULL, *n = 0;
+  DIR *d = opendir(path);
+  if (!d) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", path, strerror(errno));
+  size_t cap = 0;
+  struct dirent *de;
+  while ((de = readdir(d))) {
+    uint64_t s;
+    if (!amber__parse_manifest_name(de->d_name, &s) || s > upto) continue;
+    if (*n == cap) {
+      uint64_t *ns = realloc(*steps, (cap = cap ? 2 * cap : 16) * sizeof *ns);
+      if (!ns) {
+        closedir(d), free(*steps), *steps = NULL, *n = 0;
+        return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
+      }
+      *steps = ns;
+    }
+    (*steps)[(*n)++] = s;
+  }
+  closedir(d);
+  if (*n) qsort(*steps, *n, sizeof **steps, cmp_u64);
+  return 0;
+}
+
+int amber__parse_rank_name(const char *name, uint32_t *rank) {
   if (strncmp(name, "rank-", 5) || strlen(name) < 10 || strlen(name) > 12) return 0;
   uint32_t v = 0;
   for (const char *c = name + 5; *c; c++) {
@@ -367,7 +395,7 @@ int amber__manifest_decode(amber__err *e, const char *what, const uint8_t *in, s
   return 0;
 }
 
-static int read_small(const char *path, amber__err *e, uint8_t **out, size_t *len,
+int amber__read_small(const char *path, amber__err *e, uint8_t **out, size_t *len,
                       size_t max) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0)
@@ -399,7 +427,7 @@ int amber__global_manifest_bytes(const char *store, uint64_t step, amber__err *e
   char path[4096];
   amber__global_manifest_path(store, step, path, sizeof path);
   uint8_t *b;
-  int rc = read_small(path, e, &b, len, UINT64_C(1) << 32);
+  int rc = amber__read_small(path, e, &b, len, UINT64_C(1) << 32);
   if (rc < 0) return rc;
   amber__manifest own;
   rc = amber__manifest_decode(e, path, b, *len, m ? m : &own);
@@ -431,7 +459,7 @@ int amber__global_state(const char *store, amber__err *e, uint64_t *step) {
     uint32_t r;
     if (amber__parse_manifest_name(de->d_name, &s)) {
       manifests++;
-    } else if (parse_rank_name(de->d_name, &r)) {
+    } else if (amber__parse_rank_name(de->d_name, &r)) {
       char p[4200];
       snprintf(p, sizeof p, "%s/%s", store, de->d_name);
       size_t n = amber__count_ckpt_files(p, NULL);
@@ -448,21 +476,31 @@ int amber__global_state(const char *store, amber__err *e, uint64_t *step) {
   return amber__fail(e, AMBER_ENOENT, "%s: no committed global step", store);
 }
 
+int amber__global_decode(amber__err *e, const char *what, const uint8_t *b, size_t len,
+                         uint64_t *step) {
+  if (len != GLOBAL_SIZE || memcmp(b, GLOBAL_MAGIC, 8) != 0 ||
+      amber__get64(b + 16) != amber__xxh3(b, 16))
+    return amber__fail(e, AMBER_ECORRUPT, "%s: damaged global LATEST", what);
+  *step = amber__get64(b + 8);
+  return 0;
+}
+
+void amber__global_encode(uint64_t step, uint8_t out[AMBER__GLOBAL_SIZE]) {
+  memcpy(out, GLOBAL_MAGIC, 8);
+  amber__put64(out + 8, step);
+  amber__put64(out + 16, amber__xxh3(out, 16));
+}
+
 int amber__global_read_latest(const char *store, amber__err *e, uint64_t *step) {
   char path[4096];
   snprintf(path, sizeof path, "%s/GLOBAL", store);
   uint8_t *b;
   size_t len;
-  int rc = read_small(path, e, &b, &len, 4096);
+  int rc = amber__read_small(path, e, &b, &len, 4096);
   if (rc < 0) return rc;
-  if (len != GLOBAL_SIZE || memcmp(b, GLOBAL_MAGIC, 8) != 0 ||
-      amber__get64(b + 16) != amber__xxh3(b, 16)) {
-    free(b);
-    return amber__fail(e, AMBER_ECORRUPT, "%s: damaged global LATEST", path);
-  }
-  *step = amber__get64(b + 8);
+  rc = amber__global_decode(e, path, b, len, step);
   free(b);
-  return 0;
+  return rc;
 }
 
 int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
@@ -489,9 +527,7 @@ int amber__global_write_latest(const char *store, amber__err *e, uint64_t step) 
   char path[4096];
   uint8_t b[GLOBAL_SIZE];
   snprintf(path, sizeof path, "%s/GLOBAL", store);
-  memcpy(b, GLOBAL_MAGIC, 8);
-  amber__put64(b + 8, step);
-  amber__put64(b + 16, amber__xxh3(b, 16));
+  amber__global_encode(step, b);
   return amber__write_file_durable(store, path, e, b, sizeof b);
 }
 

@@ -34,6 +34,12 @@ void amber__ckpt_path(const amber_store *st, uint64_t step, const char *suffix, 
 }
 
 /* Parses "ckpt-<20 digits>.amber" (optionally followed by `suffix`); 1 if it matches. */
+static int parse_ckpt_name(const char *name, const char *suffix, uint64_t *step);
+
+int amber__parse_ckpt_name(const char *name, uint64_t *step) {
+  return parse_ckpt_name(name, "", step);
+}
+
 static int parse_ckpt_name(const char *name, const char *suffix, uint64_t *step) {
   if (strncmp(name, "ckpt-", 5) != 0) return 0;
   uint64_t v = 0;
@@ -45,6 +51,40 @@ static int parse_ckpt_name(const char *name, const char *suffix, uint64_t *step)
   if (strncmp(name + 25, ".amber", 6) != 0 || strcmp(name + 31, suffix) != 0) return 0;
   *step = v;
   return 1;
+}
+
+int amber__latest_decode(amber__err *e, const char *what, const char *buf, size_t n,
+                        uint64_t *step, uint64_t *state) {
+  char line[64];
+  int ok = n > 0 && n < sizeof line && !memchr(buf, 0, n); /* a NUL inside: malformed */
+  if (ok) {
+    memcpy(line, buf, n);
+    line[n] = 0;
+  }
+  char *end = line;
+  errno = 0;
+  unsigned long long s = ok ? strtoull(line, &end, 10) : 0;
+  ok = ok && line[0] >= '0' && line[0] <= '9' && errno == 0 && *end == ' ' && s != UINT64_MAX;
+  unsigned long long id = 0;
+  if (ok) {
+    char *hex = end + 1, *e2;
+    ok = strlen(hex) == 17 && hex[16] == '\n';
+    if (ok) {
+      for (int i = 0; i < 16; i++)
+        ok = ok && ((hex[i] >= '0' && hex[i] <= '9') || (hex[i] >= 'a' && hex[i] <= 'f'));
+      id = strtoull(hex, &e2, 16);
+    }
+  }
+  if (!ok)
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s is malformed (expected '<step> <16 hex digits>')", what);
+  *step = s;
+  *state = id;
+  return 0;
+}
+
+size_t amber__latest_encode(uint64_t step, uint64_t state, char buf[AMBER__LATEST_MAX]) {
+  return (size_t)snprintf(buf, AMBER__LATEST_MAX, "%" PRIu64 " %016" PRIx64 "\n", step, state);
 }
 
 int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state) {
@@ -60,38 +100,16 @@ int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t 
   close(fd);
   if (n < 0)
     return amber__fail(e, AMBER_EIO, "cannot read %s: %s", path, strerror(errno));
-  buf[n] = 0;
-  if (strlen(buf) != (size_t)n) n = 0; /* a NUL inside: malformed */
-  char *end;
-  errno = 0;
-  unsigned long long s = strtoull(buf, &end, 10);
-  int ok = n > 0 && buf[0] >= '0' && buf[0] <= '9' && errno == 0 && *end == ' ' &&
-           s != UINT64_MAX;
-  unsigned long long id = 0;
-  if (ok) {
-    char *hex = end + 1, *e2;
-    ok = strlen(hex) == 17 && hex[16] == '\n';
-    if (ok) {
-      for (int i = 0; i < 16; i++)
-        ok = ok && ((hex[i] >= '0' && hex[i] <= '9') || (hex[i] >= 'a' && hex[i] <= 'f'));
-      id = strtoull(hex, &e2, 16);
-    }
-  }
-  if (!ok)
-    return amber__fail(e, AMBER_ECORRUPT,
-                       "%s is malformed (expected '<step> <16 hex digits>')", path);
-  *step = s;
-  *state = id;
-  return 0;
+  return amber__latest_decode(e, path, buf, (size_t)n, step, state);
 }
 
 int amber__write_latest(amber_store *st, amber__err *e, uint64_t step, uint64_t state) {
-  char tmp[4200], dst[4200], line[64];
+  char tmp[4200], dst[4200], line[AMBER__LATEST_MAX];
   snprintf(dst, sizeof dst, "%s/LATEST", st->path);
-  int n = snprintf(line, sizeof line, "%" PRIu64 " %016" PRIx64 "\n", step, state);
+  size_t n = amber__latest_encode(step, state, line);
   int fd, rc = amber__create_tmp(e, dst, tmp, sizeof tmp, &fd);
   if (rc) return rc;
-  if (amber__write_full(fd, line, (size_t)n) != 0 || fsync(fd) != 0) {
+  if (amber__write_full(fd, line, n) != 0 || fsync(fd) != 0) {
     int err = errno;
     close(fd);
     unlink(tmp);
@@ -300,9 +318,8 @@ static int cmp_u64(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Steps of the committed checkpoint files, sorted. */
-static int list_steps(amber_store *st, amber__err *e, uint64_t latest, uint64_t **out,
-                      size_t *count) {
+int amber__store_steps(amber_store *st, amber__err *e, uint64_t latest, uint64_t **out,
+                       size_t *count) {
   DIR *d = opendir(st->path);
   if (!d)
     return amber__fail(e, amber__errno_code(errno), "cannot list %s: %s", st->path,
@@ -375,7 +392,7 @@ int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, siz
   int rc = amber__store_state(st, e, &latest, &state);
   if (rc == AMBER_ENOENT) return 0;
   if (rc) return rc;
-  if ((rc = list_steps(st, e, latest, &steps, &n))) return rc;
+  if ((rc = amber__store_steps(st, e, latest, &steps, &n))) return rc;
   amber_ckpt_info *info = calloc(n ? n : 1, sizeof *info);
   if (!info) {
     free(steps);

@@ -22,6 +22,9 @@ struct amber_store {
   int writers;     /* open writers (at most 1) */
 };
 
+/* 1 when `name` is a checkpoint file's name ("ckpt-<20 digits>.amber"), its step
+ * in *step. */
+int amber__parse_ckpt_name(const char *name, uint64_t *step);
 /* Builds "<store>/ckpt-<step>.amber" (or with suffix) into buf. */
 void amber__ckpt_path(const amber_store *st, uint64_t step, const char *suffix,
                       char *buf, size_t len);
@@ -30,6 +33,13 @@ void amber__ckpt_path(const amber_store *st, uint64_t step, const char *suffix,
  * store itself; NULL: the thread's message only), so that handles used from
  * separate threads never write one message buffer. */
 
+/* LATEST's bytes, both ways: the line "<step> <16 hex digits>\n" of (step, state)
+ * into buf (returns its length); and `n` bytes of one, checked (`what` names it in
+ * messages: AMBER_ECORRUPT when malformed). */
+#define AMBER__LATEST_MAX 64
+size_t amber__latest_encode(uint64_t step, uint64_t state, char buf[AMBER__LATEST_MAX]);
+int amber__latest_decode(amber__err *e, const char *what, const char *buf, size_t n,
+                         uint64_t *step, uint64_t *state);
 /* Reads LATEST: 0 and step/state, AMBER_ENOENT when absent, ECORRUPT if malformed. */
 int amber__read_latest(amber_store *st, amber__err *e, uint64_t *step, uint64_t *state);
 /* Atomically points LATEST at (step, state): tmp, fsync, rename, fsync dir. */
@@ -55,6 +65,10 @@ size_t amber__count_ckpt_files(const char *dir, uint64_t *only);
 int amber__ckpt_has_state(amber_store *st, uint64_t step, uint64_t state);
 /* Commits a finished temporary file `tmp` as checkpoint `step`. */
 int amber__commit_file(amber_store *st, amber__err *e, const char *tmp, uint64_t step);
+/* The steps of the checkpoint files of the store up to `upto`, sorted: *out
+ * (malloc'd) of *count. */
+int amber__store_steps(amber_store *st, amber__err *e, uint64_t upto, uint64_t **out,
+                       size_t *count);
 /* amber_store_list and amber_store_prune, reporting into `e`. */
 int amber__store_list(amber_store *st, amber__err *e, amber_ckpt_info **out, size_t *count);
 int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_t *removed);

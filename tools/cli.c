@@ -4,7 +4,8 @@
  * A thin layer over the public API (include/amber.h) plus the CLI's own
  * safetensors header code (tools/safetensors.h): `import` turns a safetensors file
  * into a step of a store, `export` writes a step back as a standard safetensors
- * file, `ls`, `info` and `verify` inspect a store, and `bench` forwards to
+ * file, `ls`, `info` and `verify` inspect a store, `drain` finishes the drain of a
+ * memory tier to its durable tier, and `bench` forwards to
  * tools/bench.c. The command line is a contract (docs/DESIGN.md, "Interfaces other
  * programs depend on"): exit 0 on success, 1 on failure, 2 on a usage error;
  * `--json` prints machine output, built with jansson, on stdout. Errors go to
@@ -62,6 +63,7 @@ typedef struct command {
   int (*run)(const args *a);
   unsigned opts;
   int npos;      /* positional arguments, all required */
+  int nopt;      /* optional positional arguments after them */
   unsigned need; /* options that are required */
   const char *synopsis;
   const char *help; /* description and options, for --help */
@@ -109,7 +111,7 @@ static int parse_args(const command *c, int argc, char **argv, args *a) {
   for (int i = 1; i < argc; i++) {
     const char *s = argv[i];
     if (only_pos || s[0] != '-' || !s[1]) {
-      if (a->npos == c->npos) return usage_error(c, "unexpected argument '%s'", s);
+      if (a->npos == c->npos + c->nopt) return usage_error(c, "unexpected argument '%s'", s);
       a->pos[a->npos++] = s;
       continue;
     }
@@ -764,45 +766,128 @@ static int check_empty(amber_store *st, const char *path) {
 
 /* ---- ls ----------------------------------------------------------------------- */
 
+/* ---- storage tiers (ls of a memory tier) --------------------------------------- */
+
+/* Where a step is: bit 0 the store listed (the memory tier), bit 1 its durable tier. */
+#define IN_MEMORY 1u
+#define IN_DURABLE 2u
+
+/* The durable tier that store `path`'s TIERS file records (NULL when none; a TIERS
+ * file that cannot be read is said on stderr, and the listing goes on without it). */
+static char *recorded_durable(const char *path) {
+  char *durable = NULL;
+  int rc = amber_tier_durable(path, &durable);
+  if (rc && rc != AMBER_ENOENT)
+    fprintf(stderr, "amber: %s: the durable tier is unknown: %s\n", path, amber_last_error(NULL));
+  return rc ? NULL : durable;
+}
+
+static void tiers_text(unsigned t, char buf[24]) {
+  snprintf(buf, 24, "%s%s%s", t & IN_MEMORY ? "memory" : "", t == 3 ? "," : "",
+           t & IN_DURABLE ? "durable" : "");
+}
+
+static json_t *tiers_json(unsigned t) {
+  json_t *arr = json_array();
+  if (arr && (t & IN_MEMORY)) json_array_append_new(arr, json_string("memory"));
+  if (arr && (t & IN_DURABLE)) json_array_append_new(arr, json_string("durable"));
+  return arr;
+}
+
+/* The union of two sorted step lists: for its k-th step, ia[k] and ib[k] (malloc'd,
+ * *n entries each) are its places in a and b, or -1. */
+static int merge_steps(const uint64_t *a, size_t na, const uint64_t *b, size_t nb, long **ia,
+                       long **ib, size_t *n) {
+  *ia = malloc((na + nb + 1) * sizeof **ia);
+  *ib = malloc((na + nb + 1) * sizeof **ib);
+  if (!*ia || !*ib) return -1;
+  size_t i = 0, j = 0, k = 0;
+  while (i < na || j < nb) {
+    int take_a = j == nb || (i < na && a[i] <= b[j]);
+    int take_b = i == na || (j < nb && b[j] <= a[i]);
+    (*ia)[k] = take_a ? (long)i++ : -1;
+    (*ib)[k] = take_b ? (long)j++ : -1;
+    k++;
+  }
+  *n = k;
+  return 0;
+}
+
+static uint64_t *ckpt_steps(const amber_ckpt_info *c, size_t n) {
+  uint64_t *s = malloc((n + 1) * sizeof *s);
+  for (size_t i = 0; s && i < n; i++) s[i] = c[i].step;
+  return s;
+}
+
+static uint64_t *global_steps(const amber_global_step_info *g, size_t n) {
+  uint64_t *s = malloc((n + 1) * sizeof *s);
+  for (size_t i = 0; s && i < n; i++) s[i] = g[i].step;
+  return s;
+}
+
+/* The tiers of row k of a merge. */
+static unsigned row_tiers(const long *im, const long *id, size_t k) {
+  return (im[k] >= 0 ? IN_MEMORY : 0) | (id[k] >= 0 ? IN_DURABLE : 0);
+}
+
 /* ---- multi-rank stores (ls, verify) ------------------------------------------- */
 
 static int global_ls(const args *a) {
-  amber_global_step_info *gs = NULL;
-  size_t n = 0;
+  amber_global_step_info *gs = NULL, *dg = NULL;
+  size_t n = 0, nd = 0;
   int rc = amber_global_list(a->pos[0], &gs, &n);
   if (rc) return fail(rc, NULL, "cannot list multi-rank store %s", a->pos[0]), 1;
+  /* A memory tier: its durable tier's steps too, each row saying where it is. */
+  char *durable = recorded_durable(a->pos[0]);
+  if (durable && (rc = amber_global_list(durable, &dg, &nd)) != 0)
+    fprintf(stderr, "amber: cannot list the durable tier %s: %s\n", durable,
+            amber_last_error(NULL));
+  uint64_t *ms = global_steps(gs, n), *ds = global_steps(dg, nd);
+  long *im = NULL, *id = NULL;
+  size_t rows = 0;
   int ret = 0;
-  if (a->json) {
+  if (!ms || !ds || merge_steps(ms, n, ds, nd, &im, &id, &rows)) {
+    fprintf(stderr, "amber: out of memory\n");
+    ret = 1, rows = 0;
+  }
+  if (a->json && !ret) {
     json_t *arr = json_array();
-    for (size_t i = 0; arr && i < n; i++) {
-      int damaged = (gs[i].flags & AMBER_CKPT_DAMAGED) != 0; /* kind and the rest unknown */
-      json_t *o = json_pack("{s:o,s:o,s:o,s:o,s:o,s:b}", "step", ju64(gs[i].step), "kind",
-                            damaged ? json_null() : json_string(kind_name(gs[i].kind)),
-                            "parent", jstep_or_null(gs[i].parent), "bytes", ju64(gs[i].bytes),
-                            "world_size", damaged ? json_null() : ju64(gs[i].world_size),
+    for (size_t r = 0; arr && r < rows; r++) {
+      const amber_global_step_info *g = im[r] >= 0 ? &gs[im[r]] : &dg[id[r]];
+      int damaged = (g->flags & AMBER_CKPT_DAMAGED) != 0; /* kind and the rest unknown */
+      json_t *o = json_pack("{s:o,s:o,s:o,s:o,s:o,s:b}", "step", ju64(g->step), "kind",
+                            damaged ? json_null() : json_string(kind_name(g->kind)),
+                            "parent", jstep_or_null(g->parent), "bytes", ju64(g->bytes),
+                            "world_size", damaged ? json_null() : ju64(g->world_size),
                             "damaged", damaged);
+      if (o && durable) json_object_set_new(o, "tiers", tiers_json(row_tiers(im, id, r)));
       if (json_array_append_new(arr, o) != 0) {
         json_decref(arr);
         arr = NULL;
       }
     }
     ret = print_json(arr);
-  } else {
-    if (n)
-      printf("%-20s  %-5s  %-20s  %14s  %s\n", "step", "kind", "parent", "bytes", "world_size");
-    for (size_t i = 0; i < n; i++) {
-      char parent[24] = "-";
-      if (gs[i].parent != AMBER_NO_STEP)
-        snprintf(parent, sizeof parent, "%" PRIu64, gs[i].parent);
-      if (gs[i].flags & AMBER_CKPT_DAMAGED)
-        printf("%-20" PRIu64 "  %-5s  %-20s  %14s  damaged (amber verify says why)\n",
-               gs[i].step, "?", "?", "?");
+  } else if (!ret) {
+    if (rows)
+      printf("%-20s  %-5s  %-20s  %14s  %s\n", "step", "kind", "parent", "bytes",
+             durable ? "world_size  tiers" : "world_size");
+    for (size_t r = 0; r < rows; r++) {
+      const amber_global_step_info *g = im[r] >= 0 ? &gs[im[r]] : &dg[id[r]];
+      char parent[24] = "-", tiers[24] = "";
+      if (g->parent != AMBER_NO_STEP) snprintf(parent, sizeof parent, "%" PRIu64, g->parent);
+      if (durable) tiers_text(row_tiers(im, id, r), tiers);
+      if (g->flags & AMBER_CKPT_DAMAGED)
+        printf("%-20" PRIu64 "  %-5s  %-20s  %14s  damaged (amber verify says why)%s%s\n",
+               g->step, "?", "?", "?", durable ? "  " : "", tiers);
       else
-        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %u\n", gs[i].step,
-               kind_name(gs[i].kind), parent, gs[i].bytes, gs[i].world_size);
+        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %-10u%s%s\n", g->step,
+               kind_name(g->kind), parent, g->bytes, g->world_size, durable ? "  " : "", tiers);
     }
   }
+  free(im), free(id), free(ms), free(ds);
   amber_free(gs);
+  amber_free(dg);
+  free(durable);
   return ret;
 }
 
@@ -860,45 +945,72 @@ static int cmd_ls(const args *a) {
   if (amber_global_is_store(a->pos[0])) return global_ls(a);
   amber_store *st = NULL;
   if (open_store_ro(a->pos[0], &st)) return 1;
-  amber_ckpt_info *ck = NULL;
-  size_t n = 0;
+  amber_ckpt_info *ck = NULL, *dk = NULL;
+  size_t n = 0, nd = 0;
   int rc = amber_store_list(st, &ck, &n);
   if (rc || (n == 0 && check_empty(st, a->pos[0]))) {
     if (rc) fail(rc, st, "cannot list store %s", a->pos[0]);
     amber_store_close(st);
     return 1;
   }
+  /* A memory tier: its durable tier's steps too, each row saying where it is. */
+  char *durable = recorded_durable(a->pos[0]);
+  amber_store *ds = NULL;
+  if (durable) {
+    amber_store_opts so;
+    amber_store_opts_init(&so);
+    so.flags = AMBER_OPEN_READONLY;
+    if ((rc = amber_store_open(&ds, durable, &so)) == 0) rc = amber_store_list(ds, &dk, &nd);
+    if (rc)
+      fprintf(stderr, "amber: cannot list the durable tier %s: %s\n", durable,
+              amber_last_error(ds ? (const void *)ds : NULL));
+  }
+  uint64_t *ms = ckpt_steps(ck, n), *dss = ckpt_steps(dk, nd);
+  long *im = NULL, *id = NULL;
+  size_t rows = 0;
   int ret = 0;
-  if (a->json) {
+  if (!ms || !dss || merge_steps(ms, n, dss, nd, &im, &id, &rows)) {
+    fprintf(stderr, "amber: out of memory\n");
+    ret = 1, rows = 0;
+  }
+  if (a->json && !ret) {
     json_t *arr = json_array();
-    for (size_t i = 0; arr && i < n; i++) {
-      json_t *o = json_pack("{s:o,s:s,s:o,s:o,s:o,s:b}", "step", ju64(ck[i].step), "kind",
-                            kind_name(ck[i].kind), "parent", jstep_or_null(ck[i].parent),
-                            "bytes", ju64(ck[i].bytes), "hash", jhash(ck[i].hash), "damaged",
-                            (ck[i].flags & AMBER_CKPT_DAMAGED) != 0);
+    for (size_t r = 0; arr && r < rows; r++) {
+      const amber_ckpt_info *c = im[r] >= 0 ? &ck[im[r]] : &dk[id[r]];
+      json_t *o = json_pack("{s:o,s:s,s:o,s:o,s:o,s:b}", "step", ju64(c->step), "kind",
+                            kind_name(c->kind), "parent", jstep_or_null(c->parent),
+                            "bytes", ju64(c->bytes), "hash", jhash(c->hash), "damaged",
+                            (c->flags & AMBER_CKPT_DAMAGED) != 0);
+      if (o && durable) json_object_set_new(o, "tiers", tiers_json(row_tiers(im, id, r)));
       if (json_array_append_new(arr, o) != 0) {
         json_decref(arr);
         arr = NULL;
       }
     }
     ret = print_json(arr);
-  } else {
-    if (n)
-      printf("%-20s  %-5s  %-20s  %14s  %s\n", "step", "kind", "parent", "bytes", "hash");
-    for (size_t i = 0; i < n; i++) {
-      char parent[24] = "-";
-      if (ck[i].parent != AMBER_NO_STEP)
-        snprintf(parent, sizeof parent, "%" PRIu64, ck[i].parent);
-      if (ck[i].flags & AMBER_CKPT_DAMAGED)
-        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  damaged (amber verify says why)\n",
-               ck[i].step, "?", "?", ck[i].bytes);
+  } else if (!ret) {
+    if (rows)
+      printf("%-20s  %-5s  %-20s  %14s  %s\n", "step", "kind", "parent", "bytes",
+             durable ? "hash              tiers" : "hash");
+    for (size_t r = 0; r < rows; r++) {
+      const amber_ckpt_info *c = im[r] >= 0 ? &ck[im[r]] : &dk[id[r]];
+      char parent[24] = "-", tiers[24] = "";
+      if (c->parent != AMBER_NO_STEP) snprintf(parent, sizeof parent, "%" PRIu64, c->parent);
+      if (durable) tiers_text(row_tiers(im, id, r), tiers);
+      if (c->flags & AMBER_CKPT_DAMAGED)
+        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  damaged (amber verify says why)%s%s\n",
+               c->step, "?", "?", c->bytes, durable ? "  " : "", tiers);
       else
-        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %016" PRIx64 "\n", ck[i].step,
-               kind_name(ck[i].kind), parent, ck[i].bytes, ck[i].hash);
+        printf("%-20" PRIu64 "  %-5s  %-20s  %14" PRIu64 "  %016" PRIx64 "%s%s\n", c->step,
+               kind_name(c->kind), parent, c->bytes, c->hash, durable ? "  " : "", tiers);
     }
   }
+  free(im), free(id), free(ms), free(dss);
   amber_free(ck);
+  amber_free(dk);
+  amber_store_close(ds);
   amber_store_close(st);
+  free(durable);
   return ret;
 }
 
@@ -1101,6 +1213,17 @@ static int verify_step(amber_store *st, uint64_t step, char *why, size_t len) {
   return rc;
 }
 
+/* 1 when step `step` is no longer listed (the drain of a memory tier, or a prune,
+ * removed it while verify ran), so that a failure to read it is no damage. */
+static int store_step_gone(amber_store *st, uint64_t step) {
+  amber_ckpt_info *ck = NULL;
+  size_t n = 0;
+  int gone = amber_store_list(st, &ck, &n) == 0;
+  for (size_t i = 0; gone && i < n; i++) gone = ck[i].step != step;
+  amber_free(ck);
+  return gone;
+}
+
 static int cmd_verify(const args *a) {
   if (amber_global_is_store(a->pos[0])) return global_verify(a);
   amber_store *st = NULL;
@@ -1122,6 +1245,11 @@ static int cmd_verify(const args *a) {
     progress_begin("verify step %" PRIu64, ck[i].step);
     int rc = verify_step(st, ck[i].step, why, sizeof why);
     progress_end();
+    if (rc && ck != &one && !(ck[i].flags & AMBER_CKPT_DAMAGED) &&
+        store_step_gone(st, ck[i].step)) {
+      if (!arr) printf("step %" PRIu64 ": removed since the listing (pruned)\n", ck[i].step);
+      continue;
+    }
     bad |= rc != 0;
     if (arr) {
       json_t *o = json_pack("{s:o,s:b,s:s?}", "step", ju64(ck[i].step), "ok", rc == 0,
@@ -1268,10 +1396,72 @@ static int cmd_prune(const args *a) {
   return ret;
 }
 
+/* ---- drain ------------------------------------------------------------------------ */
+
+/* Finishes the drain of a memory tier (what a crashed job left): every committed step
+ * copied to the durable tier, pointers last, and the memory tier kept to what its
+ * newest step needs. */
+static int cmd_drain(const args *a) {
+  const char *mem = a->pos[0];
+  char *recorded = NULL;
+  const char *durable = a->npos > 1 ? a->pos[1] : NULL;
+  struct stat sb;
+  if (stat(mem, &sb) != 0 || !S_ISDIR(sb.st_mode)) {
+    fprintf(stderr, "amber: no memory tier at %s\n", mem);
+    return 1;
+  }
+  if (!durable) {
+    int rc = amber_tier_durable(mem, &recorded);
+    if (rc == AMBER_ENOENT) {
+      fprintf(stderr, "amber: %s records no durable tier (no TIERS file): give it, as in "
+                      "amber drain %s DURABLE\n", mem, mem);
+      return 1;
+    }
+    if (rc) return fail(rc, NULL, "cannot read the durable tier of %s", mem);
+    durable = recorded;
+  }
+  double t0 = now();
+  progress_begin("drain %s to %s", mem, durable);
+  int rc = amber_drain_run(mem, durable, NULL);
+  progress_end();
+  double secs = now() - t0;
+  int ret = 0;
+  if (rc) {
+    ret = fail(rc, NULL, "cannot drain %s", mem);
+  } else {
+    /* Where the durable tier stands now. */
+    uint64_t step = AMBER_NO_STEP;
+    if (amber_global_is_store(durable)) {
+      amber_global_step_info *gs = NULL;
+      size_t n = 0;
+      if (amber_global_list(durable, &gs, &n) == 0 && n) step = gs[n - 1].step;
+      amber_free(gs);
+    } else {
+      amber_store *st = NULL;
+      amber_store_opts so;
+      amber_store_opts_init(&so);
+      so.flags = AMBER_OPEN_READONLY;
+      if (amber_store_open(&st, durable, &so) == 0 && amber_store_latest(st, &step) != 0)
+        step = AMBER_NO_STEP;
+      amber_store_close(st);
+    }
+    if (a->json)
+      ret = print_json(json_pack("{s:s,s:s,s:o,s:f}", "memory", mem, "durable", durable,
+                                 "durable_step", jstep_or_null(step), "seconds", secs));
+    else if (step == AMBER_NO_STEP)
+      printf("%s: nothing committed to drain (durable tier %s)\n", mem, durable);
+    else
+      printf("%s: every committed step is durable in %s (its latest: step %" PRIu64
+             "), in %.2f s\n", mem, durable, step, secs);
+  }
+  free(recorded);
+  return ret;
+}
+
 /* ---- main --------------------------------------------------------------------- */
 
 static const command commands[] = {
-    {"import", cmd_import, OPT_STEP | OPT_POLICY | OPT_FULL | OPT_CHUNK | OPT_JSON, 2,
+    {"import", cmd_import, OPT_STEP | OPT_POLICY | OPT_FULL | OPT_CHUNK | OPT_JSON, 2, 0,
      OPT_STEP, "FILE.safetensors STORE --step N [--policy SPEC]... [--full] [--json]",
      "Adds step N to STORE (created if missing) from a safetensors file: a full "
      "checkpoint\n"
@@ -1284,38 +1474,52 @@ static const command commands[] = {
      "  --full             force a full checkpoint\n"
      "  --chunk-elems N    elements per chunk (default: the library's)\n"
      "  --json             print the summary as a JSON object\n"},
-    {"export", cmd_export, OPT_STEP | OPT_OUT | OPT_JSON, 1, OPT_OUT,
+    {"export", cmd_export, OPT_STEP | OPT_OUT | OPT_JSON, 1, 0, OPT_OUT,
      "STORE -o OUT.safetensors [--step N] [--json]",
      "Writes the restored state of step N (default: latest) as a safetensors file.\n"
      "OUT is replaced atomically: a failed export leaves no partial file.\n"
      "  -o, --output FILE  the safetensors file to write\n"
      "  --step N           the step (default: the latest)\n"
      "  --json             print the summary as a JSON object\n"},
-    {"ls", cmd_ls, OPT_JSON, 1, 0, "STORE [--json]",
+    {"ls", cmd_ls, OPT_JSON, 1, 0, 0, "STORE [--json]",
      "Lists the committed checkpoints: step, kind, parent, bytes, hash. A file whose\n"
-     "header or footer is damaged is listed as damaged (amber verify says why).\n"
-     "  --json             an array of {step, kind, parent, bytes, hash, damaged}\n"},
-    {"info", cmd_info, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
+     "header or footer is damaged is listed as damaged (amber verify says why). For a\n"
+     "memory tier (its TIERS file records a durable tier), the durable tier's steps\n"
+     "too, and a column tiers: memory, durable or memory,durable.\n"
+     "  --json             an array of {step, kind, parent, bytes, hash, damaged}, with\n"
+     "                     \"tiers\": [\"memory\", \"durable\"] for a memory tier\n"},
+    {"info", cmd_info, OPT_STEP | OPT_JSON, 1, 0, 0, "STORE [--step N] [--json]",
      "Describes one checkpoint and its tensors: dtype, shape, policy, stored bytes and\n"
      "the share of elements stored.\n"
      "  --step N           the step (default: the latest)\n"
      "  --json             a JSON object with a \"tensors\" array\n"},
-    {"verify", cmd_verify, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
+    {"verify", cmd_verify, OPT_STEP | OPT_JSON, 1, 0, 0, "STORE [--step N] [--json]",
      "Checks every checksum, link and chunk that restoring each step (default: all\n"
      "committed steps) needs. Exit status 0 only if all are intact.\n"
      "  --step N           only this step\n"
      "  --json             an array of {step, ok, error}\n"},
-    {"compact", cmd_compact, OPT_STEP | OPT_JSON, 1, 0, "STORE [--step N] [--json]",
+    {"compact", cmd_compact, OPT_STEP | OPT_JSON, 1, 0, 0, "STORE [--step N] [--json]",
      "Rewrites step N (default: the latest) as a full checkpoint that restores exactly\n"
      "the same state, after verifying it. Later deltas stay valid; a crash leaves the old\n"
      "or the new file. Bounds restore time and the damage of a lost file.\n"
      "  --step N           the step (default: the latest)\n"
      "  --json             print the result as a JSON object\n"},
-    {"prune", cmd_prune, OPT_KEEP | OPT_JSON, 1, OPT_KEEP, "STORE --keep-last K [--json]",
+    {"prune", cmd_prune, OPT_KEEP | OPT_JSON, 1, 0, OPT_KEEP, "STORE --keep-last K [--json]",
      "Deletes old checkpoints, keeping the newest K and every checkpoint their restores\n"
      "need (their chains back to a full checkpoint).\n"
      "  --keep-last K      how many of the newest checkpoints to keep (>= 1)\n"
      "  --json             print {removed, kept}\n"},
+    {"drain", cmd_drain, OPT_JSON, 1, 1, 0, "MEMDIR [DURABLE] [--json]",
+     "Finishes the drain of a memory tier (a store on a memory file system, such as\n"
+     "/dev/shm/RUN, that a job checkpoints into) to its durable tier: copies every\n"
+     "committed step the durable tier lacks, in commit order, each step's files first\n"
+     "and its pointer last (multi-rank: each manifest, then GLOBAL, once every rank's\n"
+     "files of it are there), then removes from MEMDIR the files that are durable and\n"
+     "that its newest step does not need. Resumes what a crashed job's drain left;\n"
+     "a crash of this command leaves both tiers intact, and running it again goes on.\n"
+     "DURABLE defaults to the durable tier recorded in MEMDIR/TIERS (the job's drain\n"
+     "records it). Exit status 0 once every committed step is durable.\n"
+     "  --json             print {memory, durable, durable_step, seconds}\n"},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
 
@@ -1329,7 +1533,8 @@ static void usage(FILE *f) {
 }
 
 static int short_usage(void) {
-  fprintf(stderr, "usage: amber {import|export|ls|info|verify|compact|prune|bench} ARGS...\n"
+  fprintf(stderr, "usage: amber {import|export|ls|info|verify|compact|prune|drain|bench} "
+                  "ARGS...\n"
                   "Try 'amber --help'.\n");
   return 2;
 }

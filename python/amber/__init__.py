@@ -61,6 +61,7 @@ __all__ = [
     "U8", "BOOL", "U16", "U32", "U64", "LATEST", "NO_STEP", "HAS_ASYNC", "SAVE_CONFIRM",
     "EINVAL", "ENOMEM", "EIO", "ENOSPC", "ENOENT", "EEXIST", "ECORRUPT", "EFORMAT", "ELOCKED",
     "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY", "ECHANGED",
+    "ETIMEDOUT",
     "GlobalWriter", "GlobalReader", "GlobalStepInfo", "GlobalTensorInfo", "is_global_store",
     "global_steps", "global_prune", "SHARD_REPLICATED",
 ]
@@ -87,6 +88,7 @@ NO_STEP = LATEST = (1 << 64) - 1
 EINVAL, ENOMEM, EIO, ENOSPC, ENOENT, EEXIST, ECORRUPT, EFORMAT = range(-1, -9, -1)
 ELOCKED, EMISMATCH, EPARENT, ERANGE, EBUSY, ECANCELED, EPERM, EREADONLY = range(-9, -17, -1)
 ECHANGED = -17
+ETIMEDOUT = -18  # amber_drain_flush: the durable tier did not catch up in time
 
 # ---- C structs, mirrored field by field -----------------------------------------
 
