@@ -150,22 +150,34 @@ static int complete(const amber__manifest *m, const report *all, int size) {
   return 1;
 }
 
-/* The newest manifest of this path that is complete: its step + 1 (0: none). */
+/* A manifest of another world size was seen (bit 63 of best_here's answer). */
+#define OTHER_WORLD (UINT64_C(1) << 63)
+
+/* The newest manifest of this path that is complete: its step + 1 (0: none), with
+ * OTHER_WORLD when a manifest newer than it was written at another world size. */
 static uint64_t best_here(amber_global_writer *gw, const uint64_t *man, size_t nman,
                           const report *all) {
+  uint64_t other = 0;
   for (size_t i = 0; i < nman; i++) {
     amber__manifest m;
     if (amber__global_load_manifest(gw->path, man[i], NULL, &m) < 0) continue; /* a damaged copy */
     int ok = m.step == man[i] && complete(&m, all, gw->comm.size);
+    if (m.world != (uint32_t)gw->comm.size) other = OTHER_WORLD;
     amber__manifest_free(&m);
-    if (ok) return man[i] + 1;
+    if (ok) return (man[i] + 1) | other;
   }
-  return 0;
+  return other;
 }
 
 /* The refusal when manifests exist but no step is complete, the same words on every
  * rank: the newest manifest, and the ranks whose stores hold no file of it. */
-static int refuse(amber_global_writer *gw, const report *all) {
+static int refuse(amber_global_writer *gw, const report *all, int other_world) {
+  if (other_world)
+    return amber__fail(&gw->err, AMBER_ECORRUPT, "local mode: the paths hold steps written "
+                       "at another world size than this job's %d ranks: a memory tier does "
+                       "not reshard (each rank store is its rank's shard); empty the paths "
+                       "(their steps restore from the durable tier) before writing here",
+                       gw->comm.size);
   uint64_t newest = 0;
   int holder = -1;
   for (int r = 0; r < gw->comm.size; r++) /* each list is newest first */
@@ -255,13 +267,14 @@ int amber__gw_local_agree(amber_global_writer *gw) {
     crc = gw->comm.allgather(gw->comm.ctx, b8, 8, best);
   }
   free(man);
-  int owner = -1, need = 0;
+  int owner = -1, need = 0, other = 0;
   for (int r = 0; crc == 0 && r < size; r++) {
     uint64_t br = amber__get64(best + 8 * (size_t)r);
-    if (br > agreed) agreed = br, owner = r;
+    other |= (br & OTHER_WORLD) != 0;
+    if ((br & ~OTHER_WORLD) > agreed) agreed = br & ~OTHER_WORLD, owner = r;
   }
   for (int r = 0; crc == 0 && agreed && r < size; r++)
-    need |= amber__get64(best + 8 * (size_t)r) != agreed;
+    need |= (amber__get64(best + 8 * (size_t)r) & ~OTHER_WORLD) != agreed;
   free(best);
   if (crc < 0) rc = amber__fail(&gw->err, crc, "%s: opening the global writer: a collective "
                                 "failed (%s)", gw->path, amber_strerror(crc));
@@ -271,10 +284,10 @@ int amber__gw_local_agree(amber_global_writer *gw) {
     int any = 0;
     for (int r = 0; r < size; r++) any |= rep[r].nman != 0;
     gw->latest = AMBER_NO_STEP;
-    rc = any ? refuse(gw, rep) : 0;
+    rc = any ? refuse(gw, rep, other) : 0;
   } else {
     gw->latest = agreed - 1;
-    rc = need ? share_manifest(gw, owner, b != agreed) : 0;
+    rc = need ? share_manifest(gw, owner, (b & ~OTHER_WORLD) != agreed) : 0;
   }
   free(all), free(lens), free(rep);
   return rc;

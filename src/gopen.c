@@ -128,38 +128,12 @@ static void learn_share(amber_global_writer *gw) {
  * failed) goes to every rank, and each returns the lowest failing rank's code,
  * with the message "rank R: REASON", the same on every rank. Collective. */
 static int agree(amber_global_writer *gw, int rc) {
-  char msg[sizeof gw->err.msg];
-  if (rc < 0) {
-    snprintf(msg, sizeof msg, "%s", gw->err.msg);
-    amber__fail(&gw->err, rc, "rank %d: %s", gw->comm.rank, msg);
-  }
-  size_t ml = rc < 0 ? strlen(gw->err.msg) : 0;
-  uint8_t *mine = malloc(4 + ml), *all = NULL;
-  uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
-  int crc = mine && lens ? 0 : AMBER_ENOMEM;
-  if (crc == 0) {
-    amber__put32(mine, (uint32_t)rc);
-    memcpy(mine + 4, gw->err.msg, ml);
-    crc = amber__comm_allgatherv(&gw->comm, &gw->err, mine, 4 + ml, &all, lens,
-                                 lens + gw->comm.size);
-  }
-  free(mine);
-  if (crc < 0) {
-    free(lens);
-    return amber__fail(&gw->err, crc, "%s: opening the global writer: a collective failed (%s)",
-                       gw->path, amber_strerror(crc));
-  }
-  const uint64_t *offs = lens + gw->comm.size;
-  int brc = 0;
-  for (int r = 0; r < gw->comm.size && brc == 0; r++) {
-    if (lens[r] < 4) continue;
-    brc = (int)amber__get32(all + offs[r]);
-    if (brc < 0 && r != gw->comm.rank)
-      amber__fail(&gw->err, brc, "%.*s", (int)(lens[r] - 4), (const char *)all + offs[r] + 4);
-  }
-  free(all);
-  free(lens);
-  return brc < 0 ? brc : 0;
+  int broken;
+  rc = amber__comm_agree(&gw->comm, &gw->err, rc, &broken);
+  if (broken)
+    return amber__fail(&gw->err, rc, "%s: opening the global writer: a collective failed (%s)",
+                       gw->path, amber_strerror(rc));
+  return rc;
 }
 
 /* What open checks before it changes anything: the directory is not a single-rank

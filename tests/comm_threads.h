@@ -61,9 +61,9 @@ static inline const amber_p2p *tc_p2p(const amber_comm *c) {
   return &((const tc_rank *)c->ctx)->p2p;
 }
 
-/* Ranks (bit r: rank r) whose next sendrecv fails with AMBER_EIO after it has run (a
- * connection lost once the bytes went through). Each rank clears its own bit. */
-static _Atomic unsigned long long tc_sendrecv_fails;
+/* tc_sendrecv_fail_at[r] = k > 0: rank r's k-th next sendrecv fails with AMBER_EIO
+ * after it has run (a connection lost once the bytes went through). */
+static atomic_int tc_sendrecv_fail_at[64];
 
 /* Sends never wait (the message is queued), so any order of exchanges completes;
  * a receive waits for its message and checks its length. */
@@ -95,11 +95,9 @@ static int tc_sendrecv(void *ctx, const void *send, size_t slen, int dest, void 
     else if (rlen) memcpy(recv, m->data, rlen);
     free(m);
   }
-  unsigned long long bit = 1ull << r->rank;
-  if (atomic_load(&tc_sendrecv_fails) & bit) {
-    atomic_fetch_and(&tc_sendrecv_fails, ~bit);
+  if (atomic_load(&tc_sendrecv_fail_at[r->rank]) > 0 &&
+      atomic_fetch_sub(&tc_sendrecv_fail_at[r->rank], 1) == 1)
     rc = AMBER_EIO;
-  }
   return rc;
 }
 

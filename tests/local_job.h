@@ -19,13 +19,14 @@
 #include "comm_threads.h"
 #include "testutil.h"
 
-#define LJ_ROWS 16
-#define LJ_COLS 9
+#define LJ_ROWS 32
+#define LJ_COLS 1024
 #define LJ_BIAS 5
 
+/* about 1% of the elements change per step: a delta is a small share of a full */
 static inline float lj_w(int64_t i, int64_t j, uint64_t step) {
   int64_t k = i * LJ_COLS + j;
-  return (float)k * 0.25f + ((k % 7) == (int64_t)(step % 7) ? (float)step * 1.5f : 0.0f);
+  return (float)k * 0.25f + ((k % 97) == (int64_t)(step % 97) ? (float)step * 1.5f : 0.0f);
 }
 static inline float lj_b(int64_t i, uint64_t step) {
   return (float)i + 0.125f * (float)step;
@@ -39,6 +40,7 @@ static inline void lj_rows(int r, int n, int64_t *off, int64_t *shape) {
 
 typedef struct lj_job {
   const char *dir[64];  /* each rank's path (its host's directory) */
+  int shared;           /* one path seen by every rank (no local mode): a durable tier */
   uint64_t first, last; /* steps saved */
   uint64_t keep_last;
   /* a rank whose save of one step is made to fail by a blocked name: the manifest's
@@ -49,8 +51,10 @@ typedef struct lj_job {
   char open_msg[64][512];
   int save_rc[64];      /* each rank's result of the blocked step's save */
   char save_msg[64][512];
-  /* called by each rank after each committed step (NULL: none) */
+  /* called by each rank after each committed step, and once before its writer
+   * closes (NULL: none) */
   void (*after)(const amber_comm *c, struct lj_job *jb, uint64_t step);
+  void (*done)(const amber_comm *c, struct lj_job *jb);
   void *user;
 } lj_job;
 
@@ -63,7 +67,7 @@ static void lj_rank(const amber_comm *c, void *arg) {
   amber_global_writer *gw = NULL;
   amber_writer_opts wo;
   amber_writer_opts_init(&wo);
-  wo.flags = AMBER_WRITER_GLOBAL_LOCAL;
+  wo.flags = jb->shared ? 0 : AMBER_WRITER_GLOBAL_LOCAL;
   wo.keep_last = jb->keep_last;
   wo.full_share = -1; /* deltas whatever their size: the tests pin chains */
   int rc = amber_global_writer_open(&gw, jb->dir[c->rank], c, &wo);
@@ -103,6 +107,7 @@ static void lj_rank(const amber_comm *c, void *arg) {
     RCHECK(rc == 0);
     if (rc == 0 && jb->after) jb->after(c, jb, s);
   }
+  if (jb->done) jb->done(c, jb);
   amber_global_writer_close(gw);
   free(w);
 }

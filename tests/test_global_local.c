@@ -5,8 +5,9 @@
  * ranks' own shards bit-exactly (and the replicated tensors where rank 0's files
  * are); an open after a crash between the paths' copies agrees on the step (rolls
  * a copied step forward, drops an uncopied one, takes the newest complete step) and
- * installs what a path lacks; a wiped path is refused, nothing removed; a copy that
- * fails on one path fails the step everywhere; ranks may share a path.
+ * installs what a path lacks; a wiped path is refused, nothing removed, and so are
+ * paths of another world size; a copy that fails on one path fails the step
+ * everywhere; ranks may share a path.
  */
 #include <stdatomic.h>
 #include <stdio.h>
@@ -268,6 +269,21 @@ static void test_a_copy_that_fails_on_one_path_fails_the_step_everywhere(void) {
   check_all(&jb, 4, 1, 2);
 }
 
+static void test_paths_of_another_world_size_are_refused(void) {
+  char dirs[4][4200];
+  lj_job jb = lj_job_init();
+  make_hosts(&jb, 4, 4, dirs);
+  jb.first = 1, jb.last = 2;
+  lj_run(&jb, 4);
+  jb.first = jb.last = 3;
+  tc_run(2, lj_rank, &jb); /* dirs 0 and 1, at 2 ranks */
+  for (int r = 0; r < 2; r++) {
+    CHECK(jb.open_rc[r] == AMBER_ECORRUPT);
+    CHECK(strstr(jb.open_msg[r], "another world size") != NULL);
+  }
+  CHECK(global_of(dirs[0]) == 2 && has_rank_file(dirs[0], 0, 2));
+}
+
 static void test_single_rank_writers_refuse_the_local_flag(void) {
   amber_store *st;
   CHECK_OK(amber_store_open(&st, tu_tmpdir(), NULL));
@@ -288,6 +304,7 @@ int main(void) {
   TEST_RUN(test_open_takes_the_newest_step_every_rank_holds);
   TEST_RUN(test_a_wiped_path_is_refused_on_every_rank_and_nothing_is_removed);
   TEST_RUN(test_a_copy_that_fails_on_one_path_fails_the_step_everywhere);
+  TEST_RUN(test_paths_of_another_world_size_are_refused);
   TEST_RUN(test_single_rank_writers_refuse_the_local_flag);
   return tu_finish();
 }
