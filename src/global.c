@@ -869,7 +869,7 @@ static int commit(amber_global_writer *gw) {
     if (mrc == AMBER_ENOMEM && !w2[0]) snprintf(w2, sizeof w2, "out of memory");
     if (mrc == 0 && gw->local.on) {
       if ((mrc = amber__manifest_encode(&m, &gw->err, &mbytes, &mlen)) < 0)
-        snprintf(w2, sizeof w2, "%s", gw->err.msg);
+        snprintf(w2, sizeof w2, "%.255s", gw->err.msg);
     } else if (mrc == 0) {
       mrc = publish(gw, &m, w2, sizeof w2);
       published = mrc == 0;

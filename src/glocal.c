@@ -372,7 +372,7 @@ int amber__gw_local_copy(amber_global_writer *gw, const uint8_t *bytes, uint64_t
   uint8_t mine[OUTCOME], *all = malloc((size_t)size * OUTCOME);
   memset(mine, 0, sizeof mine);
   amber__put32(mine, (uint32_t)rc), amber__put64(mine + 4, keep);
-  if (rc < 0) snprintf((char *)mine + 12, OUTCOME - 12, "%s", gw->err.msg);
+  if (rc < 0) snprintf((char *)mine + 12, OUTCOME - 12, "%.243s", gw->err.msg);
   crc = all ? gw->comm.allgather(gw->comm.ctx, mine, OUTCOME, all) : AMBER_ENOMEM;
   if (crc < 0) {
     free(all);

@@ -114,16 +114,22 @@ static int held_replicas(amber_replicas *r, uint8_t **out, size_t *len) {
   return 0;
 }
 
-/* Whether this rank's own store holds committed step `step` with state id `state`:
- * then a peer's replica at that step needs only what came after it. */
-static int own_has(amber_replicas *r, uint64_t step, uint64_t state) {
+/* This rank's own store, read-only (the writer beside the replicator is its only
+ * writer): AMBER_ENOENT while this rank has written nothing. */
+static int open_own(amber_replicas *r, amber_store **st) {
   char dir[4200];
   amber__global_rank_path(r->memory, (uint32_t)r->comm.rank, dir, sizeof dir);
   amber_store_opts so;
   amber_store_opts_init(&so);
   so.flags = AMBER_OPEN_READONLY;
+  return amber_store_open(st, dir, &so);
+}
+
+/* Whether this rank's own store holds committed step `step` with state id `state`:
+ * then a peer's replica at that step needs only what came after it. */
+static int own_has(amber_replicas *r, uint64_t step, uint64_t state) {
   amber_store *st;
-  if (amber_store_open(&st, dir, &so) < 0) return 0;
+  if (open_own(r, &st) < 0) return 0;
   int has = amber__ckpt_has_state(st, step, state);
   amber_store_close(st);
   return has;
@@ -229,14 +235,9 @@ int amber_replicas_stats_get(const amber_replicas *r, amber_replicas_stats *out)
  * none): its file of `step`, or of its last step before it when it wrote none for
  * `step` (a rank without tensors or metadata of its own writes none). */
 static int own_want(amber_replicas *r, uint64_t step, uint64_t *want) {
-  char dir[4200];
-  amber__global_rank_path(r->memory, (uint32_t)r->comm.rank, dir, sizeof dir);
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY;
   amber_store *st;
   *want = AMBER_NO_STEP;
-  int rc = amber_store_open(&st, dir, &so);
+  int rc = open_own(r, &st);
   if (rc == AMBER_ENOENT) return 0; /* this rank wrote no file yet */
   if (rc < 0) return amber__fail(&r->err, rc, "%s", amber_last_error(NULL));
   amber_ckpt_info *info = NULL;

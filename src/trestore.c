@@ -50,7 +50,7 @@ typedef struct restore {
 static int my_report(restore *s, uint8_t **out, size_t *len) {
   char host[256], id[4500];
   amber__host_name(NULL, host, sizeof host);
-  snprintf(id, sizeof id, "%s\n%s", host, s->memory);
+  snprintf(id, sizeof id, "%.255s\n%.4000s", host, s->memory);
   amber_tier_holding *h = NULL;
   size_t nh = 0, ns = 0, nm = 0;
   int rc = amber_tier_holdings(s->memory, &h, &nh);
