@@ -6,8 +6,9 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PREFIX ?= /usr/local
 CMAKE_FLAGS ?=
-# The tests that drive the threads (save thread, workers, I/O threads) run under TSan.
-TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_preselected|test_global_presel|test_delta_(policy|cadence|corrupt|kernels)
+# The tests that drive the threads (save thread, workers, I/O threads, an S3 client
+# shared by threads, the drain) run under TSan.
+TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_preselected|test_global_presel|test_delta_(policy|cadence|corrupt|kernels)|test_s3$$|test_s3_faults|test_tier_(drain|ranks)
 
 .PHONY: all build setup test test-long test-c test-asan test-tsan test-python demo demo-full bench install clean format fuzz vecreport
 

@@ -444,7 +444,7 @@ def add_run_args(ap):
     """The options --quick, --json, --markdown and --lr of torch_bench and dist_bench."""
     ap.add_argument("--quick", action="store_true", help="a small model (tests, smoke runs)")
     ap.add_argument("--json", help="write every figure of every round here")
-    ap.add_argument("--markdown", action="store_true", help="print README-ready tables")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown (docs/benchmarks.md)")
     ap.add_argument("--lr", type=float, default=1e-4)
 
 

@@ -37,7 +37,7 @@ every cached run that the command line selects.
 
 `--policies all` selects every policy in POLICIES (each set of rules once); with
 `--report` that rebuilds the JSON and the plot from every cached run. The numbers in
-README were measured with `--threads 1`; keep one thread count and one machine for
+docs/fidelity.md were measured with `--threads 1`; keep one thread count and one machine for
 runs that are compared (the uninterrupted seed-0 run here, 2.4515466094, differs in
 the 8th digit from an earlier session's, 2.4515466392, whose setting is not recorded).
 """
@@ -541,7 +541,7 @@ def main():
     ap.add_argument("--report", action="store_true",
                     help="train nothing: JSON and plot from the runs cached in OUT")
     ap.add_argument("--markdown", action="store_true",
-                    help="also print the summary as a Markdown table (README)")
+                    help="also print the summary as a Markdown table (docs/fidelity.md)")
     a = ap.parse_args()
     if a.list:
         for name, rs in POLICIES.items():

@@ -64,7 +64,7 @@ def M_bud(f, **kw):
     return R("budget", frac=f, cap=kw.pop("cap", 1e-3), q="cut", **kw)
 
 
-# name -> (W, M, V). The ones README and docs/DESIGN.md cite.
+# name -> (W, M, V). The ones docs/fidelity.md and docs/DESIGN.md cite.
 POLICIES = {
     "v1-lossy-compact": (R("budget", frac=0.02, cap=2e-3), R("budget", frac=0.02, cap=2e-4),
                          R("thr", rel=0.5)),

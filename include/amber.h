@@ -1170,9 +1170,11 @@ AMBER_API void amber_drain_opts_init(amber_drain_opts *o);
  * an earlier drain left there are removed. Resumes whatever an earlier drain, or a
  * crashed job, left: files already durable are not copied again.
  * AMBER_EINVAL when the two layouts differ (a single-rank store against a
- * multi-rank one). out: the handle; release with amber_drain_close().
+ * multi-rank one), or when both are one directory. out: the handle; release with
+ * amber_drain_close().
  * o: NULL for defaults. Thread safety: kick, wants_full, flush and get_status may be
- * called from any one thread at a time; the drain's own thread never calls back. */
+ * called from any thread, close once none of them runs; the drain's own thread never
+ * calls back. */
 AMBER_API int amber_drain_start(amber_drain **out, const char *memory, const char *durable,
                                 const amber_drain_opts *o);
 /* Tells the drain that a step was committed to the memory tier (call it after each

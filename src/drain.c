@@ -15,10 +15,10 @@
  *
  * Retention: once a step is durable, the memory tier's files older than the chain
  * of the authority step are removed when the durable tier holds them and no step
- * not yet durable needs them (the memory tier restores every step it lists). The authority
- * is the memory store's LATEST for a single-rank store (LATEST never moves back);
- * for a multi-rank store, the durable tier's GLOBAL, since a rank store's LATEST may
- * move back one step when a global step fails, and every later step of the rank,
+ * not yet durable needs them (the memory tier restores every step it lists). The
+ * authority is the memory store's LATEST for a single-rank store (LATEST never moves
+ * back); for a multi-rank store, the durable tier's GLOBAL, since a rank store's LATEST
+ * may move back one step when a global step fails, and every later step of the rank,
  * whatever its chain, starts at or after the chain of a committed global step. Files
  * are removed while the store's writer runs: they are committed, immutable, and
  * older than anything the writer will read again (its reference reloads from its
@@ -44,11 +44,12 @@
 enum { LAYOUT_UNKNOWN, LAYOUT_SINGLE, LAYOUT_MULTI };
 
 typedef struct lane {
-  int32_t rank;       /* -1: the single-rank store */
-  char *src;          /* the memory store's directory */
-  amber_store *st;    /* read-only, opened once the directory exists */
-  amber__dview dv;    /* what the durable tier holds of the store */
-  uint64_t d_step, d_state; /* the durable store's LATEST (AMBER_NO_STEP: none); under mu */
+  int32_t rank;    /* -1: the single-rank store */
+  char *src;       /* the memory store's directory */
+  amber_store *st; /* read-only, opened once the directory exists */
+  amber__dview dv; /* what the durable tier holds of the store */
+  uint64_t d_step,
+      d_state; /* the durable store's LATEST (AMBER_NO_STEP: none); under mu */
   uint64_t auth_g, auth_step, auth_state; /* retention's authority, for GLOBAL auth_g */
 } lane;
 
@@ -59,19 +60,20 @@ struct amber_drain {
   amber__dest *dest;
   int layout, sync;
   int coord;            /* drains the manifests and GLOBAL */
+  uint64_t retained_g;  /* the durable GLOBAL of the last retention (multi-rank) */
   amber__dview *remote; /* the coordinator's views of ranks no lane drains, by rank */
   uint32_t nremote;
-  amber__tcount cnt;     /* the thread's; published to drained_* under mu */
+  amber__tcount cnt; /* the thread's; published to drained_* under mu */
   /* shared with the caller's thread, under mu */
   pthread_mutex_t mu;
   pthread_cond_t wake, moved;
   lane *lanes;
   size_t nlanes;
-  uint64_t g_d;         /* the durable tier's GLOBAL (AMBER_NO_STEP: none) */
-  int error;            /* sticky */
-  int failed;           /* the drain stopped (error is its reason) */
+  uint64_t g_d; /* the durable tier's GLOBAL (AMBER_NO_STEP: none) */
+  int error;    /* sticky */
+  int failed;   /* the drain stopped (error is its reason) */
   int kicked, wants_full;
-  uint64_t gen;         /* units of work done */
+  uint64_t gen; /* units of work done */
   uint64_t drained_bytes, drained_files;
   atomic_int stop;
   pthread_t thread;
@@ -143,14 +145,16 @@ static uint64_t chain_of(const mlist *m, size_t i, char *in, uint64_t *bytes,
       return m->info[i].step;
     }
     size_t p = i;
-    while (p > 0 && m->info[p - 1].step != m->info[i].parent) p--;
+    while (p > 0 && m->info[p - 1].step != m->info[i].parent)
+      p--;
     if (p == 0) return AMBER_NO_STEP;
     i = p - 1;
   }
 }
 
 static int pending(const amber_ckpt_info *c, uint64_t d_step, uint64_t d_state) {
-  return d_step == AMBER_NO_STEP || c->step > d_step || (c->step == d_step && c->hash != d_state);
+  return d_step == AMBER_NO_STEP || c->step > d_step ||
+         (c->step == d_step && c->hash != d_state);
 }
 
 static uint64_t file_size(const char *path) {
@@ -207,7 +211,8 @@ static int add_lane(amber_drain *d, amber__err *e, int32_t rank) {
     size_t len = strlen(names[i]);
     char name[4200];
     snprintf(name, sizeof name, "%s%s", l.dv.prefix, names[i]);
-    if (len > 4 && !strcmp(names[i] + len - 4, ".tmp")) rc = d->dest->ops->remove(d->dest, e, name);
+    if (len > 4 && !strcmp(names[i] + len - 4, ".tmp"))
+      rc = d->dest->ops->remove(d->dest, e, name);
   }
   amber__names_list_free(names, n);
   if (!rc) {
@@ -236,7 +241,8 @@ static int discover(amber_drain *d, amber__err *e) {
   if (d->layout == LAYOUT_UNKNOWN) {
     int m = memory_layout(d->memory);
     if (m == LAYOUT_SINGLE && d->o.rank >= 0)
-      return amber__fail(e, AMBER_EINVAL, "rank %d: the memory tier %s is a single-rank store",
+      return amber__fail(e, AMBER_EINVAL,
+                         "rank %d: the memory tier %s is a single-rank store",
                          (int)d->o.rank, d->memory);
     if (d->o.rank >= 0) m = LAYOUT_MULTI;
     if (m == LAYOUT_UNKNOWN) return 0;
@@ -249,16 +255,18 @@ static int discover(amber_drain *d, amber__err *e) {
       if (m == LAYOUT_MULTI)
         other |= !strcmp(names[i], "LATEST") || amber__parse_ckpt_name(names[i], &s);
       else
-        other |= !strcmp(names[i], "GLOBAL") || amber__parse_manifest_name(names[i], &s) ||
+        other |= !strcmp(names[i], "GLOBAL") ||
+                 amber__parse_manifest_name(names[i], &s) ||
                  amber__parse_rank_name(names[i], &r);
     }
     amber__names_list_free(names, n);
     if (rc) return rc;
     if (other)
-      return amber__fail(e, AMBER_EINVAL, "the memory tier %s is a %s store, but the durable "
-                         "tier %s is a %s one", d->memory,
-                         m == LAYOUT_MULTI ? "multi-rank" : "single-rank", d->durable,
-                         m == LAYOUT_MULTI ? "single-rank" : "multi-rank");
+      return amber__fail(e, AMBER_EINVAL,
+                         "the memory tier %s is a %s store, but the durable "
+                         "tier %s is a %s one",
+                         d->memory, m == LAYOUT_MULTI ? "multi-rank" : "single-rank",
+                         d->durable, m == LAYOUT_MULTI ? "single-rank" : "multi-rank");
     pthread_mutex_lock(&d->mu);
     d->layout = m;
     d->coord = m == LAYOUT_MULTI && d->o.rank <= 0;
@@ -272,7 +280,8 @@ static int discover(amber_drain *d, amber__err *e) {
       rc = d->dest->ops->list(d->dest, e, "", &top, &k);
       for (size_t i = 0; !rc && i < k; i++) {
         size_t len = strlen(top[i]);
-        if (len > 4 && !strcmp(top[i] + len - 4, ".tmp")) rc = d->dest->ops->remove(d->dest, e, top[i]);
+        if (len > 4 && !strcmp(top[i] + len - 4, ".tmp"))
+          rc = d->dest->ops->remove(d->dest, e, top[i]);
       }
       amber__names_list_free(top, k);
       uint8_t *b;
@@ -298,7 +307,8 @@ static int discover(amber_drain *d, amber__err *e) {
   int rc = 0;
   while (!rc && (de = readdir(dd))) {
     uint32_t r;
-    if (amber__parse_rank_name(de->d_name, &r) && r < AMBER__MF_MAX_WORLD && !find_lane(d, (int32_t)r))
+    if (amber__parse_rank_name(de->d_name, &r) && r < AMBER__MF_MAX_WORLD &&
+        !find_lane(d, (int32_t)r))
       rc = add_lane(d, e, (int32_t)r);
   }
   closedir(dd);
@@ -379,15 +389,18 @@ static int retain_lane(amber_drain *d, lane *l, amber__err *e) {
   for (size_t i = 0; have && i < m.n; i++)
     if (m.info[i].step == astep && m.info[i].hash == astate) a = i;
   char *in = calloc(m.n, 1), *durable = calloc(m.n, 1);
-  uint64_t full = a < m.n && in && durable ? chain_of(&m, a, in, NULL, NULL) : AMBER_NO_STEP;
+  uint64_t full =
+      a < m.n && in && durable ? chain_of(&m, a, in, NULL, NULL) : AMBER_NO_STEP;
   /* A step not yet durable keeps its chain too, so that the memory tier restores
    * every step it lists. */
   for (size_t i = 0; full != AMBER_NO_STEP && i < m.n && !rc; i++) {
     if (m.info[i].step >= full) break;
     int has = amber__dview_has(&l->dv, e, m.info[i].step, m.info[i].hash);
     if (has < 0) rc = has;
-    if (has == 1) durable[i] = 1;
-    else chain_of(&m, i, in, NULL, NULL);
+    if (has == 1)
+      durable[i] = 1;
+    else
+      chain_of(&m, i, in, NULL, NULL);
   }
   int removed = 0;
   for (size_t i = m.n; full != AMBER_NO_STEP && i-- > 0 && !rc;) {
@@ -395,8 +408,9 @@ static int retain_lane(amber_drain *d, lane *l, amber__err *e) {
     char path[4200];
     amber__ckpt_path(st, m.info[i].step, NULL, path, sizeof path);
     if (unlink(path) != 0 && errno != ENOENT)
-      rc = amber__fail(e, amber__errno_code(errno), "cannot remove %s from the memory tier: %s",
-                       path, strerror(errno));
+      rc =
+          amber__fail(e, amber__errno_code(errno),
+                      "cannot remove %s from the memory tier: %s", path, strerror(errno));
     removed = 1;
   }
   if (removed) amber__fsync_dir(l->src);
@@ -411,7 +425,8 @@ static int retain_lane(amber_drain *d, lane *l, amber__err *e) {
 static void retain_manifests(amber_drain *d) {
   uint64_t *steps;
   size_t n;
-  if (d->g_d == AMBER_NO_STEP || d->g_d == 0 || amber__manifest_steps(d->memory, d->g_d - 1, &steps, &n))
+  if (d->g_d == AMBER_NO_STEP || d->g_d == 0 ||
+      amber__manifest_steps(d->memory, d->g_d - 1, &steps, &n))
     return;
   int removed = 0;
   for (size_t i = 0; i < n; i++) {
@@ -420,7 +435,8 @@ static void retain_manifests(amber_drain *d) {
     amber__err scratch;
     amber__global_manifest_path(d->memory, steps[i], path, sizeof path);
     snprintf(name, sizeof name, "step-%020" PRIu64 ".manifest", steps[i]);
-    if (d->dest->ops->stat(d->dest, &scratch, name, &size) == 0 && size == file_size(path))
+    if (d->dest->ops->stat(d->dest, &scratch, name, &size) == 0 &&
+        size == file_size(path))
       removed += unlink(path) == 0;
   }
   free(steps);
@@ -428,9 +444,11 @@ static void retain_manifests(amber_drain *d) {
 }
 
 static int retain(amber_drain *d, amber__err *e) {
+  if (d->layout == LAYOUT_MULTI) d->retained_g = durable_global(d);
   if (d->coord) retain_manifests(d); /* manifests first: never a step without its files */
   int rc = 0;
-  for (size_t i = 0; i < d->nlanes && !rc; i++) rc = retain_lane(d, &d->lanes[i], e);
+  for (size_t i = 0; i < d->nlanes && !rc; i++)
+    rc = retain_lane(d, &d->lanes[i], e);
   return rc;
 }
 
@@ -442,7 +460,8 @@ static void set_lane_position(amber_drain *d, lane *l, uint64_t step, uint64_t s
   pthread_mutex_unlock(&d->mu);
 }
 
-static int lane_install(amber_drain *d, lane *l, amber__err *e, uint64_t step, uint64_t state) {
+static int lane_install(amber_drain *d, lane *l, amber__err *e, uint64_t step,
+                        uint64_t state) {
   amber_store *st = lane_store(l);
   if (!st) return amber__fail(e, AMBER_ENOENT, "no store at %s", l->src);
   int pointer = l->d_step == AMBER_NO_STEP || step >= l->d_step;
@@ -469,7 +488,8 @@ static int lane_unit(amber_drain *d, lane *l, amber__err *e, int *progress) {
   mlist m;
   int rc = mem_list(l->src, e, &m);
   size_t i = 0;
-  while (!rc && i < m.n && !pending(&m.info[i], l->d_step, l->d_state)) i++;
+  while (!rc && i < m.n && !pending(&m.info[i], l->d_step, l->d_state))
+    i++;
   if (rc || i == m.n) {
     amber_free(m.info);
     return rc;
@@ -483,7 +503,8 @@ static int lane_unit(amber_drain *d, lane *l, amber__err *e, int *progress) {
      * no longer be drained, and nothing needs it. */
     amber__err scratch;
     int gone = mem_list(l->src, &scratch, &m) == 0;
-    for (size_t k = 0; gone && k < m.n; k++) gone = m.info[k].step != step;
+    for (size_t k = 0; gone && k < m.n; k++)
+      gone = m.info[k].step != step;
     amber_free(m.info);
     if (gone) rc = 0;
   }
@@ -494,7 +515,8 @@ static amber__dview *remote_view(amber_drain *d, amber__err *e, uint32_t r) {
   if (r >= d->nremote) {
     amber__dview *g = realloc(d->remote, (r + 1) * sizeof *g);
     if (!g) return amber__fail(e, AMBER_ENOMEM, "out of memory"), NULL;
-    for (uint32_t i = d->nremote; i <= r; i++) amber__dview_init(&g[i], d->dest, (int32_t)i);
+    for (uint32_t i = d->nremote; i <= r; i++)
+      amber__dview_init(&g[i], d->dest, (int32_t)i);
     d->remote = g, d->nremote = r + 1;
   }
   return &d->remote[r];
@@ -537,10 +559,12 @@ static int coord_unit(amber_drain *d, amber__err *e, int *progress, int *waiting
     }
     char name[64];
     amber__dview_name(v, k->step, name, sizeof name);
-    rc = amber__fail(e, AMBER_ENOENT, "global step %" PRIu64 " needs rank %u's file %s/%s, "
-                     "which the durable tier does not hold and %s does not have (no rank-%05u): "
-                     "drain the memory tier that holds it first", s, r, d->durable, name,
-                     d->memory, r);
+    rc = amber__fail(
+        e, AMBER_ENOENT,
+        "global step %" PRIu64 " needs rank %u's file %s/%s, "
+        "which the durable tier does not hold and %s does not have (no rank-%05u): "
+        "drain the memory tier that holds it first",
+        s, r, d->durable, name, d->memory, r);
   }
   amber__manifest_free(&m);
   if (rc || *waiting) return rc;
@@ -550,7 +574,8 @@ static int coord_unit(amber_drain *d, amber__err *e, int *progress, int *waiting
   amber__global_manifest_path(d->memory, s, path, sizeof path);
   snprintf(name, sizeof name, "step-%020" PRIu64 ".manifest", s);
   if ((rc = amber__read_small(path, e, &b, &len, (size_t)1 << 32)) != 0) return rc;
-  if ((rc = amber__manifest_decode(e, path, b, len, &m)) == 0) { /* its checksum, its tiling */
+  if ((rc = amber__manifest_decode(e, path, b, len, &m)) ==
+      0) { /* its checksum, its tiling */
     amber__manifest_free(&m);
     rc = amber__dest_put_bytes(d->dest, e, name, b, len);
   }
@@ -574,7 +599,11 @@ static int unit(amber_drain *d, amber__err *e, int *progress, int *waiting) {
   int own = !rc && !*progress && lanes_free(d, d->layout);
   for (size_t i = 0; own && !rc && !*progress && i < d->nlanes; i++)
     rc = lane_unit(d, &d->lanes[i], e, progress);
-  if (!rc && *progress) rc = retain(d, e);
+  /* Retention after each step made durable, and when another process (rank 0's
+   * drain) moved the durable GLOBAL, which is a multi-rank lane's authority. */
+  if (!rc &&
+      (*progress || (d->layout == LAYOUT_MULTI && durable_global(d) != d->retained_g)))
+    rc = retain(d, e);
   return rc;
 }
 
@@ -583,7 +612,8 @@ static int unit_failed(amber_drain *d, int rc, const amber__err *e) {
   char msg[3 * AMBER__ERRLEN]; /* set_error keeps what fits */
   snprintf(msg, sizeof msg, "drain of %s to %s: %s%s", d->memory, d->durable, e->msg,
            rc == AMBER_ENOSPC ? " (the memory tier keeps every step not yet durable; "
-                                "free space there and run amber drain)" : "");
+                                "free space in the durable tier and run amber drain)"
+                              : "");
   return set_error(d, rc, msg, 1);
 }
 
@@ -628,10 +658,16 @@ typedef struct view {
 static int scan(amber_drain *d, amber__err *e, view *v) {
   memset(v, 0, sizeof *v);
   v->memory_step = v->durable_step = v->full_step = AMBER_NO_STEP;
+  /* The lanes' positions (the thread owns the rest of each lane); src strings stay. */
+  typedef struct pos {
+    const char *src;
+    uint64_t d_step, d_state;
+  } pos;
   pthread_mutex_lock(&d->mu);
   size_t nl = d->nlanes;
-  lane *ls = nl ? malloc(nl * sizeof *ls) : NULL;
-  if (ls) memcpy(ls, d->lanes, nl * sizeof *ls); /* the positions; src strings stay */
+  pos *ls = nl ? malloc(nl * sizeof *ls) : NULL;
+  for (size_t i = 0; ls && i < nl; i++)
+    ls[i] = (pos){d->lanes[i].src, d->lanes[i].d_step, d->lanes[i].d_state};
   uint64_t g_d = d->g_d;
   int coord = d->coord, own = lanes_free(d, d->layout);
   pthread_mutex_unlock(&d->mu);
@@ -654,7 +690,8 @@ static int scan(amber_drain *d, amber__err *e, view *v) {
     }
     if (m.n) {
       char *in = calloc(m.n, 1);
-      uint64_t cb = 0, fb = 0, full = in ? chain_of(&m, m.n - 1, in, &cb, &fb) : AMBER_NO_STEP;
+      uint64_t cb = 0, fb = 0,
+               full = in ? chain_of(&m, m.n - 1, in, &cb, &fb) : AMBER_NO_STEP;
       v->chain_bytes += cb, v->full_bytes += fb;
       v->deltas |= m.n && (full == AMBER_NO_STEP || m.info[m.n - 1].step != full);
       if (full != AMBER_NO_STEP) v->full_step = full;
@@ -704,9 +741,11 @@ static int budget_check(amber_drain *d, const view *v) {
   pthread_mutex_unlock(&d->mu);
   if (b && v->full_bytes > b) {
     char msg[2 * AMBER__ERRLEN];
-    snprintf(msg, sizeof msg, "memory tier %s: its budget of %" PRIu64 " bytes cannot hold one "
+    snprintf(msg, sizeof msg,
+             "memory tier %s: its budget of %" PRIu64 " bytes cannot hold one "
              "full checkpoint, which takes %" PRIu64 " bytes (step %" PRIu64 "): raise "
-             "memory_budget above that", d->memory, b, v->full_bytes, v->full_step);
+             "memory_budget above that",
+             d->memory, b, v->full_bytes, v->full_step);
     return set_error(d, AMBER_ENOSPC, msg, 0);
   }
   return 0;
@@ -730,10 +769,11 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
     return amber__fail(NULL, AMBER_EINVAL, "drain: no memory tier given");
   *out = NULL;
   int reserved = o->flags != 0;
-  for (int i = 0; i < 4; i++) reserved |= o->reserved[i] != 0;
+  for (int i = 0; i < 4; i++)
+    reserved |= o->reserved[i] != 0;
   if (reserved || o->rank < -1)
-    return amber__fail(NULL, AMBER_EINVAL, "drain: reserved option set, or rank %d below -1",
-                       (int)o->rank);
+    return amber__fail(NULL, AMBER_EINVAL,
+                       "drain: reserved option set, or rank %d below -1", (int)o->rank);
   amber__err e;
   char *recorded = NULL;
   if (!durable) {
@@ -749,10 +789,11 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
   }
   free(recorded);
   size_t len = strlen(d->memory);
-  while (len > 1 && d->memory[len - 1] == '/') d->memory[--len] = 0;
+  while (len > 1 && d->memory[len - 1] == '/')
+    d->memory[--len] = 0;
   d->o = *o;
   d->sync = sync;
-  d->g_d = AMBER_NO_STEP;
+  d->g_d = d->retained_g = AMBER_NO_STEP;
   pthread_mutex_init(&d->mu, NULL);
   pthread_cond_init(&d->wake, NULL);
   pthread_cond_init(&d->moved, NULL);
@@ -764,6 +805,12 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
   if (!rc && (stat(d->memory, &sb) != 0 || !S_ISDIR(sb.st_mode)))
     rc = amber__fail(&e, AMBER_ENOENT, "no memory tier at %s", d->memory);
   if (!rc) rc = amber__dest_dir_open(&d->dest, &e, d->durable, 1);
+  char *rm = rc ? NULL : realpath(d->memory, NULL),
+       *rd = rc ? NULL : realpath(d->durable, NULL);
+  if (rm && rd && !strcmp(rm, rd)) /* retention would remove the only copy */
+    rc = amber__fail(&e, AMBER_EINVAL,
+                     "the memory tier and the durable tier are one directory");
+  free(rm), free(rd);
   if (!rc) rc = discover(d, &e);
   if (!rc) {
     char *abs = realpath(d->durable, NULL); /* what TIERS records: any process finds it */
@@ -848,7 +895,8 @@ int amber_drain_get_status(amber_drain *d, amber_drain_status *st) {
   if (!rc) budget_check(d, &v);
   pthread_mutex_lock(&d->mu);
   st->memory_step = v.memory_step, st->durable_step = v.durable_step;
-  st->lag_steps = v.lag_steps, st->lag_bytes = v.lag_bytes, st->memory_bytes = v.memory_bytes;
+  st->lag_steps = v.lag_steps, st->lag_bytes = v.lag_bytes,
+  st->memory_bytes = v.memory_bytes;
   st->drained_bytes = d->drained_bytes, st->drained_files = d->drained_files;
   st->error = d->error, st->wants_full = d->wants_full;
   pthread_mutex_unlock(&d->mu);
@@ -875,7 +923,8 @@ static int flush_target(amber_drain *d, amber__err *e, target *t) {
   pthread_mutex_lock(&d->mu);
   size_t n = d->nlanes;
   char **src = malloc((n ? n : 1) * sizeof *src);
-  for (size_t i = 0; src && i < n; i++) src[i] = d->lanes[i].src;
+  for (size_t i = 0; src && i < n; i++)
+    src[i] = d->lanes[i].src;
   pthread_mutex_unlock(&d->mu);
   t->step = malloc((n ? n : 1) * sizeof *t->step);
   int rc = !src || !t->step ? amber__fail(e, AMBER_ENOMEM, "out of memory") : 0;
@@ -914,9 +963,10 @@ int amber_drain_flush(amber_drain *d, double timeout_s) {
     if ((rc = sticky(d)) != 0 || reached(d, &t)) break;
     double left = timeout_s < 0 ? 1.0 : timeout_s - (amber__now() - t0);
     if (left <= 0) {
-      rc = amber__fail(NULL, AMBER_ETIMEDOUT, "drain of %s to %s: the steps committed to the "
-                       "memory tier are not all durable after %.1f s", d->memory, d->durable,
-                       timeout_s);
+      rc = amber__fail(NULL, AMBER_ETIMEDOUT,
+                       "drain of %s to %s: the steps committed to the "
+                       "memory tier are not all durable after %.1f s",
+                       d->memory, d->durable, timeout_s);
       break;
     }
     pthread_mutex_lock(&d->mu);
@@ -951,7 +1001,8 @@ int amber_drain_close(amber_drain *d) {
     amber__dview_free(&d->lanes[i].dv);
     free(d->lanes[i].src);
   }
-  for (uint32_t r = 0; r < d->nremote; r++) amber__dview_free(&d->remote[r]);
+  for (uint32_t r = 0; r < d->nremote; r++)
+    amber__dview_free(&d->remote[r]);
   free(d->remote);
   free(d->lanes);
   amber__dest_close(d->dest);
@@ -971,14 +1022,18 @@ int amber_drain_run(const char *memory, const char *durable, const amber_drain_o
   view v;
   amber__err e;
   if ((rc = scan(d, &e, &v)) == 0) d->cnt.total = v.lag_bytes ? v.lag_bytes : 1;
-  for (int progress = 1, waiting = 0; !rc && progress;) rc = unit(d, &e, &progress, &waiting);
+  for (int progress = 1, waiting = 0; !rc && progress;)
+    rc = unit(d, &e, &progress, &waiting);
   if (!rc) rc = retain(d, &e);
-  if (rc) unit_failed(d, rc, &e);
-  else amber__progress("drain", d->cnt.total, d->cnt.total);
+  if (rc)
+    unit_failed(d, rc, &e);
+  else
+    amber__progress("drain", d->cnt.total, d->cnt.total);
   return amber_drain_close(d);
 }
 
 int amber_tier_durable(const char *memory, char **durable) {
-  if (!memory || !durable) return amber__fail(NULL, AMBER_EINVAL, "amber_tier_durable: NULL");
+  if (!memory || !durable)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_tier_durable: NULL");
   return amber__tiers_read(NULL, memory, durable);
 }

@@ -21,6 +21,8 @@
 #include "io.h"
 #include "tier.h"
 
+#define BLOCK (4u << 20) /* a file's bytes go through a buffer of this size */
+
 typedef struct dirdest {
   amber__dest base;
   char *root;
@@ -57,8 +59,31 @@ static void parent_of(const char *path, char *buf, size_t len) {
   if (slash && slash != buf) *slash = 0;
 }
 
-static int dir_put(amber__dest *d, amber__err *e, const char *name, uint64_t size,
-                   amber__pull_fn pull, void *ctx) {
+/* Writes the body to `fd`, a block at a time from a file. */
+static int write_body(int fd, const amber__body *b, int *err) {
+  if (b->buf) {
+    if (amber__write_full(fd, b->buf, (size_t)b->len) != 0) return *err = errno, -1;
+    if (b->wrote) b->wrote(b->arg, b->len);
+    return 0;
+  }
+  size_t cap = b->len < BLOCK ? (size_t)b->len + 1 : BLOCK;
+  uint8_t *buf = malloc(cap);
+  if (!buf) return *err = ENOMEM, -1;
+  int rc = 0;
+  for (uint64_t off = 0; !rc && off < b->len;) {
+    size_t n = b->len - off < cap ? (size_t)(b->len - off) : cap;
+    if (amber__pread_full(b->fd, buf, n, off) != 0 || amber__write_full(fd, buf, n) != 0)
+      rc = -1, *err = errno;
+    else if (b->wrote)
+      b->wrote(b->arg, n);
+    off += n;
+  }
+  free(buf);
+  return rc;
+}
+
+static int dir_put(amber__dest *d, amber__err *e, const char *name,
+                   const amber__body *body) {
   dirdest *dd = (dirdest *)d;
   char path[4200], dir[4200], tmp[4300];
   path_of(dd, name, path, sizeof path);
@@ -68,25 +93,13 @@ static int dir_put(amber__dest *d, amber__err *e, const char *name, uint64_t siz
                        strerror(errno));
   int err = injected();
   if (err)
-    return amber__fail(e, amber__errno_code(err), "cannot write %s: %s", path, strerror(err));
+    return amber__fail(e, amber__errno_code(err), "cannot write %s: %s", path,
+                       strerror(err));
   int fd, rc = amber__create_tmp(e, path, tmp, sizeof tmp, &fd);
   if (rc) return rc;
-  uint64_t done = 0;
-  for (;;) {
-    const void *p;
-    size_t n;
-    if ((rc = pull(ctx, e, &p, &n)) != 0) break;
-    if (!n) break;
-    if (amber__write_full(fd, p, n) != 0) {
-      rc = amber__fail(e, amber__errno_code(errno), "cannot write %s: %s", path,
-                       strerror(errno));
-      break;
-    }
-    done += n;
-  }
-  if (!rc && done != size)
-    rc = amber__fail(e, AMBER_EIO, "%s: %llu bytes written, %llu expected", path,
-                     (unsigned long long)done, (unsigned long long)size);
+  if (write_body(fd, body, &err) != 0)
+    rc = amber__fail(e, amber__errno_code(err), "cannot write %s: %s", path,
+                     strerror(err));
   if (!rc && fsync(fd) != 0)
     rc = amber__fail(e, amber__errno_code(errno), "cannot fsync %s: %s", path,
                      strerror(errno));
@@ -116,12 +129,13 @@ static int dir_stat(amber__dest *d, amber__err *e, const char *name, uint64_t *s
   return 0;
 }
 
-static int dir_read(amber__dest *d, amber__err *e, const char *name, uint64_t off, void *buf,
-                    size_t len) {
+static int dir_read(amber__dest *d, amber__err *e, const char *name, uint64_t off,
+                    void *buf, size_t len) {
   char path[4200];
   path_of((dirdest *)d, name, path, sizeof path);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return amber__fail(e, amber__errno_code(errno), "%s: %s", path, strerror(errno));
+  if (fd < 0)
+    return amber__fail(e, amber__errno_code(errno), "%s: %s", path, strerror(errno));
   int rc = amber__pread_full(fd, buf, len, off);
   int err = errno;
   close(fd);
@@ -133,7 +147,8 @@ static int dir_read(amber__dest *d, amber__err *e, const char *name, uint64_t of
 }
 
 void amber__names_list_free(char **names, size_t n) {
-  for (size_t i = 0; names && i < n; i++) free(names[i]);
+  for (size_t i = 0; names && i < n; i++)
+    free(names[i]);
   free(names);
 }
 
@@ -161,8 +176,10 @@ static int dir_list(amber__dest *d, amber__err *e, const char *prefix, char ***n
       }
       *names = grown;
     }
-    if (!((*names)[*n] = strdup(de->d_name))) rc = amber__fail(e, AMBER_ENOMEM, "out of memory");
-    else (*n)++;
+    if (!((*names)[*n] = strdup(de->d_name)))
+      rc = amber__fail(e, AMBER_ENOMEM, "out of memory");
+    else
+      (*n)++;
   }
   closedir(dir);
   if (rc) {
@@ -200,9 +217,11 @@ static int dir_claim(amber__dest *d, amber__err *e, const char *store) {
     int err = errno;
     close(fd);
     if (err == EWOULDBLOCK)
-      return amber__fail(e, AMBER_ELOCKED,
-                         "the durable store %s is in use by another drain or writer (%s is "
-                         "held)", dir, lock);
+      return amber__fail(
+          e, AMBER_ELOCKED,
+          "the durable store %s is in use by another drain or writer (%s is "
+          "held)",
+          dir, lock);
     return amber__fail(e, AMBER_EIO, "cannot lock %s: %s", lock, strerror(err));
   }
   dd->locks[dd->nlocks++] = fd;
@@ -211,7 +230,8 @@ static int dir_claim(amber__dest *d, amber__err *e, const char *store) {
 
 static void dir_close(amber__dest *d) {
   dirdest *dd = (dirdest *)d;
-  for (size_t i = 0; i < dd->nlocks; i++) close(dd->locks[i]); /* releases the flocks */
+  for (size_t i = 0; i < dd->nlocks; i++)
+    close(dd->locks[i]); /* releases the flocks */
   free(dd->locks);
   free(dd->root);
   free(dd);
@@ -234,7 +254,8 @@ int amber__dest_dir_open(amber__dest **out, amber__err *e, const char *root, int
     return amber__fail(e, AMBER_ENOMEM, "out of memory");
   }
   size_t len = strlen(dd->root);
-  while (len > 1 && dd->root[len - 1] == '/') dd->root[--len] = 0;
+  while (len > 1 && dd->root[len - 1] == '/')
+    dd->root[--len] = 0;
   dd->base.ops = &dir_ops;
   dd->base.where = dd->root;
   *out = &dd->base;
@@ -247,23 +268,10 @@ void amber__dest_close(amber__dest *d) {
 
 /* ---- helpers over any destination ---- */
 
-typedef struct membytes {
-  const void *p;
-  size_t n;
-} membytes;
-
-static int pull_bytes(void *ctx, amber__err *e, const void **p, size_t *n) {
-  (void)e;
-  membytes *m = ctx;
-  *p = m->p, *n = m->n;
-  m->n = 0; /* all of it at once, then the end */
-  return 0;
-}
-
 int amber__dest_put_bytes(amber__dest *d, amber__err *e, const char *name, const void *p,
                           size_t n) {
-  membytes m = {p, n};
-  return d->ops->put(d, e, name, n, pull_bytes, &m);
+  amber__body body = {p ? p : "", -1, n, NULL, NULL};
+  return d->ops->put(d, e, name, &body);
 }
 
 int amber__dest_get(amber__dest *d, amber__err *e, const char *name, size_t max,

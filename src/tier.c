@@ -5,8 +5,9 @@
  * step there with its pointer last, and the memory tier's TIERS file.
  *
  * Installing follows the store's own commit protocol (FORMAT.md): each file of the
- * step's chain that the destination lacks is put whole (a temporary name, fsync,
- * rename, fsync of the directory), oldest first, and only then LATEST moves. A crash
+ * step's chain that the destination lacks is read and checked whole, then put whole
+ * (a temporary name, fsync, rename, fsync of the directory), oldest first, and only
+ * then LATEST moves. A crash
  * in between leaves whole files that no pointer names yet: readers ignore them, and
  * the next install finds them there (by their footer's state id) and does not copy
  * them again.
@@ -91,7 +92,8 @@ int amber__vsrc_open(amber__vsrc **out, amber__err *e, const amber__ckpt *c) {
   }
   for (uint64_t i = 0; i < ix->n_chunks; i++) {
     if (!ix->chunks[i].size) continue; /* an empty payload has no bytes to check */
-    v->sp[v->nsp++] = (span){ix->chunks[i].offset, ix->chunks[i].size, ix->chunks[i].checksum, i};
+    v->sp[v->nsp++] =
+        (span){ix->chunks[i].offset, ix->chunks[i].size, ix->chunks[i].checksum, i};
   }
   qsort(v->sp, v->nsp, sizeof *v->sp, cmp_span);
   int overlap = 0;
@@ -110,8 +112,8 @@ int amber__vsrc_open(amber__vsrc **out, amber__err *e, const amber__ckpt *c) {
 
 /* Copies the part of [b0, b0 + n) that lies in [off, off + len) to dst + (its
  * place in that range). */
-static void capture(uint8_t *dst, uint64_t off, uint64_t len, const uint8_t *b, uint64_t b0,
-                    uint64_t n) {
+static void capture(uint8_t *dst, uint64_t off, uint64_t len, const uint8_t *b,
+                    uint64_t b0, uint64_t n) {
   uint64_t lo = off > b0 ? off : b0, hi = off + len < b0 + n ? off + len : b0 + n;
   if (lo < hi) memcpy(dst + (lo - off), b + (lo - b0), (size_t)(hi - lo));
 }
@@ -124,7 +126,8 @@ static int check_block(amber__vsrc *v, amber__err *e, const uint8_t *b, uint64_t
   capture(v->hdr, 0, AMBER__HEADER_SIZE, b, b0, n);
   capture(v->ftr, v->c->size - AMBER__FOOTER_SIZE, AMBER__FOOTER_SIZE, b, b0, n);
   uint64_t lo = f->index_offset > b0 ? f->index_offset : b0;
-  uint64_t hi = f->index_offset + f->index_size < b1 ? f->index_offset + f->index_size : b1;
+  uint64_t hi =
+      f->index_offset + f->index_size < b1 ? f->index_offset + f->index_size : b1;
   if (lo < hi) XXH3_64bits_update(v->ixs, b + (lo - b0), (size_t)(hi - lo));
   while (v->next < v->nsp && v->sp[v->next].off < b1) {
     span *s = &v->sp[v->next];
@@ -152,16 +155,15 @@ static int check_end(amber__vsrc *v, amber__err *e) {
     return amber__fail(e, AMBER_ECORRUPT, "%s: header changed while it was copied",
                        v->c->path);
   if (memcmp(f, v->ftr, sizeof f) || XXH3_64bits_digest(v->ixs) != fo.index_checksum)
-    return amber__fail(e, AMBER_ECORRUPT, "%s: index or footer changed while it was copied",
-                       v->c->path);
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s: index or footer changed while it was copied", v->c->path);
   if (v->next != v->nsp)
     return amber__fail(e, AMBER_ECORRUPT, "%s: chunk payloads past the end of the file",
                        v->c->path);
   return 0;
 }
 
-int amber__vsrc_pull(void *ctx, amber__err *e, const void **p, size_t *n) {
-  amber__vsrc *v = ctx;
+int amber__vsrc_pull(amber__vsrc *v, amber__err *e, const void **p, size_t *n) {
   *p = v->buf, *n = 0;
   uint64_t left = v->c->size - v->pos;
   if (!left) return 0;
@@ -173,6 +175,17 @@ int amber__vsrc_pull(void *ctx, amber__err *e, const void **p, size_t *n) {
   v->pos += len;
   if (!rc && v->pos == v->c->size) rc = check_end(v, e);
   if (!rc) *n = len;
+  return rc;
+}
+
+int amber__vsrc_check(amber__err *e, const amber__ckpt *c) {
+  amber__vsrc *v;
+  int rc = amber__vsrc_open(&v, e, c);
+  for (size_t n = 1; !rc && n;) {
+    const void *p;
+    rc = amber__vsrc_pull(v, e, &p, &n);
+  }
+  amber__vsrc_close(v);
   return rc;
 }
 
@@ -197,8 +210,10 @@ static amber__known *find_known(amber__dview *v, uint64_t step) {
   size_t lo = 0, hi = v->n;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
-    if (v->k[mid].step < step) lo = mid + 1;
-    else hi = mid;
+    if (v->k[mid].step < step)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo < v->n && v->k[lo].step == step ? &v->k[lo] : NULL;
 }
@@ -210,7 +225,8 @@ static int learn(amber__dview *v, amber__err *e, const amber__known *k) {
     return 0;
   }
   if (v->n == v->cap) {
-    amber__known *grown = realloc(v->k, (v->cap = v->cap ? 2 * v->cap : 64) * sizeof *grown);
+    amber__known *grown =
+        realloc(v->k, (v->cap = v->cap ? 2 * v->cap : 64) * sizeof *grown);
     if (!grown) return amber__fail(e, AMBER_ENOMEM, "out of memory");
     v->k = grown;
   }
@@ -279,7 +295,8 @@ int amber__dview_latest(amber__dview *v, amber__err *e, uint64_t *step, uint64_t
 /* ---- chains and installs ---- */
 
 void amber__tier_chain_free(amber__ckpt *c, size_t n) {
-  for (size_t i = 0; c && i < n; i++) amber__ckpt_close(&c[i]);
+  for (size_t i = 0; c && i < n; i++)
+    amber__ckpt_close(&c[i]);
   free(c);
 }
 
@@ -307,7 +324,8 @@ int amber__tier_chain(amber_store *st, amber__err *e, uint64_t step, uint64_t st
     if ((rc = amber__ckpt_open(e, st, step, &c[k])) != 0) {
       if (rc == AMBER_ENOENT && child != AMBER_NO_STEP)
         rc = amber__fail(e, AMBER_EPARENT,
-                         "step %" PRIu64 " needs step %" PRIu64 ", whose file is missing from "
+                         "step %" PRIu64 " needs step %" PRIu64
+                         ", whose file is missing from "
                          "%s%s",
                          child, step, st->path, v ? " and from the durable tier" : "");
       break;
@@ -333,19 +351,11 @@ int amber__tier_chain(amber_store *st, amber__err *e, uint64_t step, uint64_t st
   return 0;
 }
 
-typedef struct counted {
-  amber__vsrc *v;
-  amber__tcount *cnt;
-} counted;
-
-static int pull_counted(void *ctx, amber__err *e, const void **p, size_t *n) {
-  counted *c = ctx;
-  int rc = amber__vsrc_pull(c->v, e, p, n);
-  if (!rc && c->cnt) {
-    c->cnt->bytes += *n;
-    if (c->cnt->total && *n) amber__progress("drain", c->cnt->base + c->cnt->bytes, c->cnt->total);
-  }
-  return rc;
+static void count_bytes(void *arg, uint64_t n) {
+  amber__tcount *c = arg;
+  c->bytes += n;
+  if (c->total && n) /* done == total only at the end (amber_drain_run's) */
+    amber__progress("drain", c->bytes < c->total ? c->bytes : c->total - 1, c->total);
 }
 
 int amber__tier_install(amber_store *st, amber__dview *v, amber__err *e, uint64_t step,
@@ -360,14 +370,13 @@ int amber__tier_install(amber_store *st, amber__dview *v, amber__err *e, uint64_
       rc = AMBER_ECANCELED;
       break;
     }
+    /* Checked whole, then put: the file is immutable, so what is put is what was
+     * checked, and the destination reads it as it likes (in parallel parts). */
     char name[64];
     amber__dview_name(v, c[i].hdr.step, name, sizeof name);
-    amber__vsrc *src;
-    if ((rc = amber__vsrc_open(&src, e, &c[i])) != 0) break;
-    counted pc = {src, cnt};
-    rc = v->d->ops->put(v->d, e, name, c[i].size, pull_counted, &pc);
-    amber__vsrc_close(src);
-    if (rc) break;
+    amber__body body = {NULL, c[i].fd, c[i].size, cnt ? count_bytes : NULL, cnt};
+    if ((rc = amber__vsrc_check(e, &c[i])) != 0) break;
+    if ((rc = v->d->ops->put(v->d, e, name, &body)) != 0) break;
     amber__known k = {c[i].hdr.step, c[i].ftr.state_id, AMBER_NO_STEP, 0};
     if (c[i].hdr.kind != AMBER_KIND_FULL)
       k.parent = c[i].hdr.parent_step, k.parent_state = c[i].hdr.parent_state;
@@ -393,9 +402,12 @@ static size_t json_string(char *out, size_t cap, size_t o, const char *s) {
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
     char esc[8];
     size_t k;
-    if (*p == '"' || *p == '\\') k = (size_t)snprintf(esc, sizeof esc, "\\%c", *p);
-    else if (*p < 0x20) k = (size_t)snprintf(esc, sizeof esc, "\\u%04x", *p);
-    else esc[0] = (char)*p, k = 1;
+    if (*p == '"' || *p == '\\')
+      k = (size_t)snprintf(esc, sizeof esc, "\\%c", *p);
+    else if (*p < 0x20)
+      k = (size_t)snprintf(esc, sizeof esc, "\\u%04x", *p);
+    else
+      esc[0] = (char)*p, k = 1;
     for (size_t i = 0; i < k; i++, o++)
       if (o < cap) out[o] = esc[i];
   }
@@ -409,7 +421,8 @@ int amber__tiers_write(amber__err *e, const char *memory, const char *durable) {
   o = json_string(buf, sizeof buf, o, durable);
   o += (size_t)snprintf(buf + (o < sizeof buf ? o : sizeof buf),
                         o < sizeof buf ? sizeof buf - o : 0, "}\n");
-  if (o >= sizeof buf) return amber__fail(e, AMBER_EINVAL, "durable path too long: %s", durable);
+  if (o >= sizeof buf)
+    return amber__fail(e, AMBER_EINVAL, "durable path too long: %s", durable);
   snprintf(path, sizeof path, "%s/TIERS", memory);
   /* What a crash left of an earlier write (nothing else removes it from the root of
    * a multi-rank store). */
@@ -417,7 +430,8 @@ int amber__tiers_write(amber__err *e, const char *memory, const char *durable) {
   struct dirent *de;
   while (dd && (de = readdir(dd))) {
     size_t len = strlen(de->d_name);
-    if (!strncmp(de->d_name, "TIERS.", 6) && len > 10 && !strcmp(de->d_name + len - 4, ".tmp"))
+    if (!strncmp(de->d_name, "TIERS.", 6) && len > 10 &&
+        !strcmp(de->d_name + len - 4, ".tmp"))
       unlinkat(dirfd(dd), de->d_name, 0);
   }
   if (dd) closedir(dd);
@@ -435,13 +449,16 @@ typedef struct jin {
 } jin;
 
 static void ws(jin *j) {
-  while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
+  while (j->p < j->end &&
+         (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
     j->p++;
 }
 
 static int hexval(char c) {
-  return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
-         : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+  return c >= '0' && c <= '9'   ? c - '0'
+         : c >= 'a' && c <= 'f' ? c - 'a' + 10
+         : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                : -1;
 }
 
 /* A string into out (cap bytes, NUL-terminated; out NULL: skipped). */
@@ -506,7 +523,8 @@ static int jskip(jin *j, int depth) {
     }
   }
   const char *s = j->p;
-  while (j->p < j->end && strchr("+-.0123456789eEtruefalsn", *j->p)) j->p++;
+  while (j->p < j->end && strchr("+-.0123456789eEtruefalsn", *j->p))
+    j->p++;
   return j->p > s ? 0 : -1;
 }
 
@@ -517,8 +535,10 @@ int amber__tiers_read(amber__err *e, const char *memory, char **durable) {
   FILE *f = fopen(path, "rb");
   if (!f) {
     if (errno == ENOENT)
-      return amber__fail(e, AMBER_ENOENT, "%s records no durable tier (no TIERS file)", memory);
-    return amber__fail(e, amber__errno_code(errno), "cannot open %s: %s", path, strerror(errno));
+      return amber__fail(e, AMBER_ENOENT, "%s records no durable tier (no TIERS file)",
+                         memory);
+    return amber__fail(e, amber__errno_code(errno), "cannot open %s: %s", path,
+                       strerror(errno));
   }
   char *buf = malloc(TIERS_MAX), *out = malloc(TIERS_MAX);
   size_t len = buf ? fread(buf, 1, TIERS_MAX, f) : 0;
@@ -533,7 +553,8 @@ int amber__tiers_read(amber__err *e, const char *memory, char **durable) {
   ws(&j);
   ok = ok && j.p < j.end && *j.p++ == '{';
   ws(&j);
-  if (ok && j.p < j.end && *j.p == '}') j.p++;
+  if (ok && j.p < j.end && *j.p == '}')
+    j.p++;
   else
     while (ok) {
       char key[256];
@@ -559,7 +580,8 @@ int amber__tiers_read(amber__err *e, const char *memory, char **durable) {
         ok = !jskip(&j, 0);
       }
       ws(&j);
-      if (!ok || j.p >= j.end) ok = 0;
+      if (!ok || j.p >= j.end)
+        ok = 0;
       else if (*j.p == '}') {
         j.p++;
         break;
@@ -572,13 +594,17 @@ int amber__tiers_read(amber__err *e, const char *memory, char **durable) {
   free(buf);
   if (ok && version != 1) {
     free(out);
-    return amber__fail(e, AMBER_EFORMAT, "%s: version %d of the TIERS file is unknown (this "
-                       "library reads 1)", path, version);
+    return amber__fail(e, AMBER_EFORMAT,
+                       "%s: version %d of the TIERS file is unknown (this "
+                       "library reads 1)",
+                       path, version);
   }
   if (!ok || !have) {
     free(out);
-    return amber__fail(e, AMBER_ECORRUPT, "%s is malformed (expected a JSON object with "
-                       "\"amber.tiers\": 1 and \"durable\": PATH)", path);
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "%s is malformed (expected a JSON object with "
+                       "\"amber.tiers\": 1 and \"durable\": PATH)",
+                       path);
   }
   *durable = out;
   return 0;

@@ -7,7 +7,8 @@
  *  - a destination: where the durable tier lives, behind a small table of
  *    functions (put a whole file durably, stat, read, list, remove, claim), so that
  *    an object store can be one beside the directory (src/tdest.c) without the drain
- *    knowing which;
+ *    knowing which: a put's body is a buffer or a file read with pread, as the S3
+ *    client's upload takes it (src/s3.h), so its parts can go in parallel;
  *  - a checkpoint file read with every checksum checked as its bytes pass (so a
  *    damaged memory file never becomes a durable one);
  *  - what a destination holds of one store (its files, checked once, and LATEST),
@@ -29,22 +30,26 @@
 
 typedef struct amber__dest amber__dest;
 
-/* The bytes of a file being put, in order: each call gives the next *n bytes at *p
- * (valid until the next call), *n 0 at the end. A failure (a checksum that does not
- * match) returns its AMBER_E* code with the message in `e`; the put then makes
- * nothing visible. */
-typedef int (*amber__pull_fn)(void *ctx, amber__err *e, const void **p, size_t *n);
+/* What a put writes: `len` bytes of `buf`, or of the file `fd` from offset 0 when buf
+ * is NULL (read with pread, so that a destination may read parts in parallel, or
+ * again after a failure; the file must not change until the put returns). `wrote`
+ * (may be NULL) hears of the bytes written as the put goes. */
+typedef struct amber__body {
+  const void *buf;
+  int fd;
+  uint64_t len;
+  void (*wrote)(void *arg, uint64_t bytes);
+  void *arg;
+} amber__body;
 
 /* Names are relative to the destination's root, with '/' between a rank store and
  * its file ("rank-00003/ckpt-...amber", "step-....manifest", "GLOBAL", "LATEST").
  * Every function reports its failure into `e`, naming the destination and the file. */
 typedef struct amber__dest_ops {
-  /* Writes object `name` of `size` bytes pulled from `pull` so that it is visible
-   * whole or not at all, and durable when put returns (a directory: a temporary
-   * file, fsync, rename over `name`, fsync of its directory). AMBER_ENOSPC when the
-   * destination is full. */
-  int (*put)(amber__dest *d, amber__err *e, const char *name, uint64_t size,
-             amber__pull_fn pull, void *ctx);
+  /* Writes object `name` from `body` so that it is visible whole or not at all, and
+   * durable when put returns (a directory: a temporary file, fsync, rename over
+   * `name`, fsync of its directory). AMBER_ENOSPC when the destination is full. */
+  int (*put)(amber__dest *d, amber__err *e, const char *name, const amber__body *body);
   /* *size of `name`; AMBER_ENOENT when there is none. */
   int (*stat)(amber__dest *d, amber__err *e, const char *name, uint64_t *size);
   /* Reads `len` bytes at `off` of `name`: AMBER_ENOENT when there is none,
@@ -53,7 +58,8 @@ typedef struct amber__dest_ops {
               size_t len);
   /* The names directly under `prefix` ("" or "rank-00003/"), without it: *names
    * (one malloc'd array of *n strings, freed with amber__names_list_free). */
-  int (*list)(amber__dest *d, amber__err *e, const char *prefix, char ***names, size_t *n);
+  int (*list)(amber__dest *d, amber__err *e, const char *prefix, char ***names,
+              size_t *n);
   /* Removes `name`; no error when there is none. */
   int (*remove)(amber__dest *d, amber__err *e, const char *name);
   /* Claims store `store` ("" or "rank-00003") for this destination handle until it
@@ -89,11 +95,14 @@ int amber__dest_get(amber__dest *d, amber__err *e, const char *name, size_t max,
 /* Reads opened checkpoint file `c` front to back, in blocks: every chunk's payload
  * checksum, the header, the index checksum and the footer are checked against what
  * the open decoded as the bytes pass (AMBER_ECORRUPT naming the file and the chunk),
- * so whoever pulls the last block has the whole file checked. An amber__pull_fn. */
+ * so whoever pulls the last block has the whole file checked. Each pull gives the
+ * next *n bytes at *p (valid until the next pull), *n 0 at the end. */
 typedef struct amber__vsrc amber__vsrc;
 int amber__vsrc_open(amber__vsrc **out, amber__err *e, const amber__ckpt *c);
-int amber__vsrc_pull(void *ctx, amber__err *e, const void **p, size_t *n);
+int amber__vsrc_pull(amber__vsrc *v, amber__err *e, const void **p, size_t *n);
 void amber__vsrc_close(amber__vsrc *v);
+/* Reads `c` whole through a vsrc: 0 when every check passes. */
+int amber__vsrc_check(amber__err *e, const amber__ckpt *c);
 
 /* ---- what a destination holds of one store ---- */
 
@@ -125,7 +134,7 @@ int amber__dview_latest(amber__dview *v, amber__err *e, uint64_t *step, uint64_t
 /* Progress of the copies of one drain or pack: bytes and files copied; with
  * `total` set, each block is reported to the progress hook as "drain". */
 typedef struct amber__tcount {
-  uint64_t bytes, files, total, base;
+  uint64_t bytes, files, total;
 } amber__tcount;
 
 /* The chain of step `step` of store `st`, whose file must carry state id `state`:

@@ -118,8 +118,10 @@ static int want_state(const char *memory, int32_t rank, amber_store *st, amber__
       }
       *state = m->ranks[rank].hash;
       if (m->ranks[rank].step != want)
-        return amber__fail(e, AMBER_ECORRUPT, "manifest of step %" PRIu64 " names rank %d's "
-                           "step %" PRIu64, want, (int)rank, m->ranks[rank].step);
+        return amber__fail(e, AMBER_ECORRUPT,
+                           "manifest of step %" PRIu64 " names rank %d's "
+                           "step %" PRIu64,
+                           want, (int)rank, m->ranks[rank].step);
       return 0;
     }
   }
@@ -127,8 +129,10 @@ static int want_state(const char *memory, int32_t rank, amber_store *st, amber__
   int rc = amber__store_state(st, e, &latest, &lstate);
   if (rc) return rc;
   if (want > latest)
-    return amber__fail(e, AMBER_ENOENT, "step %" PRIu64 " is not committed in %s (its LATEST "
-                       "is %" PRIu64 ")", want, st->path, latest);
+    return amber__fail(e, AMBER_ENOENT,
+                       "step %" PRIu64 " is not committed in %s (its LATEST "
+                       "is %" PRIu64 ")",
+                       want, st->path, latest);
   if (want == latest) {
     *state = lstate;
     return 0;
@@ -146,8 +150,10 @@ int amber_tier_pack(const char *memory, int32_t rank, uint64_t have, uint64_t wa
     return amber__fail(NULL, AMBER_EINVAL, "amber_tier_pack: bad argument");
   *blob = NULL, *len = 0;
   char path[4200];
-  if (rank >= 0) snprintf(path, sizeof path, "%s/rank-%05d", memory, (int)rank);
-  else snprintf(path, sizeof path, "%s", memory);
+  if (rank >= 0)
+    snprintf(path, sizeof path, "%s/rank-%05d", memory, (int)rank);
+  else
+    snprintf(path, sizeof path, "%s", memory);
   amber_store_opts so;
   amber_store_opts_init(&so);
   so.flags = AMBER_OPEN_READONLY;
@@ -170,12 +176,14 @@ int amber_tier_pack(const char *memory, int32_t rank, uint64_t have, uint64_t wa
     amber__global_manifest_path(memory, want, mp, sizeof mp);
     rc = amber__read_small(mp, &e, &mbytes, &mlen, (size_t)1 << 32);
   }
-  if (!rc && !(f = calloc(n + 3, sizeof *f))) rc = amber__fail(&e, AMBER_ENOMEM, "out of memory");
+  if (!rc && !(f = calloc(n + 3, sizeof *f)))
+    rc = amber__fail(&e, AMBER_ENOMEM, "out of memory");
   char prefix[24] = "", line[AMBER__LATEST_MAX];
   uint8_t g[AMBER__GLOBAL_SIZE];
   if (rank >= 0) snprintf(prefix, sizeof prefix, "rank-%05d/", (int)rank);
   for (size_t i = n; !rc && i-- > 0; nf++) { /* oldest first */
-    snprintf(f[nf].name, sizeof f[nf].name, "%sckpt-%020" PRIu64 ".amber", prefix, c[i].hdr.step);
+    snprintf(f[nf].name, sizeof f[nf].name, "%sckpt-%020" PRIu64 ".amber", prefix,
+             c[i].hdr.step);
     f[nf].len = c[i].size, f[nf].ck = &c[i];
   }
   if (!rc && have_m) {
@@ -192,10 +200,12 @@ int amber_tier_pack(const char *memory, int32_t rank, uint64_t have, uint64_t wa
     f[nf].len = sizeof g, f[nf++].data = g;
   }
   uint64_t total = PK_HEADER;
-  for (size_t i = 0; !rc && i < nf; i++) total += frame_size(&f[i]);
+  for (size_t i = 0; !rc && i < nf; i++)
+    total += frame_size(&f[i]);
   uint8_t *b = NULL;
   if (!rc && (total > SIZE_MAX || !(b = malloc((size_t)total))))
-    rc = amber__fail(&e, AMBER_ENOMEM, "out of memory for a blob of %" PRIu64 " bytes", total);
+    rc = amber__fail(&e, AMBER_ENOMEM, "out of memory for a blob of %" PRIu64 " bytes",
+                     total);
   if (!rc) {
     memcpy(b, PK_MAGIC, 8);
     amber__put32(b + 8, PK_VERSION);
@@ -234,27 +244,37 @@ static int check_ckpt(amber__err *e, const uframe *f) {
   amber__header h;
   amber__footer ft;
   if (f->len < AMBER__HEADER_SIZE + AMBER__INDEX_FIXED + AMBER__FOOTER_SIZE)
-    return amber__fail(e, AMBER_ECORRUPT, "%s: %" PRIu64 " bytes is too short", f->name, f->len);
+    return amber__fail(e, AMBER_ECORRUPT, "%s: %" PRIu64 " bytes is too short", f->name,
+                       f->len);
   int rc = amber__header_decode(e, f->name, f->data, &h);
-  if (!rc) rc = amber__footer_decode(e, f->name, f->data + f->len - AMBER__FOOTER_SIZE, f->len, &ft);
+  if (!rc)
+    rc = amber__footer_decode(e, f->name, f->data + f->len - AMBER__FOOTER_SIZE, f->len,
+                              &ft);
   if (!rc && h.step != f->step)
     rc = amber__fail(e, AMBER_ECORRUPT, "%s holds step %" PRIu64, f->name, h.step);
-  if (!rc && amber__xxh3(f->data + ft.index_offset, (size_t)ft.index_size) != ft.index_checksum)
+  if (!rc &&
+      amber__xxh3(f->data + ft.index_offset, (size_t)ft.index_size) != ft.index_checksum)
     rc = amber__fail(e, AMBER_ECORRUPT, "%s: index checksum mismatch", f->name);
   return rc;
 }
 
 /* Parses and checks the whole blob: *out (malloc'd) gets its frames. */
-static int parse_blob(amber__err *e, const uint8_t *b, size_t len, uframe **out, size_t *n) {
+static int parse_blob(amber__err *e, const uint8_t *b, size_t len, uframe **out,
+                      size_t *n) {
   *out = NULL, *n = 0;
-  if (len < PK_HEADER || memcmp(b, PK_MAGIC, 8) || amber__get64(b + 24) != amber__xxh3(b, 24))
-    return amber__fail(e, AMBER_ECORRUPT, "blob: not a pack (bad magic or header checksum)");
+  if (len < PK_HEADER || memcmp(b, PK_MAGIC, 8) ||
+      amber__get64(b + 24) != amber__xxh3(b, 24))
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "blob: not a pack (bad magic or header checksum)");
   if (amber__get32(b + 8) != PK_VERSION)
-    return amber__fail(e, AMBER_EFORMAT, "blob: pack version %u is unknown (this library "
-                       "reads %d)", amber__get32(b + 8), PK_VERSION);
+    return amber__fail(e, AMBER_EFORMAT,
+                       "blob: pack version %u is unknown (this library "
+                       "reads %d)",
+                       amber__get32(b + 8), PK_VERSION);
   uint32_t count = amber__get32(b + 12);
   if (amber__get64(b + 16) != len || count > (len - PK_HEADER) / (PK_FRAME + 9))
-    return amber__fail(e, AMBER_ECORRUPT, "blob: its length or frame count is wrong "
+    return amber__fail(e, AMBER_ECORRUPT,
+                       "blob: its length or frame count is wrong "
                        "(truncated?)");
   uframe *f = calloc(count ? count : 1, sizeof *f);
   if (!f) return amber__fail(e, AMBER_ENOMEM, "out of memory");
@@ -263,10 +283,12 @@ static int parse_blob(amber__err *e, const uint8_t *b, size_t len, uframe **out,
   for (uint32_t i = 0; !rc && i < count; i++) {
     const uint8_t *p = b + o;
     size_t left = len - o;
-    uint64_t nl = left >= PK_FRAME ? amber__get16(p) : 0, dl = left >= PK_FRAME ? amber__get64(p + 8) : 0;
+    uint64_t nl = left >= PK_FRAME ? amber__get16(p) : 0,
+             dl = left >= PK_FRAME ? amber__get64(p + 8) : 0;
     if (left < PK_FRAME || amber__get16(p + 2) || amber__get32(p + 4) || !nl ||
         nl > PK_NAME_MAX || dl > left || left - dl < PK_FRAME + nl + 8) {
-      rc = amber__fail(e, AMBER_ECORRUPT, "blob: frame %u is malformed or runs past the end", i);
+      rc = amber__fail(e, AMBER_ECORRUPT,
+                       "blob: frame %u is malformed or runs past the end", i);
       break;
     }
     uframe *u = &f[i];
@@ -291,14 +313,15 @@ static int parse_blob(amber__err *e, const uint8_t *b, size_t len, uframe **out,
         rc = amber__fail(e, AMBER_ECORRUPT, "%s holds step %" PRIu64, u->name, m.step);
       if (!rc) amber__manifest_free(&m);
     } else if (u->kind == F_LATEST) {
-      rc = amber__latest_decode(e, u->name, (const char *)u->data, (size_t)u->len, &u->step,
-                                &u->state);
+      rc = amber__latest_decode(e, u->name, (const char *)u->data, (size_t)u->len,
+                                &u->step, &u->state);
     } else {
       rc = amber__global_decode(e, u->name, u->data, (size_t)u->len, &u->step);
     }
     o += PK_FRAME + nl + dl + 8;
   }
-  if (!rc && o != len) rc = amber__fail(e, AMBER_ECORRUPT, "blob: bytes after its last frame");
+  if (!rc && o != len)
+    rc = amber__fail(e, AMBER_ECORRUPT, "blob: bytes after its last frame");
   if (rc) {
     free(f);
     return rc;
@@ -315,12 +338,16 @@ static int install_latest(amber__dest *d, amber__err *e, const uframe *u) {
   int rc = amber__dview_has(&v, e, u->step, u->state);
   uint64_t cur, cur_state;
   if (rc == 0)
-    rc = amber__fail(e, AMBER_EPARENT, "%s names step %" PRIu64 ", whose chain %s/%s does not "
-                     "hold whole", u->name, u->step, d->where, v.prefix[0] ? v.prefix : ".");
+    rc = amber__fail(e, AMBER_EPARENT,
+                     "%s names step %" PRIu64 ", whose chain %s/%s does not "
+                     "hold whole",
+                     u->name, u->step, d->where, v.prefix[0] ? v.prefix : ".");
   if (rc == 1) {
     rc = amber__dview_latest(&v, e, &cur, &cur_state);
-    if (rc == 0 && cur > u->step) rc = 1; /* newer already */
-    else rc = amber__dest_put_bytes(d, e, u->name, u->data, (size_t)u->len);
+    if (rc == 0 && cur > u->step)
+      rc = 1; /* newer already */
+    else
+      rc = amber__dest_put_bytes(d, e, u->name, u->data, (size_t)u->len);
   }
   amber__dview_free(&v);
   return rc < 0 ? rc : 0;
@@ -332,8 +359,10 @@ static int install_global(amber__dest *d, amber__err *e, const uframe *u) {
   snprintf(name, sizeof name, "step-%020" PRIu64 ".manifest", u->step);
   amber__err scratch;
   if (d->ops->stat(d, &scratch, name, &size))
-    return amber__fail(e, AMBER_EPARENT, "GLOBAL names step %" PRIu64 ", whose manifest %s/%s "
-                       "is missing", u->step, d->where, name);
+    return amber__fail(e, AMBER_EPARENT,
+                       "GLOBAL names step %" PRIu64 ", whose manifest %s/%s "
+                       "is missing",
+                       u->step, d->where, name);
   uint8_t *b;
   size_t len;
   if (amber__dest_get(d, &scratch, "GLOBAL", 4096, &b, &len) == 0) {
@@ -345,7 +374,8 @@ static int install_global(amber__dest *d, amber__err *e, const uframe *u) {
 }
 
 int amber_tier_unpack(const char *dir, const void *blob, size_t len) {
-  if (!dir || (!blob && len)) return amber__fail(NULL, AMBER_EINVAL, "amber_tier_unpack: NULL");
+  if (!dir || (!blob && len))
+    return amber__fail(NULL, AMBER_EINVAL, "amber_tier_unpack: NULL");
   amber__err e;
   uframe *f;
   size_t n;
@@ -362,8 +392,10 @@ int amber_tier_unpack(const char *dir, const void *blob, size_t len) {
         amber__dview_init(&v, d, u->rank);
         rc = amber__dview_has(&v, &e, u->step, u->state);
         amber__dview_free(&v);
-        if (rc == 0) rc = amber__dest_put_bytes(d, &e, u->name, u->data, (size_t)u->len);
-        else if (rc == 1) rc = 0;
+        if (rc == 0)
+          rc = amber__dest_put_bytes(d, &e, u->name, u->data, (size_t)u->len);
+        else if (rc == 1)
+          rc = 0;
       } else if (pass == 0 && u->kind == F_MANIFEST) {
         rc = amber__dest_put_bytes(d, &e, u->name, u->data, (size_t)u->len);
       } else if (pass == 1 && u->kind == F_LATEST) {
@@ -404,12 +436,14 @@ static int store_holding(const char *path, int32_t rank, amber_tier_holding *h) 
   rc = amber__store_steps(st, NULL, has_latest ? latest : AMBER_NO_STEP, &steps, &n);
   hfile *fs = rc ? NULL : calloc(n ? n : 1, sizeof *fs);
   if (!rc && !fs) rc = amber__fail(NULL, AMBER_ENOMEM, "out of memory");
-  for (size_t i = 0; !rc && i < n; i++) fs[i].step = steps[i];
+  for (size_t i = 0; !rc && i < n; i++)
+    fs[i].step = steps[i];
   free(steps);
   for (size_t i = 0; !rc && i < n; i++) {
     amber__ckpt c;
     if (amber__ckpt_open(NULL, st, fs[i].step, &c) != 0) continue;
-    fs[i].ok = 1, fs[i].state = c.ftr.state_id, fs[i].full = c.hdr.kind == AMBER_KIND_FULL;
+    fs[i].ok = 1, fs[i].state = c.ftr.state_id,
+    fs[i].full = c.hdr.kind == AMBER_KIND_FULL;
     fs[i].parent = c.hdr.parent_step, fs[i].parent_state = c.hdr.parent_state;
     amber__ckpt_close(&c);
     if (fs[i].full) {
@@ -423,11 +457,13 @@ static int store_holding(const char *path, int32_t rank, amber_tier_holding *h) 
   if (has_latest && n && fs[n - 1].step == latest && fs[n - 1].state != lstate)
     fs[n - 1].valid = 0; /* LATEST names another file than the one there */
   size_t top = n;
-  while (top > 0 && !fs[top - 1].valid) top--;
+  while (top > 0 && !fs[top - 1].valid)
+    top--;
   if (top > 0) {
     h->step = fs[top - 1].step, h->state = fs[top - 1].state;
     size_t low = top - 1;
-    while (low > 0 && fs[low - 1].valid) low--;
+    while (low > 0 && fs[low - 1].valid)
+      low--;
     h->oldest = fs[low].step;
   }
   free(fs);
@@ -441,10 +477,12 @@ static int cmp_u32(const void *a, const void *b) {
 }
 
 int amber_tier_holdings(const char *dir, amber_tier_holding **out, size_t *n) {
-  if (!dir || !out || !n) return amber__fail(NULL, AMBER_EINVAL, "amber_tier_holdings: NULL");
+  if (!dir || !out || !n)
+    return amber__fail(NULL, AMBER_EINVAL, "amber_tier_holdings: NULL");
   *out = NULL, *n = 0;
   DIR *dd = opendir(dir);
-  if (!dd) return amber__fail(NULL, amber__errno_code(errno), "%s: %s", dir, strerror(errno));
+  if (!dd)
+    return amber__fail(NULL, amber__errno_code(errno), "%s: %s", dir, strerror(errno));
   uint32_t *ranks = NULL;
   uint64_t *steps = NULL;
   size_t nr = 0, ns = 0, cr = 0;
@@ -453,7 +491,8 @@ int amber_tier_holdings(const char *dir, amber_tier_holding **out, size_t *n) {
   while (!rc && (de = readdir(dd))) {
     uint32_t r;
     uint64_t s;
-    if (amber__parse_manifest_name(de->d_name, &s) || !strcmp(de->d_name, "GLOBAL")) multi = 1;
+    if (amber__parse_manifest_name(de->d_name, &s) || !strcmp(de->d_name, "GLOBAL"))
+      multi = 1;
     if (!amber__parse_rank_name(de->d_name, &r)) continue;
     multi = 1;
     if (nr == cr) {
@@ -482,7 +521,8 @@ int amber_tier_holdings(const char *dir, amber_tier_holding **out, size_t *n) {
   if (!rc && ns && amber__global_read_latest(dir, NULL, &g)) g = AMBER_NO_STEP;
   for (size_t i = 0; !rc && i < ns; i++) {
     amber__manifest m;
-    if (amber__global_load_manifest(dir, steps[i], NULL, &m)) continue; /* damaged: not held */
+    if (amber__global_load_manifest(dir, steps[i], NULL, &m))
+      continue; /* damaged: not held */
     amber__manifest_free(&m);
     amber_tier_holding *e = &h[k++];
     memset(e, 0, sizeof *e);

@@ -39,10 +39,12 @@ __attribute__((format(printf, 1, 2))) static result cli(const char *fmt, ...) {
   snprintf(o, sizeof o, "%s/stdout", dir);
   snprintf(e, sizeof e, "%s/stderr", dir);
   result r;
-  r.rc = tu_system("AMBER_PROGRESS=0 '%s' %s >'%s' 2>'%s'", AMBER_CLI, args, o, e);
+  r.rc = tu_system("AMBER_PROGRESS=${AMBER_PROGRESS:-0} '%s' %s >'%s' 2>'%s'", AMBER_CLI,
+                   args, o, e);
   r.out = slurp(o);
   r.err = slurp(e);
-  if (getenv("AMBER_TEST_VERBOSE")) fprintf(stderr, "$ amber %s\n%s%s", args, r.out, r.err);
+  if (getenv("AMBER_TEST_VERBOSE"))
+    fprintf(stderr, "$ amber %s\n%s%s", args, r.out, r.err);
   return r;
 }
 
@@ -54,7 +56,7 @@ static void done(result *r) {
 #define CHECK_EXIT(r, want)                                                              \
   do {                                                                                   \
     CHECK((r).rc == (want));                                                             \
-    if ((r).rc != (want)) fprintf(stderr, "  exit %d; stderr: %s", (r).rc, (r).err);      \
+    if ((r).rc != (want)) fprintf(stderr, "  exit %d; stderr: %s", (r).rc, (r).err);     \
   } while (0)
 
 /* The line of `text` that starts with step `step` in its first column. */
@@ -82,18 +84,23 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
   snprintf(dur, sizeof dur, "%s/durable", t);
   job j;
   job_open(&j, mem, 4); /* fulls at 1, 6 */
-  for (uint64_t s = 1; s <= 8; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 8; s++)
+    job_save(&j, s, 0);
   /* before any drain: no TIERS, the listing as it always was */
   result r = cli("ls '%s'", mem);
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "tiers") == NULL && row(r.out, 8));
   char *plain = strdup(r.out);
   done(&r);
+  setenv("AMBER_PROGRESS", "1", 1); /* progress lines, as on a terminal */
   r = cli("drain '%s' '%s'", mem, dur);
+  unsetenv("AMBER_PROGRESS");
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "every committed step is durable") && strstr(r.out, "step 8"));
+  CHECK(strstr(r.err, "drain ") && strstr(r.err, "100% of"));
   done(&r);
-  for (uint64_t s = 1; s <= 8; s++) check_step(dur, s);
+  for (uint64_t s = 1; s <= 8; s++)
+    check_step(dur, s);
   job_save(&j, 9, 0); /* committed to memory only */
   r = cli("ls '%s'", mem);
   CHECK_EXIT(r, 0);
@@ -141,7 +148,8 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
   char other[2100];
   snprintf(other, sizeof other, "%s/other", t);
   job_open(&j, other, 4);
-  for (uint64_t s = 1; s <= 8; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 8; s++)
+    job_save(&j, s, 0);
   job_close(&j);
   r = cli("ls '%s'", other);
   CHECK_EXIT(r, 0);
@@ -163,7 +171,8 @@ static void test_drain_of_a_multi_rank_memory_tier(void) {
   CHECK(o && json_integer_value(json_object_get(o, "durable_step")) == 5);
   json_decref(o);
   done(&r);
-  for (uint64_t s = 1; s <= 5; s++) g_check(dur, s);
+  for (uint64_t s = 1; s <= 5; s++)
+    g_check(dur, s);
   r = cli("ls '%s'", mem);
   CHECK_EXIT(r, 0);
   CHECK(row_tiers(r.out, 1, "durable") && row_tiers(r.out, 5, "memory,durable"));

@@ -20,7 +20,6 @@
 #include "tier.h"
 #include "tier_job.h"
 
-
 static int has_file(const char *dir, uint64_t step) {
   char p[4400];
   struct stat sb;
@@ -40,14 +39,17 @@ static void test_drain_run_makes_every_committed_step_durable_and_identical(void
   paths(mem, dur, sizeof mem);
   job j;
   job_open(&j, mem, 4);
-  for (uint64_t s = 1; s <= 10; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 10; s++)
+    job_save(&j, s, 0);
   job_close(&j);
   CHECK_OK(amber_drain_run(mem, dur, NULL));
   uint64_t steps[MAXSTEP];
   size_t n = steps_of(dur, steps);
   CHECK(n == 10);
-  for (size_t i = 0; i < n; i++) CHECK(steps[i] == i + 1);
-  for (uint64_t s = 1; s <= 10; s++) check_step(dur, s);
+  for (size_t i = 0; i < n; i++)
+    CHECK(steps[i] == i + 1);
+  for (uint64_t s = 1; s <= 10; s++)
+    check_step(dur, s);
   /* The memory tier keeps the chain of its newest step (6 full, 7..10), no more. */
   check_only_newest_chain(mem, 10);
   CHECK(steps_of(mem, steps) == 5);
@@ -81,7 +83,8 @@ static void test_background_drain_follows_commits_and_flush_waits_for_them(void)
   CHECK(ds.memory_step == 12 && ds.durable_step == 12);
   CHECK(ds.lag_steps == 0 && ds.lag_bytes == 0);
   CHECK(ds.drained_files == 12 && ds.drained_bytes > 0 && ds.error == 0);
-  for (uint64_t s = 1; s <= 12; s++) check_step(dur, s);
+  for (uint64_t s = 1; s <= 12; s++)
+    check_step(dur, s);
   /* the writer's store: only the chain of 12 remains (7 full, 8..12), and the writer
    * goes on */
   check_only_newest_chain(mem, 12);
@@ -115,7 +118,8 @@ static void *watcher(void *arg) {
       if (latest < last) w->bad++;
       if (latest != last) {
         amber_reader *r = NULL;
-        if (amber_reader_open(&r, st, latest, NULL) != 0 || amber_reader_verify(r) != 0) w->bad++;
+        if (amber_reader_open(&r, st, latest, NULL) != 0 || amber_reader_verify(r) != 0)
+          w->bad++;
         amber_reader_close(r);
         w->seen++;
       }
@@ -131,7 +135,8 @@ static void test_steps_become_durable_in_commit_order_pointer_last(void) {
   paths(mem, dur, sizeof mem);
   job j;
   job_open(&j, mem, 3);
-  for (uint64_t s = 1; s <= 15; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 15; s++)
+    job_save(&j, s, 0);
   watch w = {.dur = dur};
   mkdir(dur, 0755);
   pthread_t th;
@@ -152,7 +157,8 @@ static void test_a_drain_resumes_what_an_earlier_one_left(void) {
   paths(mem, dur, sizeof mem);
   job j;
   job_open(&j, mem, 4);
-  for (uint64_t s = 1; s <= 8; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 8; s++)
+    job_save(&j, s, 0);
   /* The first drain fails after 5 puts (3 files with their pointers): 1, 2 durable. */
   amber__tier_inject(0, 5, EIO);
   CHECK_RC(amber_drain_run(mem, dur, NULL), AMBER_EIO);
@@ -172,7 +178,8 @@ static void test_a_drain_resumes_what_an_earlier_one_left(void) {
   CHECK_OK(amber_drain_close(d));
   CHECK(access(p, F_OK) != 0);
   CHECK(steps_of(dur, steps) == 8);
-  for (uint64_t s = 1; s <= 8; s++) check_step(dur, s);
+  for (uint64_t s = 1; s <= 8; s++)
+    check_step(dur, s);
   job_close(&j);
 }
 
@@ -199,7 +206,8 @@ static void lag_run(const amber_drain_opts *o, uint64_t *max_steps, uint64_t *ma
   CHECK_OK(amber_drain_flush(d, 60));
   CHECK_OK(amber_drain_close(d));
   job_close(&j);
-  for (uint64_t s = 1; s <= 10; s++) check_step(dur, s);
+  for (uint64_t s = 1; s <= 10; s++)
+    check_step(dur, s);
   tu_rm_rf(mem);
   tu_rm_rf(dur);
 }
@@ -258,7 +266,8 @@ static void test_budget_asks_for_a_full_then_shrinks(void) {
   CHECK_OK(amber_drain_close(d)); /* after the unit in progress, its retention too */
   uint64_t steps[MAXSTEP];
   CHECK(steps_of(mem, steps) == 1 && steps[0] == s);
-  for (uint64_t k = 1; k <= s; k++) check_step(dur, k);
+  for (uint64_t k = 1; k <= s; k++)
+    check_step(dur, k);
   job_close(&j);
 }
 
@@ -295,7 +304,8 @@ static void test_a_full_durable_disk_is_a_sticky_error_that_loses_nothing(void) 
   paths(mem, dur, sizeof mem);
   mkdir(dur, 0755);
   int mounted = mount("tmpfs", dur, "tmpfs", 0, "size=300k") == 0;
-  if (!mounted) printf("     (cannot mount tmpfs: %s; the failure is injected)\n", strerror(errno));
+  if (!mounted)
+    printf("     (cannot mount tmpfs: %s; the failure is injected)\n", strerror(errno));
   job j;
   job_open(&j, mem, 3); /* fulls of ~80 kB every third step */
   amber_drain *d = NULL;
@@ -318,22 +328,52 @@ static void test_a_full_durable_disk_is_a_sticky_error_that_loses_nothing(void) 
   uint64_t steps[MAXSTEP], msteps[MAXSTEP];
   size_t nd = steps_of(dur, steps), nm = steps_of(mem, msteps);
   CHECK(nd >= 1 && nm >= 1);
-  for (size_t i = 0; i < nd; i++) check_step(dur, steps[i]);
+  for (size_t i = 0; i < nd; i++)
+    check_step(dur, steps[i]);
   /* every step is in one tier or the other, and each of the memory's restores */
   for (uint64_t k = 1; k <= s; k++) {
     int in = 0;
-    for (size_t i = 0; i < nd; i++) in |= steps[i] == k;
-    for (size_t i = 0; i < nm; i++) in |= msteps[i] == k;
+    for (size_t i = 0; i < nd; i++)
+      in |= steps[i] == k;
+    for (size_t i = 0; i < nm; i++)
+      in |= msteps[i] == k;
     CHECK(in);
   }
-  for (size_t i = 0; i < nm; i++) check_step(mem, msteps[i]);
-  if (mounted) CHECK(mount("tmpfs", dur, "tmpfs", MS_REMOUNT, "size=8m") == 0);
-  else amber__tier_inject(0, -1, 0);
+  for (size_t i = 0; i < nm; i++)
+    check_step(mem, msteps[i]);
+  if (mounted)
+    CHECK(mount("tmpfs", dur, "tmpfs", MS_REMOUNT, "size=8m") == 0);
+  else
+    amber__tier_inject(0, -1, 0);
   CHECK_OK(amber_drain_run(mem, NULL, NULL));
   CHECK(steps_of(dur, steps) == s);
-  for (uint64_t k = 1; k <= s; k++) check_step(dur, k);
+  for (uint64_t k = 1; k <= s; k++)
+    check_step(dur, k);
   job_close(&j);
   if (mounted) umount2(dur, MNT_DETACH);
+}
+
+/* A memory file damaged after its commit fails the drain at that step, naming the
+ * file, and never becomes durable: the durable tier stops at the step before. */
+static void test_a_damaged_memory_file_never_becomes_durable(void) {
+  char mem[2048], dur[2048], p[4400];
+  paths(mem, dur, sizeof mem);
+  job j;
+  job_open(&j, mem, 100);
+  for (uint64_t s = 1; s <= 4; s++)
+    job_save(&j, s, 0);
+  job_close(&j);
+  snprintf(p, sizeof p, "%s/ckpt-00000000000000000003.amber", mem);
+  CHECK(tu_flip_byte(p, 100, 0x04) ==
+        0); /* a payload byte: only its chunk's checksum sees it */
+  CHECK_RC(amber_drain_run(mem, dur, NULL), AMBER_ECORRUPT);
+  CHECK(strstr(amber_last_error(NULL), "ckpt-00000000000000000003.amber") &&
+        strstr(amber_last_error(NULL), "checksum"));
+  uint64_t steps[MAXSTEP];
+  CHECK(steps_of(dur, steps) == 2);
+  CHECK(!has_file(dur, 3));
+  CHECK(has_file(mem, 3) &&
+        has_file(mem, 1)); /* the memory tier keeps what is not durable */
 }
 
 static void test_drain_refuses_what_it_must(void) {
@@ -344,7 +384,8 @@ static void test_drain_refuses_what_it_must(void) {
   job_save(&j, 1, 0);
   amber_drain *a = NULL, *b = NULL;
   CHECK_OK(amber_drain_start(&a, mem, dur, NULL));
-  CHECK_RC(amber_drain_start(&b, mem, dur, NULL), AMBER_ELOCKED); /* one drain per store */
+  CHECK_RC(amber_drain_start(&b, mem, dur, NULL),
+           AMBER_ELOCKED); /* one drain per store */
   CHECK(strstr(amber_last_error(NULL), ".lock") != NULL);
   CHECK_RC(amber_drain_run(mem, dur, NULL), AMBER_ELOCKED);
   CHECK_OK(amber_drain_close(a));
@@ -363,6 +404,10 @@ static void test_drain_refuses_what_it_must(void) {
   CHECK(tu_write_file(p, "x", 1) == 0);
   CHECK_RC(amber_drain_run(mem, other, NULL), AMBER_EINVAL);
   CHECK(strstr(amber_last_error(NULL), "multi-rank") != NULL);
+  CHECK_RC(amber_drain_run(mem, mem, NULL), AMBER_EINVAL); /* one directory: never */
+  CHECK(strstr(amber_last_error(NULL), "one directory") != NULL);
+  uint64_t steps[MAXSTEP];
+  CHECK(steps_of(mem, steps) == 1);
   /* no memory tier; a memory tier that records none */
   snprintf(p, sizeof p, "%s/none", tu_tmpdir());
   CHECK_RC(amber_drain_run(p, dur, NULL), AMBER_ENOENT);
@@ -376,7 +421,8 @@ static void test_tiers_file_is_read_strictly_and_breaks_no_reader(void) {
   paths(mem, dur, sizeof mem);
   job j;
   job_open(&j, mem, 4);
-  for (uint64_t s = 1; s <= 3; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 3; s++)
+    job_save(&j, s, 0);
   CHECK_OK(amber_drain_run(mem, dur, NULL));
   /* the memory tier reads, lists and verifies as any store, TIERS or not */
   check_step(mem, 3);
@@ -391,7 +437,9 @@ static void test_tiers_file_is_read_strictly_and_breaks_no_reader(void) {
     int rc;
   } cases[] = {
       {"{\"amber.tiers\": 1, \"durable\": \"/a/\\\"b\\u0001\"}", 0},
-      {"{\"durable\":\"/x\",\"amber.tiers\":1,\"later\":{\"k\":[1,2,{\"a\":null}]},\"t\":true}", 0},
+      {"{\"durable\":\"/"
+       "x\",\"amber.tiers\":1,\"later\":{\"k\":[1,2,{\"a\":null}]},\"t\":true}",
+       0},
       {"{\"amber.tiers\": 2, \"durable\": \"/x\"}", AMBER_EFORMAT},
       {"{\"amber.tiers\": 1}", AMBER_ECORRUPT},
       {"{\"amber.tiers\": 1, \"durable\": \"\"}", AMBER_ECORRUPT},
@@ -430,6 +478,7 @@ int main(void) {
   TEST_RUN(test_budget_asks_for_a_full_then_shrinks);
   TEST_RUN(test_a_budget_smaller_than_a_full_is_a_clear_sticky_error);
   TEST_RUN(test_a_full_durable_disk_is_a_sticky_error_that_loses_nothing);
+  TEST_RUN(test_a_damaged_memory_file_never_becomes_durable);
   TEST_RUN(test_drain_refuses_what_it_must);
   TEST_RUN(test_tiers_file_is_read_strictly_and_breaks_no_reader);
   return tu_finish();

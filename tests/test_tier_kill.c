@@ -37,8 +37,10 @@ static int count_tmp(const char *dir) {
     if (e->d_name[0] == '.') continue;
     char sub[4200];
     snprintf(sub, sizeof sub, "%s/%s", dir, e->d_name);
-    if (len > 4 && !strcmp(e->d_name + len - 4, ".tmp")) n++;
-    else if (!strncmp(e->d_name, "rank-", 5)) n += count_tmp(sub);
+    if (len > 4 && !strcmp(e->d_name + len - 4, ".tmp"))
+      n++;
+    else if (!strncmp(e->d_name, "rank-", 5))
+      n += count_tmp(sub);
   }
   closedir(d);
   return n;
@@ -70,10 +72,12 @@ static uint64_t check_single(const char *mem, const char *dur) {
     CHECK(ds[i] == i + 1); /* commit order: a prefix */
     check_step(dur, ds[i]);
   }
-  for (size_t i = 0; i < nm; i++) check_step(mem, ms[i]);
+  for (size_t i = 0; i < nm; i++)
+    check_step(mem, ms[i]);
   for (uint64_t k = 1; k <= STEPS; k++) {
     int in = k <= nd;
-    for (size_t i = 0; i < nm; i++) in |= ms[i] == k;
+    for (size_t i = 0; i < nm; i++)
+      in |= ms[i] == k;
     CHECK(in);
   }
   return nd;
@@ -86,10 +90,12 @@ static uint64_t check_multi(const char *mem, const char *dur) {
     CHECK(ds[i] == i + 1);
     g_check(dur, ds[i]);
   }
-  for (size_t i = 0; i < nm; i++) g_check(mem, ms[i]);
+  for (size_t i = 0; i < nm; i++)
+    g_check(mem, ms[i]);
   for (uint64_t k = 1; k <= STEPS; k++) {
     int in = k <= nd;
-    for (size_t i = 0; i < nm; i++) in |= ms[i] == k;
+    for (size_t i = 0; i < nm; i++)
+      in |= ms[i] == k;
     CHECK(in);
   }
   return nd;
@@ -103,7 +109,8 @@ static void build(const char *mem, int multi) {
   }
   job j;
   job_open(&j, mem, 4);
-  for (uint64_t s = 1; s <= STEPS; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= STEPS; s++)
+    job_save(&j, s, 0);
   job_close(&j);
 }
 
@@ -127,8 +134,8 @@ static void kill_loop(int multi) {
       uint64_t l = multi ? check_multi(mem, dur) : check_single(mem, dur);
       if (l > 0 && l < STEPS) progress_seen++;
       if (tu_failures)
-        fprintf(stderr, "  kill after %u us (AMBER_KILL_SEED=%" PRIu64 ")\n", (unsigned)delay,
-                seed0);
+        fprintf(stderr, "  kill after %u us (AMBER_KILL_SEED=%" PRIu64 ")\n",
+                (unsigned)delay, seed0);
     }
     /* the finished drain: everything durable, nothing temporary left */
     CHECK((multi ? check_multi(mem, dur) : check_single(mem, dur)) == STEPS);
@@ -136,8 +143,8 @@ static void kill_loop(int multi) {
     tu_rm_rf(t);
   }
   printf("     %ld kills in %ld rounds, %ld drains finished; %llu kills left a partial "
-         "durable tier (AMBER_KILL_SEED=%" PRIu64 ")\n", kills, rounds, finished,
-         (unsigned long long)progress_seen, seed0);
+         "durable tier (AMBER_KILL_SEED=%" PRIu64 ")\n",
+         kills, rounds, finished, (unsigned long long)progress_seen, seed0);
   CHECK(iters == 0 || progress_seen > 0); /* the kills did land inside drains */
 }
 

@@ -30,7 +30,8 @@ static void frame_names(const uint8_t *b, size_t len, char *out, size_t cap) {
   while (o + 16 <= len) {
     uint16_t nl = (uint16_t)(b[o] | b[o + 1] << 8);
     uint64_t dl = 0;
-    for (int i = 7; i >= 0; i--) dl = dl << 8 | b[o + 8 + i];
+    for (int i = 7; i >= 0; i--)
+      dl = dl << 8 | b[o + 8 + i];
     w += (size_t)snprintf(out + w, cap > w ? cap - w : 0, "%s%.*s", w ? " " : "", (int)nl,
                           (const char *)b + o + 16);
     o += 16 + nl + dl + 8;
@@ -43,7 +44,8 @@ static void holding(const char *dir, int32_t rank, uint64_t *step, uint64_t *old
   *step = *oldest = 12345;
   CHECK_OK(amber_tier_holdings(dir, &h, &n));
   for (size_t i = 0; i < n; i++)
-    if (h[i].kind == AMBER_TIER_STORE && h[i].rank == rank) *step = h[i].step, *oldest = h[i].oldest;
+    if (h[i].kind == AMBER_TIER_STORE && h[i].rank == rank)
+      *step = h[i].step, *oldest = h[i].oldest;
   amber_free(h);
 }
 
@@ -54,13 +56,15 @@ static void test_pack_and_unpack_a_single_rank_store(void) {
   snprintf(rep, sizeof rep, "%s/replica", t);
   job j;
   job_open(&j, mem, 4); /* fulls at 1, 6, 11 */
-  for (uint64_t s = 1; s <= 9; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 9; s++)
+    job_save(&j, s, 0);
   void *blob = NULL;
   size_t len = 0;
   CHECK_OK(amber_tier_pack(mem, -1, AMBER_NO_STEP, 9, &blob, &len));
   frame_names(blob, len, names, sizeof names);
-  CHECK(!strcmp(names, "ckpt-00000000000000000006.amber ckpt-00000000000000000007.amber "
-                       "ckpt-00000000000000000008.amber ckpt-00000000000000000009.amber LATEST"));
+  CHECK(!strcmp(
+      names, "ckpt-00000000000000000006.amber ckpt-00000000000000000007.amber "
+             "ckpt-00000000000000000008.amber ckpt-00000000000000000009.amber LATEST"));
   CHECK_OK(amber_tier_unpack(rep, blob, len));
   amber_free(blob);
   check_step(rep, 9);
@@ -122,7 +126,8 @@ static void test_pack_a_rank_with_its_manifest_and_global(void) {
   CHECK_OK(amber_tier_holdings(rep, &h, &n));
   CHECK(n == 2);
   if (n == 2) {
-    CHECK(h[0].kind == AMBER_TIER_STORE && h[0].rank == 1 && h[0].step == 5 && h[0].oldest == 4);
+    CHECK(h[0].kind == AMBER_TIER_STORE && h[0].rank == 1 && h[0].step == 5 &&
+          h[0].oldest == 4);
     CHECK(h[1].kind == AMBER_TIER_MANIFEST && h[1].step == 5 &&
           h[1].flags == AMBER_TIER_COMMITTED);
   }
@@ -170,7 +175,8 @@ static void test_a_damaged_or_truncated_blob_changes_nothing(void) {
   snprintf(rep, sizeof rep, "%s/replica", t);
   job j;
   job_open(&j, mem, 3);
-  for (uint64_t s = 1; s <= 3; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 3; s++)
+    job_save(&j, s, 0);
   job_close(&j);
   uint8_t *blob = NULL;
   size_t len = 0;
@@ -191,10 +197,20 @@ static void test_a_damaged_or_truncated_blob_changes_nothing(void) {
   check_refused(rep, blob, len - 1, "truncated by one byte");
   check_refused(rep, blob, len / 2, "truncated to half");
   check_refused(rep, blob, 10, "10 bytes");
+  uint8_t *longer = calloc(1, len + 8);
+  memcpy(longer, blob, len);
+  for (int i = 0; i < 8; i++)
+    longer[16 + i] = (uint8_t)((uint64_t)(len + 8) >> (8 * i));
+  uint64_t lh = amber__xxh3(longer, 24);
+  for (int i = 0; i < 8; i++)
+    longer[24 + i] = (uint8_t)(lh >> (8 * i));
+  check_refused(rep, longer, len + 8, "8 bytes after the last frame, the length says so");
+  free(longer);
   memcpy(copy, blob, len);
   copy[8] = 2; /* version 2, header checksum recomputed */
   uint64_t h = amber__xxh3(copy, 24);
-  for (int i = 0; i < 8; i++) copy[24 + i] = (uint8_t)(h >> (8 * i));
+  for (int i = 0; i < 8; i++)
+    copy[24 + i] = (uint8_t)(h >> (8 * i));
   CHECK_RC(amber_tier_unpack(rep, copy, len), AMBER_EFORMAT);
   printf("     %zu damaged blobs refused, nothing written\n", flips);
   CHECK_OK(amber_tier_unpack(rep, blob, len));
@@ -209,16 +225,20 @@ static size_t one_frame(uint8_t *b, const char *name, const void *data, size_t d
   memset(b, 0, len);
   memcpy(b, "AMBERPK1", 8);
   b[8] = 1, b[12] = 1;
-  for (int i = 0; i < 8; i++) b[16 + i] = (uint8_t)((uint64_t)len >> (8 * i));
+  for (int i = 0; i < 8; i++)
+    b[16 + i] = (uint8_t)((uint64_t)len >> (8 * i));
   uint64_t h = amber__xxh3(b, 24);
-  for (int i = 0; i < 8; i++) b[24 + i] = (uint8_t)(h >> (8 * i));
+  for (int i = 0; i < 8; i++)
+    b[24 + i] = (uint8_t)(h >> (8 * i));
   uint8_t *f = b + 32;
   f[0] = (uint8_t)nl, f[1] = (uint8_t)(nl >> 8);
-  for (int i = 0; i < 8; i++) f[8 + i] = (uint8_t)((uint64_t)dl >> (8 * i));
+  for (int i = 0; i < 8; i++)
+    f[8 + i] = (uint8_t)((uint64_t)dl >> (8 * i));
   memcpy(f + 16, name, nl);
   memcpy(f + 16 + nl, data, dl);
   h = amber__xxh3(f, 16 + nl + dl);
-  for (int i = 0; i < 8; i++) f[16 + nl + dl + i] = (uint8_t)(h >> (8 * i));
+  for (int i = 0; i < 8; i++)
+    f[16 + nl + dl + i] = (uint8_t)(h >> (8 * i));
   return len;
 }
 
@@ -227,9 +247,19 @@ static void test_a_hostile_blob_writes_nothing_anywhere(void) {
   char rep[2048];
   snprintf(rep, sizeof rep, "%s/replica", t);
   static const char *const bad[] = {
-      "../evil",      "rank-00001/../../evil", "/etc/evil",        "rank-1/LATEST",
-      "rank-00001/GLOBAL", "ckpt-1.amber",     "LATEST.tmp",       "rank-00001/",
-      "step-1.manifest", "rank-00001/step-00000000000000000001.manifest", "TIERS", ".lock",
+      "../evil",
+      "rank-00001/../../evil",
+      "/etc/evil",
+      "rank-1/LATEST",
+      "rank-00001/GLOBAL",
+      "ckpt-1.amber",
+      "LATEST.tmp",
+      "rank-00001/",
+      "step-1.manifest",
+      "rank-00001/step-00000000000000000001.manifest",
+      "TIERS",
+      ".lock",
+      "rank-000001/LATEST", /* rank 1, spelled otherwise: a second directory of it */
   };
   uint8_t b[512];
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -256,7 +286,8 @@ static void test_holdings_stop_at_a_damaged_file(void) {
   snprintf(mem, sizeof mem, "%s/mem", t);
   job j;
   job_open(&j, mem, 4); /* fulls at 1, 6 */
-  for (uint64_t s = 1; s <= 9; s++) job_save(&j, s, 0);
+  for (uint64_t s = 1; s <= 9; s++)
+    job_save(&j, s, 0);
   job_close(&j);
   uint64_t step, oldest;
   holding(mem, -1, &step, &oldest);
@@ -304,7 +335,8 @@ static void write_golden(const char *out) {
   int64_t n = G_N;
   CHECK_OK(amber_writer_add(w, "x", AMBER_F32, 1, &n, x, NULL));
   for (int s = 1; s <= 2; s++) {
-    for (int i = 0; i < G_N; i++) x[i] = golden_x(i, s);
+    for (int i = 0; i < G_N; i++)
+      x[i] = golden_x(i, s);
     CHECK_OK(amber_writer_save(w, (uint64_t)s, 0));
   }
   amber_writer_close(w);
@@ -346,7 +378,8 @@ static void test_golden_blobs_of_pack_v1_still_unpack(void) {
     CHECK_OK(amber_reader_open(&r, st, (uint64_t)s, NULL));
     float x[G_N];
     if (r) CHECK_OK(amber_reader_read(r, 0, x, sizeof x));
-    for (int i = 0; r && i < G_N; i++) CHECK(x[i] == golden_x(i, s));
+    for (int i = 0; r && i < G_N; i++)
+      CHECK(x[i] == golden_x(i, s));
     amber_reader_close(r);
   }
   amber_store_close(st);
@@ -360,7 +393,8 @@ static void test_golden_blobs_of_pack_v1_still_unpack(void) {
   size_t n = 0;
   CHECK_OK(amber_tier_holdings(dir, &h, &n));
   CHECK(n == 2 && h && h[0].rank == 1 && h[0].step == 2 && h[0].oldest == 1 &&
-        h[1].kind == AMBER_TIER_MANIFEST && h[1].step == 2 && h[1].flags == AMBER_TIER_COMMITTED);
+        h[1].kind == AMBER_TIER_MANIFEST && h[1].step == 2 &&
+        h[1].flags == AMBER_TIER_COMMITTED);
   amber_free(h);
   /* rank 1's own store holds its rows of "w" at step 2 */
   snprintf(p, sizeof p, "%s/rank-00001", dir);
@@ -371,9 +405,11 @@ static void test_golden_blobs_of_pack_v1_still_unpack(void) {
   g_part(1, 2, off, shape);
   float w[G_ROWS * G_COLS];
   if (r) CHECK_OK(amber_reader_find(r, "w", &wi));
-  if (r) CHECK_OK(amber_reader_read(r, wi, w, (uint64_t)(shape[0] * shape[1]) * sizeof *w));
+  if (r)
+    CHECK_OK(amber_reader_read(r, wi, w, (uint64_t)(shape[0] * shape[1]) * sizeof *w));
   for (int64_t i = 0; r && i < shape[0]; i++)
-    for (int64_t j = 0; j < G_COLS; j++) CHECK(w[i * G_COLS + j] == g_wval(off[0] + i, j, 2));
+    for (int64_t j = 0; j < G_COLS; j++)
+      CHECK(w[i * G_COLS + j] == g_wval(off[0] + i, j, 2));
   amber_reader_close(r);
   amber_store_close(st);
   char *durable = NULL;

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "comm_threads.h"
 #include "testutil.h"
@@ -41,13 +42,15 @@ static inline void job_open(job *j, const char *dir, uint32_t full_every) {
   CHECK_OK(amber_writer_open(&j->w, j->st, &wo));
   int64_t n = N;
   j->seed = 7;
-  for (int i = 0; i < N; i++) j->live[i] = (float)(tu_rand(&j->seed) % 1000) / 7.0f;
+  for (int i = 0; i < N; i++)
+    j->live[i] = (float)(tu_rand(&j->seed) % 1000) / 7.0f;
   CHECK_OK(amber_writer_add(j->w, "x", AMBER_F32, 1, &n, j->live, NULL));
 }
 
 /* Saves step s (a few elements change, so it is a delta unless `flags` says full). */
 static inline void job_save(job *j, uint64_t s, uint32_t flags) {
-  for (int k = 0; k < 200; k++) j->live[tu_rand(&j->seed) % N] += 1.0f;
+  for (int k = 0; k < 200; k++)
+    j->live[tu_rand(&j->seed) % N] += 1.0f;
   memcpy(states[s], j->live, sizeof j->live);
   CHECK_OK(amber_writer_save(j->w, s, flags));
 }
@@ -85,12 +88,12 @@ static inline size_t steps_of(const char *dir, uint64_t *steps) {
   amber_ckpt_info *info = NULL;
   size_t n = 0;
   if (amber_store_open(&st, dir, &so) == 0) amber_store_list(st, &info, &n);
-  for (size_t i = 0; i < n && i < MAXSTEP; i++) steps[i] = info[i].step;
+  for (size_t i = 0; i < n && i < MAXSTEP; i++)
+    steps[i] = info[i].step;
   amber_free(info);
   amber_store_close(st);
   return n;
 }
-
 
 /* The memory tier holds the chain of its newest step, no more: its steps are the
  * newest full one and the deltas after it. */
@@ -132,21 +135,26 @@ static inline void g_part(int r, int n, int64_t *off, int64_t *shape) {
 }
 
 typedef struct gjob {
-  const char *path;       /* the store (the memory tier) */
+  const char *path; /* the store (the memory tier) */
   uint64_t first, last;
   uint32_t full_every;
-  int fail_rank;          /* -1: none; else its save of fail_step fails */
+  int fail_rank; /* -1: none; else its save of fail_step fails */
   uint64_t fail_step;
-  const char *durable;    /* with each rank's drain (rank mode) beside its writer */
+  uint32_t flags;      /* of every save (AMBER_SAVE_FULL) */
+  const char *durable; /* with each rank's drain (rank mode) beside its writer */
   amber_drain_opts dopts;
+  useconds_t linger_us; /* how long the drains stay open after their flush */
   atomic_int drain_errors;
 } gjob;
 
 static inline void g_block(const char *path, int rank, uint64_t step, int on) {
   char p[4200];
-  snprintf(p, sizeof p, "%s/rank-%05d/ckpt-%020llu.amber", path, rank, (unsigned long long)step);
-  if (on) mkdir(p, 0755);
-  else rmdir(p);
+  snprintf(p, sizeof p, "%s/rank-%05d/ckpt-%020llu.amber", path, rank,
+           (unsigned long long)step);
+  if (on)
+    mkdir(p, 0755);
+  else
+    rmdir(p);
 }
 
 static inline void g_rank_main(const amber_comm *c, void *arg) {
@@ -172,12 +180,14 @@ static inline void g_rank_main(const amber_comm *c, void *arg) {
                                  AMBER_SHARD_REPLICATED) == 0);
   for (uint64_t s = jb->first; s <= jb->last; s++) {
     for (int64_t i = 0; i < shape[0]; i++)
-      for (int64_t j = 0; j < G_COLS; j++) w[i * G_COLS + j] = g_wval(off[0] + i, j, s);
-    for (int i = 0; i < G_BIAS; i++) b[i] = g_bval(i, s);
+      for (int64_t j = 0; j < G_COLS; j++)
+        w[i * G_COLS + j] = g_wval(off[0] + i, j, s);
+    for (int i = 0; i < G_BIAS; i++)
+      b[i] = g_bval(i, s);
     int failing = jb->fail_rank >= 0 && jb->fail_step == s;
     if (failing && c->rank == jb->fail_rank) g_block(jb->path, c->rank, s, 1);
     c->barrier(c->ctx);
-    int rc = amber_global_writer_save(gw, s, 0);
+    int rc = amber_global_writer_save(gw, s, jb->flags);
     RCHECK(failing ? rc < 0 : rc == 0);
     c->barrier(c->ctx);
     if (failing && c->rank == jb->fail_rank) g_block(jb->path, c->rank, s, 0);
@@ -192,6 +202,7 @@ static inline void g_rank_main(const amber_comm *c, void *arg) {
       atomic_fetch_add(&jb->drain_errors, 1);
     }
     c->barrier(c->ctx);
+    usleep(jb->linger_us);
     if (amber_drain_close(d) != 0) atomic_fetch_add(&jb->drain_errors, 1);
   }
 }
@@ -216,9 +227,11 @@ static inline void g_check(const char *path, uint64_t step) {
   CHECK_OK(amber_global_reader_read(g, wi, off, shape, w, sizeof w));
   CHECK_OK(amber_global_reader_read(g, bi, &bo, &bs, b, sizeof b));
   for (int64_t i = 0; i < G_ROWS; i++)
-    for (int64_t j = 0; j < G_COLS; j++) want[i * G_COLS + j] = g_wval(i, j, step);
+    for (int64_t j = 0; j < G_COLS; j++)
+      want[i * G_COLS + j] = g_wval(i, j, step);
   CHECK(memcmp(w, want, sizeof w) == 0);
-  for (int i = 0; i < G_BIAS; i++) CHECK(b[i] == g_bval(i, step));
+  for (int i = 0; i < G_BIAS; i++)
+    CHECK(b[i] == g_bval(i, step));
   CHECK_OK(amber_global_reader_verify(g));
   amber_global_reader_close(g);
 }
@@ -228,7 +241,8 @@ static inline size_t g_steps(const char *path, uint64_t *steps, size_t cap) {
   amber_global_step_info *info = NULL;
   size_t n = 0;
   if (amber_global_list(path, &info, &n) != 0) n = 0;
-  for (size_t i = 0; i < n && i < cap; i++) steps[i] = info[i].step;
+  for (size_t i = 0; i < n && i < cap; i++)
+    steps[i] = info[i].step;
   amber_free(info);
   return n;
 }

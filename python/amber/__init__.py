@@ -63,8 +63,9 @@ __all__ = [
     "EMISMATCH", "EPARENT", "ERANGE", "EBUSY", "ECANCELED", "EPERM", "EREADONLY", "ECHANGED",
     "ETIMEDOUT",
     "GlobalWriter", "GlobalReader", "GlobalStepInfo", "GlobalTensorInfo", "is_global_store",
-    "global_steps", "global_prune", "SHARD_REPLICATED", "Replicas", "ReplicaStats",
-    "TiersRestore", "tiers_restore",
+    "global_steps", "global_prune", "SHARD_REPLICATED",
+    "Drain", "DrainStatus", "drain", "tier_durable",
+    "Replicas", "ReplicaStats", "TiersRestore", "tiers_restore",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -282,7 +283,10 @@ def dtype_from_name(name):
 
 class AmberError(Exception):
     """A libamber failure: `code` (negative AMBER_E* value), `name`
-    ("AMBER_ENOENT", ...) and `message` (what failed: file, step, expectation)."""
+    ("AMBER_ENOENT", ...) and `message` (what failed: file, step, expectation).
+    `partial` is True when a load failed after it had changed some live tensors."""
+
+    partial = False
 
     def __init__(self, code, message, name=None):
         self.code = code
@@ -1315,6 +1319,140 @@ class GlobalReader(_Handle):
     def verify(self):
         with self._lock:
             _check(_gr_verify(self._handle()), self._h)
+
+
+# ---- storage tiers: the drain from a memory tier to its durable tier ------------
+
+
+class _DrainOpts(Structure):
+    _fields_ = [("max_lag_steps", c_uint64), ("max_lag_bytes", c_uint64),
+                ("memory_budget", c_uint64), ("rank", c_int32), ("flags", c_uint32),
+                ("reserved", c_uint64 * 4)]
+
+
+class _DrainStatus(Structure):
+    _fields_ = [("memory_step", c_uint64), ("durable_step", c_uint64),
+                ("lag_steps", c_uint64), ("lag_bytes", c_uint64), ("memory_bytes", c_uint64),
+                ("drained_bytes", c_uint64), ("drained_files", c_uint64), ("error", c_int),
+                ("wants_full", c_int), ("reserved", c_uint64 * 4)]
+
+
+_drain_opts_init = _fn("amber_drain_opts_init", None, POINTER(_DrainOpts))
+_drain_start = _fn("amber_drain_start", c_int, POINTER(_H), c_char_p, c_char_p,
+                   POINTER(_DrainOpts))
+_drain_kick = _fn("amber_drain_kick", c_int, _H)
+_drain_wants_full = _fn("amber_drain_wants_full", c_int, _H)
+_drain_flush = _fn("amber_drain_flush", c_int, _H, c_double)
+_drain_status = _fn("amber_drain_get_status", c_int, _H, POINTER(_DrainStatus))
+_drain_close = _fn("amber_drain_close", c_int, _H)
+_drain_run = _fn("amber_drain_run", c_int, c_char_p, c_char_p, POINTER(_DrainOpts))
+_tier_durable = _fn("amber_tier_durable", c_int, c_char_p, POINTER(c_void_p))
+
+
+def _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank):
+    o = _DrainOpts()
+    _drain_opts_init(byref(o))
+    o.max_lag_steps, o.max_lag_bytes = int(max_lag_steps or 0), int(max_lag_bytes or 0)
+    o.memory_budget, o.rank = int(memory_budget or 0), int(rank)
+    return o
+
+
+def _opt_path(path):
+    return None if path is None else os.fsencode(os.fspath(path))
+
+
+class DrainStatus:
+    """Where a drain stands: `memory_step` and `durable_step` (None when none), the
+    lag (`lag_steps`, `lag_bytes`), `memory_bytes` the memory tier holds, what this
+    drain copied (`drained_bytes`, `drained_files`), `error` (its sticky AMBER_E*
+    code, or 0) and `wants_full`."""
+
+    def __init__(self, st):
+        none = lambda v: None if v == NO_STEP else v  # noqa: E731
+        self.memory_step, self.durable_step = none(st.memory_step), none(st.durable_step)
+        self.lag_steps, self.lag_bytes = st.lag_steps, st.lag_bytes
+        self.memory_bytes = st.memory_bytes
+        self.drained_bytes, self.drained_files = st.drained_bytes, st.drained_files
+        self.error, self.wants_full = st.error, bool(st.wants_full)
+
+    def __repr__(self):
+        return (f"DrainStatus(memory_step={self.memory_step}, durable_step="
+                f"{self.durable_step}, lag_steps={self.lag_steps}, error={self.error})")
+
+
+class Drain(_Handle):
+    """Drains the committed steps of the store at `memory` (the memory tier) to the
+    store at `durable` (the durable tier) on a thread of the library, in commit
+    order, each step's files first and its pointer last (amber_drain_start).
+
+    Drain(memory, durable=None, max_lag_steps=0, max_lag_bytes=0, memory_budget=0,
+          rank=-1). durable None: the one the memory tier's TIERS file records.
+    0 means no bound. rank: a multi-rank memory tier's rank store that this process
+    drains (rank 0 also drains the manifests and GLOBAL); -1 for a store of one
+    process, or every rank store the directory holds.
+
+    kick() after each commit (back-pressure, and the drain's sticky error raised);
+    wants_full(); flush(timeout=None); status(); close() (stops after the file in
+    progress; what is left resumes at the next start or with `amber drain`)."""
+
+    def __init__(self, memory, durable=None, max_lag_steps=0, max_lag_bytes=0,
+                 memory_budget=0, rank=-1):
+        super().__init__()
+        o = _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank)
+        h = _H()
+        _check(_drain_start(byref(h), _opt_path(memory), _opt_path(durable), byref(o)), None)
+        self._h = h
+        self.memory, self.durable = os.fspath(memory), durable
+
+    def kick(self):
+        """Wakes the drain after a commit, waits while it lags beyond its bounds or the
+        memory tier is over budget, and raises its sticky error (AmberError)."""
+        h = self._handle()  # no lock: the library's calls are thread safe
+        _check(_drain_kick(h), h)
+
+    def wants_full(self):
+        return bool(_drain_wants_full(self._handle()))
+
+    def flush(self, timeout=None):
+        """Waits until every step committed so far is durable (AMBER_ETIMEDOUT after
+        `timeout` seconds; None: no limit)."""
+        h = self._handle()
+        _check(_drain_flush(h, -1.0 if timeout is None else float(timeout)), h)
+
+    def status(self):
+        st = _DrainStatus()
+        h = self._handle()
+        _drain_status(h, byref(st))
+        return DrainStatus(st)
+
+    def close(self):
+        with self._lock:
+            h, self._h = self._h, None
+            if h is not None:
+                rc = _drain_close(h)
+                if rc < 0:
+                    raise _error(rc, None)
+
+
+def drain(memory, durable=None, rank=-1):
+    """Drains everything committed to the memory tier `memory` to `durable` (None: the
+    recorded one), in this thread (what `amber drain` runs)."""
+    o = _drain_opts(0, 0, 0, rank)
+    _check(_drain_run(_opt_path(memory), _opt_path(durable), byref(o)), None)
+
+
+def tier_durable(memory):
+    """The durable tier that memory tier `memory` records, or None when it records
+    none."""
+    p = c_void_p()
+    rc = _tier_durable(_opt_path(memory), byref(p))
+    if rc == ENOENT:
+        return None
+    _check(rc, None)
+    try:
+        return os.fsdecode(ctypes.string_at(p.value))
+    finally:
+        _free(p)
 
 
 # ---- peer replicas and the restore from the tiers ---------------------------------

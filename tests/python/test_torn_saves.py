@@ -121,7 +121,7 @@ def test_async_save_raced_by_a_thread_is_the_state_at_the_call_or_echanged(tmp_p
     """A thread changes the tensor in place (t.add_ of some elements) while the save
     stages: the step is the state at the call or refused, and the next, unraced save
     is exact. (A version counter moves when an in-place op ends: an op still running on
-    another thread when the staging completes is not seen; README says so.)"""
+    another thread when the staging completes is not seen; docs/dcp.md says so.)"""
     w = Writer(policy="exact")
     t = torch.randn(N)
     for step in range(1, 4):

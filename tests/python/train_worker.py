@@ -1,13 +1,19 @@
 """A small training run for the resume tests, run in its own process.
 
     train_worker.py STORE --steps N [--policy P] [--kill-at K] [--resume] [--load-only S]
+                    [--memory DIR [--budget BYTES] [--max-lag N] [--log FILE] [--sleep S]]
 
 Trains a little MLP with dropout (so the torch RNG matters) on data drawn per step
 (so the data position is the step), with input noise from `random` and NumPy (so
 their RNG states matter), AdamW and a StepLR; saves every step with amber. With
 --kill-at K it SIGKILLs itself right after save(K) returned, while that save may
 still be in flight. Prints one JSON line: the first step it trained, the loss of
-each step, and a digest of the model and optimizer state after each step."""
+each step, and a digest of the model and optimizer state after each step.
+
+With --memory DIR the Checkpointer saves to that memory tier and drains to STORE
+(storage tiers); --log FILE gets a line "STEP DIGEST" as each save() returns (so that
+a process killed from outside leaves what each step saved), --sleep S pauses between
+steps, and the JSON line also says which tier served the load ("served_by")."""
 import argparse
 import hashlib
 import json
@@ -15,6 +21,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -66,26 +73,44 @@ def main():
     ap.add_argument("--kill-at", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--load-only", type=int, default=0)
+    ap.add_argument("--memory")
+    ap.add_argument("--budget", type=int)
+    ap.add_argument("--max-lag", type=int)
+    ap.add_argument("--log")
+    ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--full-every", type=int)
     a = ap.parse_args()
     torch.set_num_threads(2)
     model, opt, sched = build()
     state = {"model": model, "optim": opt, "sched": sched, "extra": {"data_pos": 0}}
     out = {"start": 0, "losses": {}, "digests": {}}
-    with Checkpointer(a.store, policy=a.policy) as ck:
+    tiers = {} if a.memory is None else {"memory": a.memory, "memory_budget": a.budget,
+                                         "max_lag": a.max_lag}
+    if a.full_every:
+        tiers.update(full_every=a.full_every, full_share=-1)
+    log = open(a.log, "a") if a.log else None
+    with Checkpointer(a.store, policy=a.policy, **tiers) as ck:
         if a.load_only:
-            out["start"] = ck.load(state, step=a.load_only)
-            out["digests"][a.load_only] = digest(model, opt)
+            out["start"] = ck.load(state, step=None if a.load_only < 0 else a.load_only)
+            out["digests"][out["start"]] = digest(model, opt)
             out["extra"] = state["extra"]
+            out["served_by"] = ck.served_by
             print(json.dumps(out))
             return
         if a.resume:
             out["start"] = ck.load(state) or 0
+            out["served_by"] = ck.served_by
             assert state["extra"]["data_pos"] == out["start"]
         for step in range(out["start"] + 1, a.steps + 1):
             out["losses"][step] = train_step(step, model, opt, sched)
             state["extra"]["data_pos"] = step
             ck.save(step, state)
             out["digests"][step] = digest(model, opt)
+            if log is not None:
+                log.write(f"{step} {out['digests'][step]}\n")
+                log.flush()
+            if a.sleep:
+                time.sleep(a.sleep)
             if step == a.kill_at:
                 sys.stdout.flush()
                 os.kill(os.getpid(), signal.SIGKILL)

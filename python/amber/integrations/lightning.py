@@ -5,7 +5,8 @@
     from amber.integrations.lightning import AmberCheckpointIO
 
     trainer = Trainer(max_steps=1000, plugins=[AmberCheckpointIO(policy="exact")],
-                      callbacks=[ModelCheckpoint(every_n_train_steps=50, save_last=True)])
+                      callbacks=[ModelCheckpoint(dirpath="ckpt", every_n_train_steps=50,
+                                                 save_last=True)])
     trainer.fit(model, ckpt_path="last")     # resumes from the newest last.ckpt, if any
 
 AmberCheckpointIO is a Lightning CheckpointIO plug-in: everything Lightning puts into

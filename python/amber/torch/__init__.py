@@ -2,11 +2,12 @@
 
     from amber.torch import Checkpointer
     with Checkpointer("runs/x", policy="lossy") as ck:
-        start = ck.load({"model": model, "optim": opt, "sched": sched}) or 0
+        state = {"model": model, "optim": opt, "sched": sched, "extra": {"data_pos": 0}}
+        start = ck.load(state) or 0              # state["extra"] comes back too
         for step in range(start + 1, steps + 1):
             train_one_step()                     # ends with opt.step(), sched.step()
-            ck.save(step, {"model": model, "optim": opt, "sched": sched,
-                           "extra": {"data_pos": pos}})
+            state["extra"]["data_pos"] = pos
+            ck.save(step, state)
     # leaving the block waits until the last save is durable, then releases the store
 
 Supported PyTorch: 2.11 and newer (tested with 2.13); an older torch raises
@@ -91,7 +92,7 @@ threshold:ABS[:REL][/SHARE:MULT] (with a share cap: at most SHARE of each chunk 
 delta, the farthest over their bound first, and none left beyond MULT bounds) or
 budget:FRAC[:CAP], optionally followed by a value code
 (@q8, @q4, @bf16: quantized changes; +lead), ABS and CAP optionally in units of the
-tensor's learning rate ("threshold:0.5u": see README); PATTERN is a glob on the
+tensor's learning rate ("threshold:0.5u": see docs/policies.md); PATTERN is a glob on the
 tensor names above ("*/exp_avg_sq" matches every Adam second moment); the last
 matching rule wins.
 Integer and bool tensors, and optimizer step counters ("<optim key>/*/step", a

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 import amber as _amber
-from amber import AmberError
+from amber import AmberError, Store
 from amber import device as _device
 
 from . import _comm, _dtypes, _meta, _presets, _rng
@@ -36,8 +36,12 @@ from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
 from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
 from ._source import GlobalSource, StoreSource
+from ._tiers import TierOptions, Tiers, latest_of, pick
 
 log = logging.getLogger("amber.torch")
+
+# A load that fails with these before it changed anything tries the next tier.
+_TIER_FALLBACK = (_amber.ECORRUPT, _amber.ENOENT, _amber.EIO, _amber.EFORMAT, _amber.EPARENT)
 
 
 class Checkpointer:
@@ -45,7 +49,8 @@ class Checkpointer:
 
     Checkpointer(path, policy=None, full_every=None, full_share=None, rng=True,
                  readonly=False, threads=0, chunk_elems=0, keep_last=None,
-                 process_group=None)
+                 process_group=None, memory=None, replicas=0, memory_budget=None,
+                 max_lag=None, max_lag_bytes=None)
 
     Args:
       path: the store's directory (made, with its parents, if missing).
@@ -70,6 +75,21 @@ class Checkpointer:
           initialized with more than one rank. One process on a store that many
           ranks wrote loads any global step of it and saves global steps of world
           size 1.
+      memory: the memory tier, a directory on a memory file system (such as
+          /dev/shm/run1), which outlives the training process: every save goes there
+          and the library drains each committed step to `path` (the durable tier) on a
+          thread of its own, in commit order, a step visible there once its whole
+          chain is durable; load() restores from the fastest tier that holds the
+          newest intact step; close() waits until the durable tier holds everything.
+          memory_budget: bytes the memory tier may hold (None: half of its file
+          system); it keeps the chain its newest step needs and what is not durable
+          yet, and makes a save full when only that lets it shrink. max_lag,
+          max_lag_bytes: how far the durable tier may lag (steps, bytes; None: as far
+          as the budget allows); beyond, save() waits for the drain. A failed drain
+          (a full disk) is raised by the next save(), wait() or close(), naming the
+          file; nothing committed is lost, and `amber drain MEMORY` finishes it.
+      replicas: with many ranks, how many other ranks keep a copy of each rank's
+          committed files in their memory tiers.
 
     The store is locked while the Checkpointer is open (AMBER_ELOCKED for a second
     writer). `timings` holds the last save's seconds: "save" (the save() call),
@@ -82,18 +102,37 @@ class Checkpointer:
     local_only = False
 
     def __init__(self, path, policy=None, full_every=None, full_share=None, rng=True,
-                 readonly=False, threads=0, chunk_elems=0, keep_last=None, process_group=None):
+                 readonly=False, threads=0, chunk_elems=0, keep_last=None, process_group=None,
+                 memory=None, replicas=0, memory_budget=None, max_lag=None,
+                 max_lag_bytes=None):
         self.options = opts = Options.make(policy, full_every, full_share, rng, readonly,
                                            threads, chunk_elems, keep_last)
+        self.tier_options = TierOptions.make(path, memory, replicas, memory_budget, max_lag,
+                                             max_lag_bytes)
         self.rng, self.readonly = opts.rng, opts.readonly
         self.process_group = process_group
         many = not self.local_only and _comm.distributed(process_group)
         self._comm = _comm.comm_for(process_group) if many else _comm.SoloComm()
         self.rank, self.world_size = self._comm.rank, self._comm.size
+        self._tiers = None      # _tiers.Tiers: the drain of the memory tier
+        self.served_by = None   # the tier the last load read ("memory", "durable", ...)
+        tiers = self.tier_options if not opts.readonly else None
         if many or _amber.is_global_store(path):
+            if tiers is not None:
+                raise NotImplementedError("memory= with many ranks: not yet")
             sink = GlobalSink(path, opts.writer, opts.rules, self._comm)
             self.store = None
             self.path = os.fspath(path)
+        elif tiers is not None:
+            # the writer's store is the memory tier's; the run's path is the durable tier
+            sink = StoreSink(tiers.memory, opts.writer, opts.rules, False, opts.threads)
+            self.store = sink.store
+            self.path = os.path.abspath(os.fspath(path))
+            try:
+                self._tiers = sink.tiers = Tiers(tiers, self.path)
+            except BaseException:
+                sink.close()
+                raise
         else:
             sink = StoreSink(path, opts.writer, opts.rules, opts.readonly, opts.threads)
             self.store = sink.store
@@ -137,17 +176,29 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the save in progress (collective with many ranks), removes the
-        fence hook and releases the store; raises the save's failure, if any."""
+        fence hook and releases the store; raises the save's failure, if any. With a
+        memory tier it first waits until the durable tier holds every committed step
+        (raising the drain's failure: what is not durable stays in the memory tier,
+        and `amber drain` or the next Checkpointer on it finishes the drain)."""
         if self._closed:
             return
         try:
             self.wait()
+            if self._tiers is not None:
+                tiers, self._tiers = self._tiers, None
+                tiers.close(flush=True)
         finally:
             self._release()
 
     def _release(self):
         self._hooks.remove()
         self._settle_seed()
+        if self._tiers is not None:
+            tiers, self._tiers = self._tiers, None
+            try:
+                tiers.close(flush=False)
+            except AmberError:
+                pass
         self._saver.close()
         self._closed = True
         self.store = None
@@ -176,6 +227,7 @@ class Checkpointer:
                              name="AMBER_EREADONLY")
         t0 = time.perf_counter()
         self.wait()
+        full = full or self._sink.wants_full()
         planned = self._save_planned(int(step), state, full)
         if not planned:
             self._save_unplanned(int(step), state, full)
@@ -362,17 +414,47 @@ class Checkpointer:
     # -- loading --
     def latest(self) -> Optional[int]:
         """The store's latest step, or None when it is empty (after the save in
-        progress)."""
+        progress). With a memory tier: the newest step of either tier."""
         self._open()
         self.wait()
-        return self._sink.latest()
+        if self._memory_tier() is None:
+            return self._sink.latest()
+        steps = [s.step for s in self.steps()]
+        return steps[-1] if steps else None
 
     def steps(self) -> list:
         """The committed checkpoints (amber.CheckpointInfo, or amber.GlobalStepInfo for
-        a multi-rank store), after the save in progress."""
+        a multi-rank store), after the save in progress. With a memory tier: those of
+        both tiers, the memory tier's where both hold a step."""
         self._open()
         self.wait()
-        return self._sink.steps()
+        mem = self._memory_tier()
+        if mem is None:
+            return self._sink.steps()
+        got = {}
+        for path in (self.path, mem):
+            if os.path.exists(os.path.join(path, "LATEST")):
+                with Store(path, readonly=True, create=False) as st:
+                    got.update((i.step, i) for i in st.list())
+        return [got[k] for k in sorted(got)]
+
+    def _memory_tier(self) -> Optional[str]:
+        """The memory tier's directory (a store of one process), or None."""
+        t = self.tier_options
+        return t.memory if t is not None and not self._sink.dist else None
+
+    def _sources(self, step):
+        """[(tier, source)] that a load tries in turn: with a memory tier, the
+        fastest tier holding the step first (_tiers.pick); else the store itself."""
+        mem = self._memory_tier()
+        if mem is None:
+            return [(None, self._source())]
+        mine = self.store is not None and self.store.path == mem
+        latest = self.store.latest() if mine else latest_of(mem)
+        out = []
+        for tier, path in pick(mem, self.path, latest, step):
+            out.append((tier, StoreSource(path, self.store if mine and path == mem else None)))
+        return out or [("durable", StoreSource(self.path))]
 
     def _source(self):
         if self.store is not None:
@@ -407,7 +489,18 @@ class Checkpointer:
         self.wait()
         self.skipped = 0
         self.seeded = False
-        source = self._source()
+        self.served_by = None
+        sources = self._sources(step)
+        for i, (tier, source) in enumerate(sources):
+            try:
+                return self._load_from(tier, source, state, step, strict, fallback)
+            except AmberError as e:
+                if i + 1 == len(sources) or e.partial or e.code not in _TIER_FALLBACK:
+                    raise
+                log.warning("%s: the %s tier could not serve the load (%s): trying the %s "
+                            "tier", self.path, tier, e, sources[i + 1][0])
+
+    def _load_from(self, tier, source, state, step, strict, fallback):
         if step is None and source.empty():
             log.info("%s holds no checkpoint: nothing loaded", self.path)
             return None
@@ -432,9 +525,14 @@ class Checkpointer:
             log.warning("%s: loaded step %d, the newest intact one: %d newer step(s) were "
                         "damaged and skipped (amber verify %s says why)", self.path, done,
                         self.skipped, self.path)
-        log.info("loaded step %d of %s in %.2f s (%.1f MB read)", done, self.path,
+        self.served_by = tier
+        log.info("loaded step %d of %s%s in %.2f s (%.1f MB read)", done, self.path,
+                 f" from the {tier} tier ({source.path})" if tier else "",
                  time.perf_counter() - t0, nbytes / 1e6)
-        if strict and not self.readonly and step is None and not self.skipped:
+        # the writer's reference is seeded only from a step of its own store (a step
+        # of the durable tier is not in the memory tier's chain)
+        if strict and not self.readonly and step is None and not self.skipped and \
+                tier in (None, "memory"):
             self._seed(state, done, source)
         return done
 

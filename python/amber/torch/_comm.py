@@ -110,6 +110,24 @@ class TorchComm:
                    lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
+    def sendrecv(self, data, dest, rlen, src):
+        """Sends `data` to group rank `dest` and returns `rlen` bytes received from
+        group rank `src`, both posted before either is waited for (so that a ring of
+        exchanges cannot deadlock); nothing is sent or received for an empty side."""
+        ops = []
+        if data:
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            ops.append(lambda: dist.isend(t, group=self.group, group_dst=dest))
+        out = torch.empty(rlen, dtype=torch.uint8)
+        if rlen:
+            ops.append(lambda: dist.irecv(out, group=self.group, group_src=src))
+
+        def run():
+            for w in [op() for op in ops]:
+                w.wait()
+        self._call("send/recv", run)
+        return out.numpy().tobytes()
+
 
 class SoloComm:
     """amber's collectives for a job of one process without a process group (a

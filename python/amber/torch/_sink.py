@@ -84,8 +84,10 @@ def prune_warning(status, last, what):
 
 
 class _Sink:
-    """What both sinks share: the writer's calls and retention warnings."""
+    """What both sinks share: the writer's calls and retention warnings; `tiers` (a
+    _tiers.Tiers) when the sink's store is a memory tier, kicked after each commit."""
     writer = None
+    tiers = None
 
     def __init__(self, path: str, opts: WriterOptions, rules: tuple):
         self.path = path
@@ -126,6 +128,12 @@ class _Sink:
 
     def wait(self) -> None:
         self.writer.wait()
+        if self.tiers is not None:  # committed to the memory tier: the drain takes it on
+            self.tiers.committed()
+
+    def wants_full(self) -> bool:
+        """Whether the next save should be full: the memory tier is over its budget."""
+        return self.tiers is not None and self.tiers.wants_full()
 
     def warn_prune(self, what: str) -> None:
         if self.opts.keep_last and self.writer is not None:
@@ -136,6 +144,13 @@ class _Sink:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+    def close_tiers(self, flush: bool) -> None:
+        """Stops the drain of the memory tier (after waiting until the durable tier
+        holds every committed step, with `flush`); raises the drain's failure."""
+        tiers, self.tiers = self.tiers, None
+        if tiers is not None:
+            tiers.close(flush=flush)
 
 
 class StoreSink(_Sink):
@@ -181,13 +196,28 @@ class StoreSink(_Sink):
         self.writer.seed_reference(step)
 
     def latest(self) -> Optional[int]:
-        return self.store.latest()
+        """The latest step (with a memory tier: of either tier)."""
+        mine = self.store.latest()
+        if self.tiers is None:
+            return mine
+        other = self.tiers.durable_latest()
+        return mine if other is None else other if mine is None else max(mine, other)
 
     def steps(self) -> list:
-        return self.store.list()
+        """The committed checkpoints (with a memory tier: of both tiers, the memory
+        tier's where both hold a step)."""
+        if self.tiers is None:
+            return self.store.list()
+        got = {i.step: i for i in self.tiers.durable_steps()}
+        got.update((i.step, i) for i in self.store.list())
+        return [got[k] for k in sorted(got)]
 
     def close(self) -> None:
         self.close_writer()
+        try:
+            self.close_tiers(flush=False)
+        except AmberError:
+            pass  # raised by the close that flushed, or by the next save's kick
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -1,0 +1,199 @@
+"""Storage tiers: every save goes to a memory tier (a store in a directory on a memory
+file system, /dev/shm/..., which outlives the training process), the library drains
+each committed step to the durable tier (the run's path) on a thread of its own, and
+a load restores from the fastest tier that holds an intact newest step.
+
+  TierOptions  what Checkpointer(path, memory=DIR, replicas=N, memory_budget=...,
+               max_lag=...) asks for, checked before anything is created.
+  Tiers        the drain of one sink: kicked after each commit (back-pressure, the
+               drain's sticky error), asked whether the next save must be full (the
+               memory tier over its budget), flushed at close.
+  pick_source  which tier a load of one process reads: the newest step of either,
+               the memory tier on a tie, the durable tier when the memory tier's
+               step cannot be opened.
+
+The sinks and sources are _sink's and _source's: the memory tier is an ordinary store
+at DIR, so every front end (the Checkpointer, amber.dcp's Writer and Reader) gets
+the tiers through the same calls.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import amber as _amber
+
+log = logging.getLogger("amber.torch")
+
+# The memory file systems a memory tier is meant for; another one works, at its speed.
+_MEMORY_FS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """The tiers a front end was asked for. memory: the memory tier's directory;
+    replicas: how many other ranks keep a copy of each rank's files; memory_budget:
+    bytes the memory tier may hold (None: half of its file system's size);
+    max_lag / max_lag_bytes: how far the durable tier may lag (steps, bytes; None: no
+    bound but the budget)."""
+    memory: str
+    replicas: int = 0
+    memory_budget: Optional[int] = None
+    max_lag: Optional[int] = None
+    max_lag_bytes: Optional[int] = None
+
+    @staticmethod
+    def make(path, memory, replicas=0, memory_budget=None, max_lag=None, max_lag_bytes=None):
+        """The options, or None without a memory tier; ValueError or TypeError for
+        arguments that cannot work (nothing is created)."""
+        if memory is None:
+            if replicas:
+                raise ValueError("replicas= needs a memory tier (memory=DIR): replicas are "
+                                 "kept in the peers' memory tiers")
+            if memory_budget is not None or max_lag is not None or max_lag_bytes is not None:
+                raise ValueError("memory_budget= and max_lag= need a memory tier (memory=DIR)")
+            return None
+        if not isinstance(memory, (str, os.PathLike)):
+            raise TypeError(f"memory= is a directory path, not {type(memory).__name__}")
+        for name, v in (("replicas", replicas), ("memory_budget", memory_budget),
+                        ("max_lag", max_lag), ("max_lag_bytes", max_lag_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name}= must be an int >= 0, not {v!r}")
+        mem = os.path.abspath(os.fspath(memory))
+        dur = os.path.abspath(os.fspath(path))
+        if mem == dur or mem.startswith(dur + os.sep) or dur.startswith(mem + os.sep):
+            raise ValueError(f"the memory tier {mem} and the durable tier {dur} must be "
+                             "separate directories, neither inside the other")
+        return TierOptions(mem, int(replicas or 0), memory_budget, max_lag, max_lag_bytes)
+
+
+def fs_type(path: str) -> Optional[str]:
+    """The type of the file system that holds `path` (its nearest existing parent),
+    from /proc/self/mounts; None where that cannot be read."""
+    p = os.path.realpath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
+def default_budget(memory: str) -> int:
+    """Half of the size of the file system that holds `memory` (tmpfs at /dev/shm is
+    half the machine's memory by default, so a quarter of it)."""
+    p = memory
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return st.f_blocks * st.f_frsize // 2
+
+
+class Tiers:
+    """The drain of one sink's memory tier to its durable tier. `rank`: the rank
+    store this process drains in a multi-rank memory tier (rank 0 also drains the
+    manifests and GLOBAL), -1 for a store of one process."""
+
+    def __init__(self, opts: TierOptions, durable: str, rank: int = -1):
+        self.opts = opts
+        self.memory = opts.memory
+        self.durable = os.path.abspath(os.fspath(durable))
+        kind = fs_type(self.memory)
+        if kind is not None and kind not in _MEMORY_FS:
+            log.warning("the memory tier %s is on a %s file system, not in memory (tmpfs, "
+                        "such as /dev/shm): saves and restores go at its pace", self.memory,
+                        kind)
+        self.budget = default_budget(self.memory) if opts.memory_budget is None \
+            else opts.memory_budget
+        os.makedirs(os.path.dirname(self.durable), exist_ok=True)
+        self.drain = _amber.Drain(self.memory, self.durable, max_lag_steps=opts.max_lag or 0,
+                                  max_lag_bytes=opts.max_lag_bytes or 0,
+                                  memory_budget=self.budget, rank=rank)
+
+    def committed(self) -> None:
+        """After a commit to the memory tier: wakes the drain; waits while the durable
+        tier lags beyond its bound or the memory tier is over its budget; raises the
+        drain's sticky error (AmberError, naming the file and the tier)."""
+        self.drain.kick()
+
+    def wants_full(self) -> bool:
+        """Whether the next save must be full: the memory tier is over its budget and
+        only a full checkpoint lets it drop the chain that fills it."""
+        return self.drain.wants_full()
+
+    def status(self):
+        return self.drain.status()
+
+    def durable_latest(self) -> Optional[int]:
+        return latest_of(self.durable)
+
+    def durable_steps(self) -> list:
+        if not os.path.exists(os.path.join(self.durable, "LATEST")):
+            return []
+        with _amber.Store(self.durable, readonly=True, create=False) as st:
+            return st.list()
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        self.drain.flush(timeout)
+
+    def close(self, flush: bool = True) -> None:
+        """Waits for the durable tier to hold every committed step (unless `flush` is
+        False), then stops the drain; raises its sticky error."""
+        try:
+            if flush:
+                self.drain.flush()
+        except BaseException:
+            try:
+                self.drain.close()
+            except _amber.AmberError:
+                pass  # the same sticky error, raised by the flush
+            raise
+        self.drain.close()
+
+
+def latest_of(path: str) -> Optional[int]:
+    """The latest step of the store of one process at `path`, or None (no store, or
+    an empty or unreadable one)."""
+    if not os.path.exists(os.path.join(path, "LATEST")):
+        return None
+    try:
+        with _amber.Store(path, readonly=True, create=False) as st:
+            return st.latest()
+    except _amber.AmberError:
+        return None
+
+
+def holds(path: str, step: Optional[int]) -> bool:
+    """Whether the store of one process at `path` holds committed `step` (None: any)."""
+    if not os.path.exists(os.path.join(path, "LATEST")):
+        return False
+    try:
+        with _amber.Store(path, readonly=True, create=False) as st:
+            return any(i.step == step or step is None for i in st.list())
+    except _amber.AmberError:
+        return False
+
+
+def pick(memory: str, durable: str, memory_latest: Optional[int], step: Optional[int]):
+    """The tiers a load of one process tries, fastest first: [(tier name, path)].
+    `step` None: the newest step of either (the memory tier on a tie); a given step:
+    the memory tier when it holds that step, then the durable tier."""
+    d = latest_of(durable)
+    m = memory_latest
+    if step is None:
+        if m is None:
+            return [("durable", durable)] if d is not None else []
+        if d is None or m >= d:
+            return [("memory", memory)] + ([("durable", durable)] if d is not None else [])
+        return [("durable", durable), ("memory", memory)]
+    return [("memory", memory), ("durable", durable)]
