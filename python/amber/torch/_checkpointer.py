@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 import amber as _amber
-from amber import AmberError, Store
+from amber import AmberError
 from amber import device as _device
 
 from . import _comm, _dtypes, _meta, _presets, _rng
@@ -36,7 +36,7 @@ from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
 from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
 from ._source import GlobalSource, StoreSource
-from ._tiers import TierOptions, Tiers, latest_of, pick
+from ._tiers import RankTiers, TierOptions, Tiers, both_steps, rank_sources, sources
 
 log = logging.getLogger("amber.torch")
 
@@ -116,10 +116,19 @@ class Checkpointer:
         self.rank, self.world_size = self._comm.rank, self._comm.size
         self._tiers = None      # _tiers.Tiers: the drain of the memory tier
         self.served_by = None   # the tier the last load read ("memory", "durable", ...)
+        self.restored = None    # many ranks with tiers: the last load's amber.TiersRestore
         tiers = self.tier_options if not opts.readonly else None
-        if many or _amber.is_global_store(path):
+        if many and tiers is not None:
+            # this rank's memory tier (its host's: a local-mode global store), drained to
+            # the global store at `path`; replication and restore on a group of their own
+            self.path = os.path.abspath(os.fspath(path))
+            sink = GlobalSink(tiers.memory, opts.writer, opts.rules, self._comm, local=True)
+            self.store = None
+            self._tiers = sink.tiers = RankTiers(tiers, self.path,
+                                                 _comm.comm_for(process_group, own=True))
+        elif many or _amber.is_global_store(path):
             if tiers is not None:
-                raise NotImplementedError("memory= with many ranks: not yet")
+                raise NotImplementedError("memory= for one process on a store of many ranks")
             sink = GlobalSink(path, opts.writer, opts.rules, self._comm)
             self.store = None
             self.path = os.fspath(path)
@@ -429,14 +438,7 @@ class Checkpointer:
         self._open()
         self.wait()
         mem = self._memory_tier()
-        if mem is None:
-            return self._sink.steps()
-        got = {}
-        for path in (self.path, mem):
-            if os.path.exists(os.path.join(path, "LATEST")):
-                with Store(path, readonly=True, create=False) as st:
-                    got.update((i.step, i) for i in st.list())
-        return [got[k] for k in sorted(got)]
+        return self._sink.steps() if mem is None else both_steps(self.path, mem)
 
     def _memory_tier(self) -> Optional[str]:
         """The memory tier's directory (a store of one process), or None."""
@@ -445,16 +447,15 @@ class Checkpointer:
 
     def _sources(self, step):
         """[(tier, source)] that a load tries in turn: with a memory tier, the
-        fastest tier holding the step first (_tiers.pick); else the store itself."""
+        fastest tier holding the step first (_tiers.sources); else the store itself."""
+        if isinstance(self._tiers, RankTiers) or (self._sink.dist and self.tier_options):
+            out, self.restored = rank_sources(self._tiers, self.tier_options.memory,
+                                              self.path, step)
+            return out
         mem = self._memory_tier()
         if mem is None:
             return [(None, self._source())]
-        mine = self.store is not None and self.store.path == mem
-        latest = self.store.latest() if mine else latest_of(mem)
-        out = []
-        for tier, path in pick(mem, self.path, latest, step):
-            out.append((tier, StoreSource(path, self.store if mine and path == mem else None)))
-        return out or [("durable", StoreSource(self.path))]
+        return sources(mem, self.path, self.store, step)
 
     def _source(self):
         if self.store is not None:

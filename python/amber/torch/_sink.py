@@ -115,6 +115,7 @@ class _Sink:
         self.writer.set_units(units)
 
     def begin(self, step: int, full: bool, confirm: bool, voted: bool = False) -> None:
+        self.step = step  # what wait() commits
         if voted:  # the ranks agreed on full or delta in their own vote (global writer)
             self.writer.begin(step, full=full, confirm=confirm, voted=True)
         else:
@@ -129,7 +130,7 @@ class _Sink:
     def wait(self) -> None:
         self.writer.wait()
         if self.tiers is not None:  # committed to the memory tier: the drain takes it on
-            self.tiers.committed()
+            self.tiers.committed(self.step)
 
     def wants_full(self) -> bool:
         """Whether the next save should be full: the memory tier is over its budget."""
@@ -234,9 +235,10 @@ class GlobalSink(_Sink):
     background_ok = False   # begin is collective: on the calling thread
     store = None
 
-    def __init__(self, path, opts: WriterOptions, rules, comm):
+    def __init__(self, path, opts: WriterOptions, rules, comm, local: bool = False):
         super().__init__(os.path.abspath(os.fspath(path)), opts, rules)
         self.comm = comm
+        self.local = local  # `path` is this rank's own (a memory tier): local mode
 
     @staticmethod
     def _add(w, it):
@@ -258,7 +260,7 @@ class GlobalSink(_Sink):
             os.makedirs(self.path, exist_ok=True)
         # a job of one: the library's own communicator (no Python in its collectives)
         w = GlobalWriter(self.path, self.comm if self.comm.size > 1 else None,
-                         **self.opts.kwargs())
+                         local=self.local, **self.opts.kwargs())
         try:
             self._declare_on(w, items, dev, extra_rules)
         except BaseException:
