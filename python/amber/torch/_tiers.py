@@ -120,6 +120,7 @@ class Tiers:
         self.budget = default_budget(self.memory) if opts.memory_budget is None \
             else opts.memory_budget
         os.makedirs(os.path.dirname(self.durable), exist_ok=True)
+        os.makedirs(os.path.dirname(self.memory), exist_ok=True)
         self.drain = _amber.Drain(self.memory, self.durable, max_lag_steps=opts.max_lag or 0,
                                   max_lag_bytes=opts.max_lag_bytes or 0,
                                   memory_budget=self.budget, rank=rank)
