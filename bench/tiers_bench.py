@@ -28,12 +28,22 @@ Bounds, measured in the same run: the memory tier's floor is one copy of the sta
 bytes (any restore writes every byte of the state once); a cold load's floor is its
 files read cold at the disk's pace (O_DIRECT, 8 MiB reads, two at a time).
 
+Many ranks (--ranks 2,4): GPT-2 small + AdamW sharded with FSDP2 on CPU ranks (gloo),
+each rank a "host" of its own (its own memory directory under /dev/shm, AMBER_HOST),
+Checkpointer(path, memory=HOST_DIR, replicas=1): the stall of a delta, the bytes each
+rank sends its peer per delta step against its shard of the state, then a restart of
+the job (new processes) from the memory tiers, from a peer after one host's memory
+was wiped, and from the durable tier (cold) after every host's was, against dcp.load
+(cold) of the same state at the same world size. Every figure is the slowest rank's.
+
     tiers_bench.py [--repeat 1] [--deltas 6] [--policy lossy] [--quick] [--json FILE]
-                   [--markdown] [--out DIR]
+                   [--markdown] [--out DIR] [--ranks 2,4] [--timeout 900]
 """
 import argparse
+import datetime
 import gc
 import glob
+import json
 import os
 import platform
 import shutil
@@ -52,7 +62,8 @@ from amber.torch import Checkpointer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
                      cold_read, dcp_state, drop_cache, du, emit, fake_grads, fmt, logger,
-                     quick_model, row, spreads, target_lines, target_records, warm_up)
+                     quick_model, row, run_group, spreads, target_lines, target_records,
+                     warm_up)
 
 log = logger("tiers_bench")
 
@@ -190,6 +201,15 @@ def one_round(tr, out, r, a):
             got = ck.load(tr.state)
             f["restore_memory"] = time.perf_counter() - t0
             assert ck.served_by == "memory" and got == step, (ck.served_by, got, step)
+            # the same from the chain's full checkpoint alone (no delta to apply): what a
+            # restore costs right after a full save
+            full = max(i.step for i in ck.steps() if i.kind == "full")
+            t0 = time.perf_counter()
+            ck.load(tr.state, step=full)
+            f["restore_memory_full"] = time.perf_counter() - t0
+            assert ck.served_by == "memory"
+            f["chain_deltas"] = step - full
+            ck.load(tr.state)  # back to the newest step for what follows
         drop_cache(files(durable))
         log(f"round {r}: cold load from the durable tier")
         with Checkpointer(durable, readonly=True) as ck:
@@ -226,6 +246,7 @@ def one_round(tr, out, r, a):
     shutil.rmtree(last, ignore_errors=True)
     # the ratios
     f["memory_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_memory"]
+    f["memory_full_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_memory_full"]
     f["memory_vs_durable_cold"] = f["restore_durable_cold"] / f["restore_memory"]
     f["memory_vs_tc_load"] = f["tc_load_cold"] / f["restore_memory"]
     f["floor_vs_dcp_load"] = f["dcp_load_cold"] / f["copy_floor"]
@@ -254,6 +275,7 @@ def report(res, markdown):
                     ("stall_tc", "torch_checkpointing save stall (save + staging)"),
                     ("tc_durable", "torch_checkpointing save to durable"),
                     ("restore_memory", "amber restore from the memory tier"),
+                    ("restore_memory_full", "amber restore from memory, the chain's full step"),
                     ("restore_durable_cold", "amber load from the durable tier, cold"),
                     ("dcp_load_cold", "dcp.load + set_state_dict, cold"),
                     ("tc_load_cold", "torch_checkpointing load, cold"),
@@ -267,6 +289,7 @@ def report(res, markdown):
     if markdown:
         lines.append("|---|---|")
     for k, text in (("memory_vs_dcp_load", "restore: dcp.load / memory tier"),
+                    ("memory_full_vs_dcp_load", "restore: dcp.load / memory tier, full step"),
                     ("memory_vs_durable_cold", "restore: durable cold / memory tier"),
                     ("memory_vs_tc_load", "restore: torch_checkpointing / memory tier"),
                     ("floor_vs_dcp_load", "bound: dcp.load / one copy of the state"),
@@ -284,6 +307,179 @@ def report(res, markdown):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- many ranks
+def rank_worker(a):
+    """One rank of phase a.worker: "save" (full + deltas through the tiers, and a
+    dcp.save of the same state), "restore" (a restart's load), "dcp" (dcp.load)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    rank, world = a.rank, a.world
+    os.environ["AMBER_HOST"] = f"host-{rank}"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{a.init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=a.timeout))
+    torch.manual_seed(0)
+    model = quick_model() if a.quick else GPT2Small()
+    nparams = sum(p.numel() for p in model.parameters())
+    for b in model.h:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    gen = torch.Generator().manual_seed(1 + rank)
+    std = 1.0 / nparams ** 0.5
+
+    def grads():
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh,
+                                            p.placements, shape=p.shape, stride=p.stride(),
+                                            run_check=False)
+            p.grad.to_local().normal_(0, std, generator=gen)
+
+    grads()
+    opt.step()
+    state = {"model": model, "optim": opt}
+    mine = sum(p.to_local().numel() * 4 for p in model.parameters()) * 3
+    durable, memory = os.path.join(a.out, "durable"), os.path.join(a.mem, f"host-{rank}")
+    dpath = os.path.join(a.out, "dcp")
+    res = {"rank": rank}
+
+    def cold(paths):
+        dist.barrier()
+        if rank == 0:
+            drop_cache([f for p in paths for f in files(p)])
+        dist.barrier()
+
+    if a.worker == "save":
+        with Checkpointer(durable, policy=a.policy, memory=memory, replicas=1) as ck:
+            dist.barrier()
+            ck.save(1, state, full=True)
+            ck.wait()
+            ck._tiers.settle()
+            sent0 = ck._tiers.stats().total_sent
+            stalls = []
+            for step in range(2, a.deltas + 2):
+                grads()
+                opt.step()
+                t0 = time.perf_counter()
+                ck.save(step, state)
+                grads()
+                ck.fence()
+                stalls.append(time.perf_counter() - t0)
+                ck.wait()
+            ck._tiers.settle()
+            st = ck._tiers.stats()
+            res["replica_bytes"] = (st.total_sent - sent0) / a.deltas
+            res["stall"] = statistics.median(stalls)
+        res["shard_bytes"] = mine
+        msd, osd = get_state_dict(model, opt)
+        import torch.distributed.checkpoint as dcp_
+        dcp_.save({"model": msd, "optim": osd}, storage_writer=dcp_.FileSystemWriter(dpath))
+    elif a.worker == "restore":
+        if a.cold:
+            cold([durable])
+        t0 = time.perf_counter()
+        with Checkpointer(durable, policy=a.policy, memory=memory, replicas=1) as ck:
+            res["open"] = time.perf_counter() - t0  # the tiers' group, drain, replicator
+            dist.barrier()
+            t0 = time.perf_counter()
+            got = ck.load(state)  # the agreement, what peers send, the read
+            res["seconds"] = time.perf_counter() - t0
+            res["tier"], res["step"] = ck.served_by, got
+    elif a.worker == "dcp":
+        import torch.distributed.checkpoint as dcp_
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        cold([dpath])
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp_.load(sd, storage_reader=dcp_.FileSystemReader(dpath))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        res["seconds"] = time.perf_counter() - t0
+    with open(f"{a.result}.{rank}", "w") as fh:
+        json.dump(res, fh)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def spawn(a, phase, world, out, mem, cold=False):
+    init = os.path.join(out, f"rdzv-{phase}-{time.time_ns()}")
+    result = os.path.join(out, f"result-{phase}")
+    cmd = lambda r: [sys.executable, os.path.abspath(__file__), "--worker", phase,  # noqa: E731
+                     "--rank", str(r), "--world", str(world), "--init", init, "--result", result,
+                     "--out", out, "--mem", mem, "--deltas", str(a.deltas), "--policy", a.policy,
+                     "--lr", str(a.lr), "--timeout", str(a.timeout)] + \
+        (["--quick"] if a.quick else []) + (["--cold"] if cold else [])
+    codes = run_group([cmd(r) for r in range(world)], a.timeout,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if any(codes):
+        raise SystemExit(f"tiers_bench: {phase} at {world} ranks failed (exit codes {codes})")
+    return [json.load(open(f"{result}.{r}")) for r in range(world)]
+
+
+def ranks_round(a, world, r):
+    out = os.path.abspath(os.path.join(a.out, f"ranks-{world}-{r}"))
+    mem = f"/dev/shm/amber-bench-{uuid.uuid4().hex[:8]}"
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    f = {}
+    try:
+        log(f"{world} ranks, round {r}: save through the tiers ({a.deltas} deltas), dcp.save")
+        saved = spawn(a, "save", world, out, mem)
+        f["stall"] = max(x["stall"] for x in saved)
+        f["replica_pct_of_shard"] = max(100.0 * x["replica_bytes"] / x["shard_bytes"] for x in saved)
+        log(f"{world} ranks, round {r}: restart from memory")
+        got = spawn(a, "restore", world, out, mem)
+        assert {x["tier"] for x in got} <= {"memory", "peer"}, got
+        f["restore_memory"] = max(x["seconds"] for x in got)
+        f["open"] = max(x["open"] for x in got)
+        shutil.rmtree(os.path.join(mem, "host-1"))
+        log(f"{world} ranks, round {r}: host 1 wiped: restart from its peer")
+        got = spawn(a, "restore", world, out, mem)
+        assert got[1]["tier"] == "peer", got
+        f["restore_peer"] = max(x["seconds"] for x in got)
+        shutil.rmtree(mem)
+        log(f"{world} ranks, round {r}: every host wiped: restart from the durable tier, cold")
+        got = spawn(a, "restore", world, out, mem, cold=True)
+        assert {x["tier"] for x in got} == {"durable"}, got
+        f["restore_durable_cold"] = max(x["seconds"] for x in got)
+        log(f"{world} ranks, round {r}: dcp.load, cold")
+        f["dcp_load_cold"] = max(x["seconds"] for x in spawn(a, "dcp", world, out, mem))
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    f["memory_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_memory"]
+    f["peer_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_peer"]
+    f["durable_vs_dcp_load"] = f["dcp_load_cold"] / f["restore_durable_cold"]
+    return f
+
+
+def ranks_report(res, markdown):
+    w = (58, 26)
+    lines = []
+    for world, R in sorted(res.items()):
+        lines += ["", f"{world} ranks (each its own host):", row(["figure", "median (min-max)"],
+                                                                 markdown, w)]
+        if markdown:
+            lines.append("|---|---|")
+        for k, text, unit in (("stall", "amber delta stall, slowest rank", "s"),
+                              ("replica_pct_of_shard", "replica bytes per delta step, % of the rank's shard", "%"),
+                              ("open", "a restart's Checkpointer(...) (group, drain, replicator)", "s"),
+                              ("restore_memory", "restart from the memory tiers", "s"),
+                              ("restore_peer", "restart, host 1 wiped: from its peer", "s"),
+                              ("restore_durable_cold", "restart, all memory wiped: durable, cold", "s"),
+                              ("dcp_load_cold", "dcp.load + set_state_dict, cold", "s"),
+                              ("memory_vs_dcp_load", "dcp.load / restart from memory", "x"),
+                              ("peer_vs_dcp_load", "dcp.load / restart from a peer", "x"),
+                              ("durable_vs_dcp_load", "dcp.load / restart from durable", "x")):
+            lines.append(row([text, fmt(R[k], unit)], markdown, w))
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(ap)
@@ -291,7 +487,17 @@ def main():
     ap.add_argument("--deltas", type=int, default=6)
     ap.add_argument("--policy", default="lossy")
     ap.add_argument("--out", default="bench-out/tiers")
+    ap.add_argument("--ranks", default="", help="world sizes of the many-rank part, e.g. 2,4")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    for k in ("--rank", "--world"):
+        ap.add_argument(k, type=int, help=argparse.SUPPRESS)
+    for k in ("--init", "--result", "--mem"):
+        ap.add_argument(k, help=argparse.SUPPRESS)
+    ap.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.worker:
+        return rank_worker(a)
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 2)
     model = quick_model() if a.quick else GPT2Small()
@@ -302,14 +508,24 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     rounds = [one_round(tr, a.out, r, a) for r in range(a.repeat)]
     ratio_keys = [k for k in rounds[0] if "_vs_" in k or k.endswith("_pct_of_full_state")]
+    for f in rounds:
+        f.pop("chain_deltas", None)
     res = {"machine": platform.node(), "cpus": os.cpu_count(), "amber": amber.version(),
            "policy": a.policy, "figures": spreads(rounds, skip=ratio_keys),
            "ratios": spreads([{k: f[k] for k in ratio_keys} for f in rounds])}
     res["targets"] = target_records(TARGETS, res["ratios"], BOUNDS)
     head = (f"tiers_bench: {'quick model' if a.quick else 'GPT-2 small + AdamW'} "
             f"({rounds[0]['state_bytes'] / 1e9:.2f} GB), policy {a.policy}, {a.repeat} round(s), "
-            f"{a.deltas} deltas, {os.cpu_count()} CPUs")
-    emit(head, report(res, a.markdown), res, a.json)
+            f"{a.deltas} deltas (the memory tier's chain: a full and {a.deltas} deltas), "
+            f"{os.cpu_count()} CPUs")
+    text = report(res, a.markdown)
+    if a.ranks:
+        res["ranks"] = {}
+        for world in [int(x) for x in a.ranks.split(",") if x]:
+            rounds_w = [ranks_round(a, world, r) for r in range(a.repeat)]
+            res["ranks"][world] = spreads(rounds_w)
+        text += "\n" + ranks_report(res["ranks"], a.markdown)
+    emit(head, text, res, a.json)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ AMBER_API const char *amber_err_name(int code);
 
 /* Returns the detailed message of the last failure on `handle`, which may be an
  * amber_store*, amber_writer*, amber_reader*, amber_global_writer*,
- * amber_global_reader* or amber_drain*. With NULL, returns the calling
+ * amber_global_reader*, amber_drain* or amber_replicas*. With NULL, returns the calling
  * thread's most recent failure of any call (useful when an _open failed and no
  * handle exists). Never NULL; "" when there was none. Valid until the next call on
  * the same handle or thread. */
@@ -262,6 +262,13 @@ typedef struct amber_writer amber_writer;
 #define AMBER_WRITER_COMPRESS_FULL (1u << 0)
 /* Never use O_DIRECT (it is used when the file system supports it). */
 #define AMBER_WRITER_NO_DIRECT_IO (1u << 1)
+/* amber_global_writer_open only ("local mode"; amber_writer_open refuses it): each
+ * rank's `path` is its own or its host's (a memory tier such as /dev/shm/run on
+ * every node), never seen by the ranks of other hosts. Every rank's path gets the
+ * step's manifest and GLOBAL at each commit (rank 0 broadcasts the manifest's
+ * bytes), and holds the rank stores of the ranks that write there. See
+ * amber_global_writer_open and docs/DESIGN.md, "Local mode". */
+#define AMBER_WRITER_GLOBAL_LOCAL (1u << 2)
 
 typedef struct amber_writer_opts {
   uint64_t chunk_elems;  /* elements per chunk; 0 = 1 Mi (1048576); at most 16 Mi and
@@ -777,6 +784,31 @@ typedef struct amber_comm {
 /* The communicator of a job of one rank (rank 0, size 1). Static; never freed. */
 AMBER_API const amber_comm *amber_comm_self(void);
 
+/* Point-to-point exchange over the job's own communicator, for what moves one
+ * rank's files to another (peer replicas, the restore from the tiers): amber never
+ * opens sockets. Ranks are numbered as in the amber_comm given beside it.
+ * libamber_mpi's amber_mpi_p2p_init makes one from an amber_mpi_comm_init
+ * communicator (MPI_Sendrecv); Python's binding from any object with a sendrecv
+ * method. */
+typedef struct amber_p2p {
+  /* Sends `slen` bytes of `send` to rank `dest` and receives exactly `rlen` bytes
+   * from rank `src` into `recv`, both at once, returning when both are done: the
+   * semantics of MPI_Sendrecv, so that a ring of exchanges cannot deadlock.
+   * dest == AMBER_P2P_NONE sends nothing (slen is 0); src == AMBER_P2P_NONE
+   * receives nothing (rlen is 0). Messages from one rank to another arrive in the
+   * order they were sent. amber calls it from one thread at a time, in a sequence
+   * where every send meets a receive of the same length on its destination.
+   * Returns 0 or a negative AMBER_E* code (AMBER_EIO when the peer is gone). */
+  int (*sendrecv)(void *ctx, const void *send, size_t slen, int dest, void *recv,
+                  size_t rlen, int src);
+  void *ctx;            /* passed to sendrecv */
+  uint64_t flags;       /* AMBER_COMM_ANY_THREAD, as for amber_comm */
+  uint64_t reserved[3]; /* must be zero */
+} amber_p2p;
+
+/* amber_p2p.sendrecv's dest or src: no peer this time. */
+#define AMBER_P2P_NONE (-1)
+
 typedef struct amber_global_writer amber_global_writer;
 
 /* amber_global_writer_add flags: the tensor is replicated (every rank holds the
@@ -799,7 +831,26 @@ typedef struct amber_global_writer amber_global_writer;
  * (AMBER_ELOCKED: a global writer of another job, or maintenance). A rank store
  * whose LATEST is missing or damaged gets it back from the newest manifest that
  * names its file (the file must carry the manifest's state id, else
- * AMBER_ECORRUPT). */
+ * AMBER_ECORRUPT).
+ *
+ * Local mode (opts->flags AMBER_WRITER_GLOBAL_LOCAL, on every rank alike): `path` is
+ * this rank's own directory or its host's, which no rank of another host reads;
+ * ranks that share one keep their stores side by side under it (rank-RRRRR/).
+ * Each commit writes the step's manifest and GLOBAL on every rank's path (rank 0
+ * builds the manifest and broadcasts its bytes; each rank writes its copy, a
+ * temporary file of its own renamed into place); a copy that fails on one path
+ * fails the step on every rank, and every path takes its copy back. The open
+ * agrees on the committed step when a crash left the paths' copies different: the
+ * newest step whose manifest some path holds and whose every rank's part is
+ * committed in that rank's own store (the file the manifest names, with its state
+ * id and its chain) at the same world size; each path then gets that step's
+ * manifest and GLOBAL, and loses the manifests and its ranks' files of later
+ * steps. Manifests but no such step (a path wiped, a host replaced): refused on
+ * every rank with AMBER_ECORRUPT and nothing removed (restore the path first:
+ * amber_tiers_restore). A reader of one path (amber_global_reader_open) reads the
+ * boxes of the ranks whose stores are there; replicated tensors are in rank 0's
+ * files, which are on rank 0's path (amber_tiers_restore brings them to every
+ * path that needs them). */
 AMBER_API int amber_global_writer_open(amber_global_writer **out, const char *path,
                                        const amber_comm *comm,
                                        const amber_writer_opts *opts);
@@ -1271,6 +1322,141 @@ typedef struct amber_tier_holding {
  * checked when they are read. *out (release with amber_free) gets *n entries;
  * AMBER_ENOENT when `dir` does not exist. Reads only. */
 AMBER_API int amber_tier_holdings(const char *dir, amber_tier_holding **out, size_t *n);
+/* ---- Peer replicas and the restore from the fastest tier ------------------------
+ *
+ * With many ranks, each host's memory tier is a directory of its own (a local-mode
+ * global writer's path, AMBER_WRITER_GLOBAL_LOCAL), which a lost host takes with
+ * it. A replicator sends each rank's newly committed files to `replicas` peers on
+ * other hosts after every step, over the job's communicator and an amber_p2p; each
+ * peer keeps them in its own memory directory under the sender's rank store
+ * (rank-SSSSS/, docs/FORMAT.md "Peer replicas"). amber_tiers_restore then agrees on
+ * the newest step every rank can restore from some tier and moves what a rank lacks
+ * from the peer that holds it (docs/DESIGN.md, "Peer replicas and the restore"). */
+
+typedef struct amber_replicas amber_replicas;
+
+typedef struct amber_replicas_opts {
+  const char *host;     /* this rank's host, the unit that fails together: NULL = the
+                           environment's AMBER_HOST, else gethostname(). Copied */
+  uint64_t keep_last;   /* global steps each replica keeps, with what their restores
+                           need: 0 = 2 (the newest and the one before, so that a restore
+                           after a crash in the middle of a step's replication finds a
+                           step that every replica holds) */
+  uint32_t flags;       /* must be zero */
+  uint32_t reserved0;   /* must be zero */
+  uint64_t reserved[4]; /* must be zero */
+} amber_replicas_opts;
+
+/* Fills `o` with defaults. */
+AMBER_API void amber_replicas_opts_init(amber_replicas_opts *o);
+
+/* Opens this rank's replicator over memory directory `memory` (this rank's path of a
+ * local-mode global writer: its files are memory/rank-RRRRR/). Collective over
+ * `comm`; `comm` and `p2p` (the same ranks) are copied and must stay usable until
+ * amber_replicas_close; call every amber_replicas_* of one replicator from one
+ * thread at a time, with a communicator that no other thread uses meanwhile (a
+ * duplicate of the job's: libamber_mpi's amber_mpi_comm_init; a gloo group of its
+ * own in torch.distributed), since replication runs beside training.
+ *
+ * Peers: every rank's host is gathered. Hosts are ordered by their lowest rank and
+ * each host's ranks by rank; rank r, the i-th of host h (of H hosts), sends its files
+ * to the i mod n_k -th rank of host (h + k) mod H for k = 1 .. min(replicas, H - 1),
+ * n_k being that host's rank count: a ring over hosts, one replica per other host.
+ * So a job on one host has no replicas (a host's memory is lost with the host), and
+ * replicas >= H gives each rank's files to every other host once. The peers that
+ * already hold a replica of this rank (from an earlier job) are asked its step, so
+ * that the first amber_replicas_step sends them only what they lack.
+ *
+ * Returns the same result on every rank. out: release with amber_replicas_close.
+ * opts: NULL for defaults. */
+AMBER_API int amber_replicas_open(amber_replicas **out, const char *memory,
+                                  const amber_comm *comm, const amber_p2p *p2p,
+                                  uint32_t replicas, const amber_replicas_opts *opts);
+/* Replicates committed global step `step` (steps in increasing order, each after the
+ * local-mode global writer committed it; a step may be skipped). Collective. Each
+ * rank packs its rank store's files that step's chain has beyond what each peer
+ * holds (amber_tier_pack: after the first step, about one delta), and the ranks
+ * exchange them in rounds in which each rank sends to at most one peer and receives
+ * from at most one (sizes first, then bytes, with sendrecv: no round can deadlock);
+ * each receiver installs what it got into its memory directory under the sender's
+ * rank (amber_tier_unpack: files first, pointers last, never back), then keeps the
+ * newest keep_last steps of that replica. An exchange of every rank's outcome ends
+ * the step, so every rank returns the same result: 0, or the lowest failing rank's
+ * code with "rank R: REASON". An error is sticky: the replicator stops, and every
+ * later call returns it (open a new one to go on; it sends what the peers lack). */
+AMBER_API int amber_replicas_step(amber_replicas *r, uint64_t step);
+/* This rank's peers, the ranks that hold its replicas (in order k = 1, 2, ...): *n
+ * gets their count, peers[0 .. min(*n, cap)) the ranks. Not collective. */
+AMBER_API int amber_replicas_peers(const amber_replicas *r, int *peers, size_t cap, size_t *n);
+
+typedef struct amber_replicas_stats {
+  uint64_t step;           /* the last step replicated (AMBER_NO_STEP: none yet) */
+  uint64_t sent_bytes;     /* bytes this rank sent for it (to all its peers) */
+  uint64_t received_bytes; /* bytes it received for it (from every rank it keeps) */
+  uint64_t total_sent, total_received; /* since the open */
+  double seconds;          /* wall-clock time of that amber_replicas_step */
+  uint64_t reserved[4];
+} amber_replicas_stats;
+
+/* The figures of this rank's replication. Not collective. */
+AMBER_API int amber_replicas_stats_get(const amber_replicas *r, amber_replicas_stats *out);
+/* Releases the replicator (not collective). Accepts NULL. */
+AMBER_API void amber_replicas_close(amber_replicas *r);
+
+/* amber_tiers_result.tier: where a rank's files of the restored step came from. */
+#define AMBER_RESTORE_NONE 0u    /* no tier holds a step every rank can restore */
+#define AMBER_RESTORE_MEMORY 1u  /* its own memory directory held them */
+#define AMBER_RESTORE_PEER 2u    /* a peer's memory directory (fetched into its own) */
+#define AMBER_RESTORE_DURABLE 3u /* the durable tier */
+
+typedef struct amber_tiers_result {
+  uint64_t step;        /* the global step every rank restores (AMBER_NO_STEP: none) */
+  uint32_t tier;        /* AMBER_RESTORE_*: this rank's */
+  uint32_t world_size;  /* the step's */
+  const char *dir;      /* the store to open at `step` (amber_global_reader_open):
+                           `memory` or `durable` as the caller passed them; NULL for
+                           AMBER_RESTORE_NONE */
+  uint64_t fetched_bytes; /* bytes this rank received from its peers or the durable
+                             tier into its memory directory */
+  uint32_t ranks_memory, ranks_peer, ranks_durable; /* ranks each tier served */
+  uint32_t reserved0;
+  uint64_t reserved[4];
+} amber_tiers_result;
+
+/* Restores from the fastest tier that holds a step every rank can restore.
+ * Collective over `comm` (with `p2p`). `memory`: this rank's memory directory (its
+ * local-mode path: its own rank store, the replicas it keeps, the manifests);
+ * `durable`: the durable tier, a multi-rank store every rank can read (NULL: none).
+ *
+ * The rule: every rank reports what its memory directory holds (amber_tier_holdings)
+ * and rank 0 the durable tier's newest committed step D. A step S that some memory
+ * directory holds the manifest of, written at this world size, is restorable when
+ * each rank r finds what it needs, its own part of S and, when S has a replicated
+ * tensor, rank 0's part (rank 0 writes those), in some rank's memory directory
+ * (each rank store there holding S in its restorable range), or S is D. The step is
+ * the newest restorable S at or above D, else D. Each rank's tier: MEMORY when its
+ * own directory holds what it needs; PEER when some directory does (the lowest rank
+ * whose directory holds it sends it, pack, sendrecv, unpack, into the directory of
+ * the lowest rank that shares the receiver's: one copy per directory); DURABLE
+ * otherwise. At this world size a DURABLE rank's part, and rank 0's where needed,
+ * is copied from the durable tier into its memory directory as well, so that the
+ * memory tier holds the step whole again (a local-mode writer opened there goes on
+ * from it, deltas included) and `dir` is `memory`; at another world size the
+ * memory directories cannot hold the step (a rank's store is its shard's), nothing
+ * of them is used or changed, every rank gets DURABLE and `dir` is `durable`, and
+ * the memory directories must be emptied before a local-mode writer opens there
+ * (which refuses manifests of another world size). Nothing in any tier (a new job):
+ * 0, with AMBER_RESTORE_NONE and step AMBER_NO_STEP. Steps in the memory
+ * directories, none of them restorable, and no durable step: AMBER_ENOENT, nothing
+ * changed (what is there cannot make a whole step).
+ *
+ * A wiped host's ranks (an empty memory directory) restore bit-identical from their
+ * peers' replicas; with every memory directory lost, every rank restores the
+ * durable tier's newest step. Returns the same result on every rank: 0, or the
+ * lowest failing rank's code with "rank R: REASON". */
+AMBER_API int amber_tiers_restore(const char *memory, const char *durable,
+                                  const amber_comm *comm, const amber_p2p *p2p,
+                                  amber_tiers_result *out);
 
 #ifdef __cplusplus
 }

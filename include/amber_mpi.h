@@ -4,6 +4,8 @@
  *
  *   amber_comm comm;
  *   amber_mpi_comm_init(&comm, MPI_COMM_WORLD);
+ *   amber_p2p p2p;                        // peer replicas, restore from the tiers
+ *   amber_mpi_p2p_init(&p2p, &comm);
  *   amber_global_writer_open(&gw, "runs/x", &comm, NULL);
  *   ...
  *   amber_global_writer_close(gw);
@@ -33,6 +35,16 @@ AMBER_API int amber_mpi_comm_init(amber_comm *out, MPI_Comm comm);
 /* Frees the duplicate communicator (collective, as MPI_Comm_free). Accepts a
  * zeroed or already freed amber_comm. */
 AMBER_API void amber_mpi_comm_free(amber_comm *c);
+
+/* Fills *out with an amber_p2p over the duplicate communicator of `comm` (made by
+ * amber_mpi_comm_init): MPI_Sendrecv, messages above 1 GiB in pieces; an MPI error,
+ * or a message of another length than the receiver expects, is AMBER_EIO. It
+ * shares the communicator, its rank numbering and its AMBER_COMM_ANY_THREAD flag,
+ * and is valid until amber_mpi_comm_free(comm); nothing to free. Give each user
+ * that runs on a thread of its own (a replicator) a communicator of its own
+ * (another amber_mpi_comm_init) and its p2p. Not collective. Returns 0, or
+ * AMBER_EINVAL for a communicator not made by amber_mpi_comm_init. */
+AMBER_API int amber_mpi_p2p_init(amber_p2p *out, const amber_comm *comm);
 
 #ifdef __cplusplus
 }

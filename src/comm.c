@@ -2,8 +2,10 @@
  * comm.c - the collectives that many-rank saves need, over the job's own
  * communicator (amber_comm): the trivial one-rank communicator and an allgather of
  * blobs of any length built from the fixed-length allgather the interface asks of
- * an engine, so that engines implement as little as possible.
+ * an engine, so that engines implement as little as possible; and the check of a
+ * caller's point-to-point exchange (amber_p2p).
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,6 +45,19 @@ int amber__comm_check(const amber_comm *c, amber__err *e) {
   for (int i = 0; i < 3; i++)
     if (c->reserved[i])
       return amber__fail(e, AMBER_EINVAL, "communicator: reserved fields must be zero");
+  return 0;
+}
+
+int amber__p2p_check(const amber_p2p *p, amber__err *e) {
+  if (!p || !p->sendrecv)
+    return amber__fail(e, AMBER_EINVAL, "invalid point-to-point exchange (no sendrecv)");
+  if (p->flags & ~(uint64_t)AMBER_COMM_ANY_THREAD)
+    return amber__fail(e, AMBER_EINVAL, "point-to-point exchange: unknown flags 0x%llx",
+                       (unsigned long long)p->flags);
+  for (int i = 0; i < 3; i++)
+    if (p->reserved[i])
+      return amber__fail(e, AMBER_EINVAL,
+                         "point-to-point exchange: reserved fields must be zero");
   return 0;
 }
 
@@ -88,4 +103,39 @@ int amber__comm_allgatherv(const amber_comm *c, amber__err *e, const void *send,
   free(recv);
   *out = res;
   return 0;
+}
+
+int amber__comm_agree(const amber_comm *c, amber__err *e, int rc, int *broken) {
+  char msg[AMBER__ERRLEN];
+  if (broken) *broken = 0;
+  if (rc < 0) { /* this rank's reason, named as the other ranks name it */
+    snprintf(msg, sizeof msg, "%s", e->msg);
+    amber__fail(e, rc, "rank %d: %s", c->rank, msg);
+  }
+  size_t ml = rc < 0 ? strlen(e->msg) : 0;
+  uint8_t *mine = malloc(4 + ml), *all = NULL;
+  uint64_t *lens = calloc((size_t)c->size * 2, sizeof *lens);
+  int crc = mine && lens ? 0 : AMBER_ENOMEM;
+  if (crc == 0) {
+    amber__put32(mine, (uint32_t)rc);
+    memcpy(mine + 4, e->msg, ml);
+    crc = amber__comm_allgatherv(c, e, mine, 4 + ml, &all, lens, lens + c->size);
+  }
+  free(mine);
+  if (crc < 0) {
+    free(lens);
+    if (broken) *broken = 1;
+    return crc;
+  }
+  const uint64_t *offs = lens + c->size;
+  int brc = 0;
+  for (int r = 0; r < c->size && brc == 0; r++) {
+    if (lens[r] < 4) continue;
+    brc = (int)amber__get32(all + offs[r]);
+    if (brc < 0 && r != c->rank)
+      amber__fail(e, brc, "%.*s", (int)(lens[r] - 4), (const char *)all + offs[r] + 4);
+  }
+  free(all);
+  free(lens);
+  return brc < 0 ? brc : 0;
 }

@@ -10,6 +10,7 @@
  * its store's LATEST back and removes its file of the step, and the next step is
  * full on every rank.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -32,6 +33,7 @@ void amber_global_writer_close(amber_global_writer *gw) {
   free(gw->pol);
   free(gw->meta);
   free(gw->boxes);
+  free(gw->local.install);
   free(gw->path);
   free(gw);
 }
@@ -716,34 +718,48 @@ static void drop_writer(amber_global_writer *gw) {
 
 /* ---- retention ---- */
 
+uint64_t amber__gw_oldest_kept(amber_global_writer *gw) {
+  amber_global_step_info *gs = NULL;
+  size_t n = 0;
+  uint64_t oldest = AMBER_NO_STEP;
+  int rc = amber_global_list(gw->path, &gs, &n);
+  if (rc < 0) amber__fail(&gw->prune_err, rc, "%s", amber_last_error(NULL));
+  else if (n > gw->keep_last) oldest = gs[n - gw->keep_last].step;
+  amber_free(gs);
+  gw->prune_rc = rc;
+  return oldest;
+}
+
+int amber__gw_remove_manifests_before(amber_global_writer *gw, uint64_t oldest) {
+  DIR *d = opendir(gw->path);
+  if (!d)
+    return amber__fail(&gw->prune_err, amber__errno_code(errno), "%s: %s", gw->path,
+                       strerror(errno));
+  struct dirent *de;
+  uint64_t s;
+  int rc = 0;
+  while (rc == 0 && (de = readdir(d))) {
+    if (!amber__parse_manifest_name(de->d_name, &s) || s >= oldest) continue;
+    if (unlinkat(dirfd(d), de->d_name, 0) == 0) gw->pruned++;
+    else if (errno != ENOENT) /* a rank sharing the path removed it first */
+      rc = amber__fail(&gw->prune_err, amber__errno_code(errno), "cannot remove %s/%s: %s",
+                       gw->path, de->d_name, strerror(errno));
+  }
+  closedir(d);
+  if (rc == 0 && amber__fsync_dir(gw->path) < 0)
+    rc = amber__fail(&gw->prune_err, AMBER_EIO, "%s: fsync of the directory failed", gw->path);
+  return rc;
+}
+
 /* Rank 0, after publishing a step: removes the manifests of the steps before the
  * newest keep_last and returns the oldest step kept (AMBER_NO_STEP: nothing to
  * prune, or the removal failed, so that no rank removes files). Manifests first:
  * a crash in between leaves rank files that no step names, never a step whose
  * files are gone. */
 static uint64_t prune_manifests(amber_global_writer *gw) {
-  amber_global_step_info *gs = NULL;
-  size_t n = 0;
-  uint64_t oldest = AMBER_NO_STEP;
-  int rc = amber_global_list(gw->path, &gs, &n);
-  if (rc < 0) {
-    amber__fail(&gw->prune_err, rc, "%s", amber_last_error(NULL));
-  } else if (n > gw->keep_last) {
-    char p[4200];
-    for (size_t i = 0; rc == 0 && i < n - gw->keep_last; i++) {
-      amber__global_manifest_path(gw->path, gs[i].step, p, sizeof p);
-      if (unlink(p) < 0 && errno != ENOENT)
-        rc = amber__fail(&gw->prune_err, amber__errno_code(errno), "cannot remove %s: %s", p,
-                         strerror(errno));
-      else gw->pruned++;
-    }
-    if (rc == 0 && amber__fsync_dir(gw->path) < 0)
-      rc = amber__fail(&gw->prune_err, AMBER_EIO, "%s: fsync of the directory failed",
-                       gw->path);
-    if (rc == 0) oldest = gs[n - gw->keep_last].step;
-  }
-  amber_free(gs);
-  gw->prune_rc = rc;
+  uint64_t oldest = amber__gw_oldest_kept(gw);
+  if (oldest != AMBER_NO_STEP && (gw->prune_rc = amber__gw_remove_manifests_before(gw, oldest)) < 0)
+    oldest = AMBER_NO_STEP;
   return oldest;
 }
 
@@ -837,9 +853,12 @@ static int commit(amber_global_writer *gw) {
     size_t ml = amber__get16(p + 28);
     snprintf(why, sizeof why, "%.*s", (int)ml, (const char *)p + 30);
   }
-  /* Every rank has the same votes: rank 0 alone writes, then says how it went. */
+  /* Every rank has the same votes: rank 0 alone writes (in local mode: encodes,
+   * and every rank writes its copy after the outcome), then says how it went. */
   int published = 0;
-  uint8_t res[4 + 256 + 8]; /* i32 rc, message, u64 oldest step kept (retention) */
+  /* i32 rc, message, u64 oldest step kept (retention), u64 manifest length (local) */
+  uint8_t res[4 + 256 + 8 + 8], *mbytes = NULL;
+  size_t mlen = 0;
   memset(res, 0, sizeof res);
   amber__put64(res + 260, AMBER_NO_STEP);
   gw->prune_rc = 0, gw->pruned = 0;
@@ -848,12 +867,18 @@ static int commit(amber_global_writer *gw) {
     char w2[256] = "";
     int mrc = build_manifest(gw, all, lens, offs, &m, w2, sizeof w2);
     if (mrc == AMBER_ENOMEM && !w2[0]) snprintf(w2, sizeof w2, "out of memory");
-    if (mrc == 0) mrc = publish(gw, &m, w2, sizeof w2);
-    published = mrc == 0;
+    if (mrc == 0 && gw->local.on) {
+      if ((mrc = amber__manifest_encode(&m, &gw->err, &mbytes, &mlen)) < 0)
+        snprintf(w2, sizeof w2, "%.255s", gw->err.msg);
+    } else if (mrc == 0) {
+      mrc = publish(gw, &m, w2, sizeof w2);
+      published = mrc == 0;
+    }
     amber__manifest_free(&m);
     amber__put32(res, (uint32_t)mrc);
     memcpy(res + 4, w2, strnlen(w2, 255));
-    if (mrc == 0 && gw->keep_last) amber__put64(res + 260, prune_manifests(gw));
+    amber__put64(res + 268, mlen);
+    if (published && gw->keep_last) amber__put64(res + 260, prune_manifests(gw));
     t_manifest = amber__now();
   }
   free(all);
@@ -861,6 +886,7 @@ static int commit(amber_global_writer *gw) {
   if (bad < 0) {
     crc = gw->comm.broadcast(gw->comm.ctx, res, sizeof res, 0);
     if (crc < 0) {
+      free(mbytes);
       fail_local(gw, 0);
       if (published) { /* the step is in GLOBAL: the other ranks may not know it */
         gw->latest = gw->step;
@@ -876,8 +902,20 @@ static int commit(amber_global_writer *gw) {
     if (brc < 0) {
       bad = 0;
       snprintf(why, sizeof why, "%.255s", (const char *)res + 4);
+    } else if (gw->local.on) { /* every rank's copy, or none */
+      uint64_t oldest;
+      crc = amber__gw_local_copy(gw, mbytes, amber__get64(res + 268), &bad, &brc, why,
+                                 sizeof why, &oldest);
+      amber__put64(res + 260, oldest);
+      if (crc < 0) {
+        free(mbytes);
+        fail_local(gw, 0);
+        return amber__fail(&gw->err, crc, "step %llu not committed on every path: %s (the "
+                           "next open settles it)", (unsigned long long)gw->step, gw->err.msg);
+      }
     }
   }
+  free(mbytes);
   if (bad >= 0) {
     fail_local(gw, 1);
     return amber__fail(&gw->err, brc, "step %llu not committed: rank %d failed: %s: %s",
@@ -899,7 +937,10 @@ static int commit(amber_global_writer *gw) {
                           gw->stats.part.bytes);
   /* Retention never fails the save: amber_global_writer_prune_status tells. */
   uint64_t oldest = amber__get64(res + 260);
-  if (gw->keep_last && oldest != AMBER_NO_STEP) prune_rank_store(gw, oldest);
+  if (gw->keep_last && oldest != AMBER_NO_STEP && gw->local.on)
+    gw->prune_rc = amber__gw_remove_manifests_before(gw, oldest); /* this path's copies */
+  if (gw->keep_last && oldest != AMBER_NO_STEP && gw->prune_rc == 0)
+    prune_rank_store(gw, oldest);
   return 0;
 }
 

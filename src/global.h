@@ -20,6 +20,13 @@ int amber__comm_allgatherv(const amber_comm *c, amber__err *e, const void *send,
                            uint8_t **out, uint64_t *lens, uint64_t *offs);
 /* Checks a communicator given by a caller. */
 int amber__comm_check(const amber_comm *c, amber__err *e);
+/* Every rank's outcome `rc` (its message in e when < 0) to every rank: returns the
+ * lowest failing rank's code with its message "rank R: REASON" in e, the same on
+ * every rank; 0 when every rank succeeded. When the exchange itself fails, returns
+ * its code (e says why) with *broken (may be NULL) set. Collective. */
+int amber__comm_agree(const amber_comm *c, amber__err *e, int rc, int *broken);
+/* Checks a point-to-point exchange given by a caller. */
+int amber__p2p_check(const amber_p2p *p, amber__err *e);
 
 /* ---- manifest (src/manifest.c) ---- */
 
@@ -176,5 +183,10 @@ int amber__write_file_durable(const char *dir, const char *path, amber__err *e,
 /* Reads and decodes the manifest of `step`. */
 int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
                                 amber__manifest *m);
+/* Reads the manifest of `step` and checks that it decodes: *out (malloc'd; may be
+ * NULL: not kept) gets its bytes, *len their count, *m (may be NULL) the decoded
+ * manifest (release with amber__manifest_free). For a copy of it elsewhere. */
+int amber__global_manifest_bytes(const char *store, uint64_t step, amber__err *e, uint8_t **out,
+                                 size_t *len, amber__manifest *m);
 
 #endif /* AMBER_GLOBAL_H */

@@ -128,38 +128,12 @@ static void learn_share(amber_global_writer *gw) {
  * failed) goes to every rank, and each returns the lowest failing rank's code,
  * with the message "rank R: REASON", the same on every rank. Collective. */
 static int agree(amber_global_writer *gw, int rc) {
-  char msg[sizeof gw->err.msg];
-  if (rc < 0) {
-    snprintf(msg, sizeof msg, "%s", gw->err.msg);
-    amber__fail(&gw->err, rc, "rank %d: %s", gw->comm.rank, msg);
-  }
-  size_t ml = rc < 0 ? strlen(gw->err.msg) : 0;
-  uint8_t *mine = malloc(4 + ml), *all = NULL;
-  uint64_t *lens = calloc((size_t)gw->comm.size * 2, sizeof *lens);
-  int crc = mine && lens ? 0 : AMBER_ENOMEM;
-  if (crc == 0) {
-    amber__put32(mine, (uint32_t)rc);
-    memcpy(mine + 4, gw->err.msg, ml);
-    crc = amber__comm_allgatherv(&gw->comm, &gw->err, mine, 4 + ml, &all, lens,
-                                 lens + gw->comm.size);
-  }
-  free(mine);
-  if (crc < 0) {
-    free(lens);
-    return amber__fail(&gw->err, crc, "%s: opening the global writer: a collective failed (%s)",
-                       gw->path, amber_strerror(crc));
-  }
-  const uint64_t *offs = lens + gw->comm.size;
-  int brc = 0;
-  for (int r = 0; r < gw->comm.size && brc == 0; r++) {
-    if (lens[r] < 4) continue;
-    brc = (int)amber__get32(all + offs[r]);
-    if (brc < 0 && r != gw->comm.rank)
-      amber__fail(&gw->err, brc, "%.*s", (int)(lens[r] - 4), (const char *)all + offs[r] + 4);
-  }
-  free(all);
-  free(lens);
-  return brc < 0 ? brc : 0;
+  int broken;
+  rc = amber__comm_agree(&gw->comm, &gw->err, rc, &broken);
+  if (broken)
+    return amber__fail(&gw->err, rc, "%s: opening the global writer: a collective failed (%s)",
+                       gw->path, amber_strerror(rc));
+  return rc;
 }
 
 /* What open checks before it changes anything: the directory is not a single-rank
@@ -219,7 +193,7 @@ static void remove_stale_manifests(amber_global_writer *gw) {
  * and remove it. When no manifest names this rank's files, they belong to no
  * committed step and the store is left to the usual rules (amber__store_state).
  * Called with the rank store's lock held, before its stale files are cleaned. */
-static int repair_rank_latest(amber_global_writer *gw) {
+int amber__gw_repair_rank_latest(amber_global_writer *gw) {
   uint64_t s, id;
   int rc = amber__read_latest(gw->st, NULL, &s, &id);
   if ((rc != AMBER_ENOENT && rc != AMBER_ECORRUPT) || gw->latest == AMBER_NO_STEP ||
@@ -267,11 +241,12 @@ static int prepare_rank_store(amber_global_writer *gw) {
     if ((rc = amber__store_open(&gw->st, gw->rankdir, &so, 0)) < 0)
       return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
   }
-  if ((rc = repair_rank_latest(gw)) < 0) return rc;
+  if (gw->local.on && (rc = amber__gw_local_install(gw)) < 0) return rc;
+  if ((rc = amber__gw_repair_rank_latest(gw)) < 0) return rc;
   if ((rc = amber__store_clean(gw->st)) < 0)
     return amber__fail(&gw->err, rc, "%s", amber_last_error(NULL));
   if ((rc = remove_leftovers(gw)) < 0) return rc;
-  if (gw->comm.rank == 0) remove_stale_manifests(gw);
+  if (gw->comm.rank == 0 && !gw->local.on) remove_stale_manifests(gw);
   return 0;
 }
 
@@ -290,6 +265,8 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
   gw->comm = *comm;
   if (opts) gw->opts = *opts;
   else amber_writer_opts_init(&gw->opts);
+  gw->local.on = (gw->opts.flags & AMBER_WRITER_GLOBAL_LOCAL) != 0;
+  gw->opts.flags &= ~(uint32_t)AMBER_WRITER_GLOBAL_LOCAL; /* the rank writers' flags */
   gw->full_every = gw->opts.full_every ? gw->opts.full_every : 50;
   gw->opts.full_every = UINT32_MAX; /* the step decides, not each rank */
   double share = gw->opts.full_share == 0 ? AMBER__DEFAULT_FULL_SHARE : gw->opts.full_share;
@@ -303,6 +280,9 @@ int amber_global_writer_open(amber_global_writer **out, const char *path,
    * changes nothing (a store in use by another job is left exactly as it was),
    * then this rank's store made ready. */
   rc = agree(gw, check_store(gw));
+  /* local mode: the paths' copies of the commit point agreed (its own outcome is
+   * the same on every rank) */
+  if (rc == 0 && gw->local.on) rc = amber__gw_local_agree(gw);
   if (rc == 0) {
     int lrc = prepare_rank_store(gw);
     if (lrc == 0) {

@@ -30,10 +30,19 @@ typedef struct gtensor {
   double unit; /* amber_global_writer_set_units */
 } gtensor;
 
+/* Local mode (AMBER_WRITER_GLOBAL_LOCAL, src/glocal.c): what open agreed on. */
+typedef struct amber__gw_local {
+  int on;
+  uint64_t had;      /* this path's GLOBAL before the agreement (AMBER_NO_STEP: none) */
+  uint8_t *install;  /* the agreed step's manifest, when this path lacks it */
+  size_t install_len;
+} amber__gw_local;
+
 struct amber_global_writer {
   amber__err err; /* first: amber_last_error reads it */
   amber_comm comm;
   char *path;
+  amber__gw_local local;
   char rankdir[4096];
   amber_writer_opts opts; /* the rank writers' */
   uint32_t full_every;    /* the step's cadence: deltas between fulls at most */
@@ -83,5 +92,37 @@ struct amber_global_writer {
 /* Moves the rank store's LATEST back to `step` (state `state`; AMBER_NO_STEP:
  * empty) and removes its files of later steps. The rank writer must be idle. */
 int amber__gw_rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state);
+/* Writes the rank store's LATEST again from the manifests of gw->path when it is
+ * missing or damaged while its files are there (src/gopen.c). */
+int amber__gw_repair_rank_latest(amber_global_writer *gw);
+
+/* ---- retention (src/global.c) ---- */
+
+/* The oldest step that the newest keep_last steps of gw->path keep (AMBER_NO_STEP:
+ * nothing to prune, or the listing failed: gw->prune_rc says). */
+uint64_t amber__gw_oldest_kept(amber_global_writer *gw);
+/* Removes the manifests of gw->path of steps before `oldest` (counted in gw->pruned). */
+int amber__gw_remove_manifests_before(amber_global_writer *gw, uint64_t oldest);
+
+/* ---- local mode (src/glocal.c) ---- */
+
+/* At open, after the first round: every rank's path and rank store reported to
+ * every rank, and the committed step agreed (docs/DESIGN.md, "Local mode"): the
+ * newest step whose manifest some path holds and whose every rank's part is in its
+ * rank's store. Sets gw->latest, and gw->local.install when this path lacks the
+ * agreed manifest. Collective; the same result on every rank. */
+int amber__gw_local_agree(amber_global_writer *gw);
+/* At open, after amber__gw_local_agree: this path made to say the agreed step (its
+ * manifest installed, GLOBAL moved to it, later manifests removed). Not collective. */
+int amber__gw_local_install(amber_global_writer *gw);
+/* At commit, once rank 0's manifest of the step is built (`bytes`, `len`: rank 0's
+ * encoding; NULL on the other ranks): the bytes broadcast, every rank's copy of the
+ * manifest and GLOBAL written to its path, every rank's outcome exchanged. *bad
+ * gets the lowest rank whose copy failed (-1: none), *brc its code and `why` its
+ * message; then every rank has taken its copy back. *oldest gets the oldest step
+ * that retention keeps (rank 0's listing). Returns 0, or a collective's failure
+ * (the outcome unknown). Collective. */
+int amber__gw_local_copy(amber_global_writer *gw, const uint8_t *bytes, uint64_t len, int *bad,
+                         int *brc, char *why, size_t wl, uint64_t *oldest);
 
 #endif /* AMBER_GWRITER_H */

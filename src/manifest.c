@@ -425,17 +425,25 @@ int amber__read_small(const char *path, amber__err *e, uint8_t **out, size_t *le
   return 0;
 }
 
-int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
-                                amber__manifest *m) {
+int amber__global_manifest_bytes(const char *store, uint64_t step, amber__err *e, uint8_t **out,
+                                 size_t *len, amber__manifest *m) {
   char path[4096];
   amber__global_manifest_path(store, step, path, sizeof path);
   uint8_t *b;
-  size_t len;
-  int rc = amber__read_small(path, e, &b, &len, UINT64_C(1) << 32);
+  int rc = amber__read_small(path, e, &b, len, UINT64_C(1) << 32);
   if (rc < 0) return rc;
-  rc = amber__manifest_decode(e, path, b, len, m);
-  free(b);
+  amber__manifest own;
+  rc = amber__manifest_decode(e, path, b, *len, m ? m : &own);
+  if (rc == 0 && !m) amber__manifest_free(&own);
+  if (rc == 0 && out) *out = b;
+  else free(b);
   return rc;
+}
+
+int amber__global_load_manifest(const char *store, uint64_t step, amber__err *e,
+                                amber__manifest *m) {
+  size_t len;
+  return amber__global_manifest_bytes(store, step, e, NULL, &len, m);
 }
 
 int amber__global_state(const char *store, amber__err *e, uint64_t *step) {

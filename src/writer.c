@@ -155,6 +155,9 @@ int amber_writer_open(amber_writer **out, amber_store *st, const amber_writer_op
   for (int i = 0; i < 4; i++)
     if (opts->reserved[i] || opts->reserved0)
       return amber__fail(NULL, AMBER_EINVAL, "amber_writer_open: reserved option set");
+  if (opts->flags & AMBER_WRITER_GLOBAL_LOCAL)
+    return amber__fail(NULL, AMBER_EINVAL, "AMBER_WRITER_GLOBAL_LOCAL is a global writer's "
+                       "option (amber_global_writer_open)");
   if (opts->stage_bytes && opts->stage_bytes < AMBER__MIN_STAGE_BYTES)
     return amber__fail(NULL, AMBER_EINVAL, "stage_bytes %" PRIu64 " is below the minimum %u",
                        opts->stage_bytes, AMBER__MIN_STAGE_BYTES);

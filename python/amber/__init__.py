@@ -65,6 +65,7 @@ __all__ = [
     "GlobalWriter", "GlobalReader", "GlobalStepInfo", "GlobalTensorInfo", "is_global_store",
     "global_steps", "global_prune", "SHARD_REPLICATED",
     "Drain", "DrainStatus", "drain", "tier_durable", "tier_staging", "sweep", "is_url",
+    "Replicas", "ReplicaStats", "TiersRestore", "tiers_restore",
 ]
 
 # ---- constants (values are part of the C ABI and of the file format) ----------
@@ -76,6 +77,7 @@ OPEN_NOCREATE = 1 << 1
 CKPT_DAMAGED = 1 << 0
 WRITER_COMPRESS_FULL = 1 << 0
 WRITER_NO_DIRECT_IO = 1 << 1
+WRITER_GLOBAL_LOCAL = 1 << 2
 SAVE_FULL = 1 << 0
 SAVE_NO_REFERENCE = 1 << 1
 SAVE_CONFIRM = 1 << 2
@@ -752,6 +754,8 @@ SHARD_REPLICATED = 1 << 0
 _ALLGATHER = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_void_p)
 _BROADCAST = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_int)
 _BARRIER = ctypes.CFUNCTYPE(c_int, c_void_p)
+_SENDRECV = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t,
+                             c_int)
 
 
 class _Comm(Structure):
@@ -760,6 +764,11 @@ class _Comm(Structure):
                 ("flags", c_uint64), ("reserved", c_uint64 * 3)]
     # flags stays 0: a Python communicator is called on the thread that saves (the
     # commit of a split save runs in wait), never from the library's own threads
+
+
+class _P2P(Structure):
+    _fields_ = [("sendrecv", _SENDRECV), ("ctx", c_void_p), ("flags", c_uint64),
+                ("reserved", c_uint64 * 3)]
 
 
 class _GlobalStepInfo(Structure):
@@ -822,6 +831,36 @@ _gr_meta = _fn("amber_global_reader_meta", c_int, _H, c_uint32, POINTER(c_void_p
 _gr_verify = _fn("amber_global_reader_verify", c_int, _H)
 
 
+class _ReplicasOpts(Structure):
+    _fields_ = [("host", c_char_p), ("keep_last", c_uint64), ("flags", c_uint32),
+                ("reserved0", c_uint32), ("reserved", c_uint64 * 4)]
+
+
+class _ReplicasStats(Structure):
+    _fields_ = [("step", c_uint64), ("sent_bytes", c_uint64), ("received_bytes", c_uint64),
+                ("total_sent", c_uint64), ("total_received", c_uint64), ("seconds", c_double),
+                ("reserved", c_uint64 * 4)]
+
+
+class _TiersResult(Structure):
+    _fields_ = [("step", c_uint64), ("tier", c_uint32), ("world_size", c_uint32),
+                ("dir", c_void_p), ("fetched_bytes", c_uint64), ("ranks_memory", c_uint32),
+                ("ranks_peer", c_uint32), ("ranks_durable", c_uint32), ("reserved0", c_uint32),
+                ("reserved", c_uint64 * 4)]
+
+
+_rep_opts_init = _fn("amber_replicas_opts_init", None, POINTER(_ReplicasOpts))
+_rep_open = _fn("amber_replicas_open", c_int, POINTER(_H), c_char_p, POINTER(_Comm),
+                POINTER(_P2P), c_uint32, POINTER(_ReplicasOpts))
+_rep_step = _fn("amber_replicas_step", c_int, _H, c_uint64)
+_rep_peers = _fn("amber_replicas_peers", c_int, _H, POINTER(c_int), c_size_t, POINTER(c_size_t))
+_rep_stats = _fn("amber_replicas_stats_get", c_int, _H, POINTER(_ReplicasStats))
+_rep_close = _fn("amber_replicas_close", None, _H)
+_tiers_restore = _fn("amber_tiers_restore", c_int, c_char_p, c_char_p, POINTER(_Comm),
+                     POINTER(_P2P), POINTER(_TiersResult))
+_RESTORE_TIERS = {0: None, 1: "memory", 2: "peer", 3: "durable"}
+
+
 def _dims(values):
     values = tuple(int(d) for d in values)
     return (c_int64 * max(1, len(values)))(*values), len(values)
@@ -842,28 +881,62 @@ def _box_arrays(items):
     return idx, off, shp, bufs, sizes
 
 
-class _CommBridge:
+class _Bridge:
+    """What the ctypes callbacks over a Python object share: an exception inside one is
+    kept (`error`) and reported to the library as AMBER_EIO, so that it never unwinds
+    through C; `check` then raises it, named and chained."""
+
+    what = "collective"
+
+    def __init__(self):
+        self.error = None
+
+    def guard(self, fn):
+        def call(*args):
+            try:
+                fn(*args)
+                return 0
+            except BaseException as e:  # never let an exception cross the C frames
+                if self.error is None:
+                    self.error = e
+                return EIO
+        return call
+
+    def check(self, rc, handle):
+        """_check, with the callback's own exception named and chained."""
+        err, self.error = self.error, None
+        if rc < 0 and err is not None:
+            e = _error(rc, handle)
+            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
+                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
+                e.rank = err.ranks[0]
+            else:
+                e = AmberError(rc, f"{e.message} ({self.what} failed: {type(err).__name__}: "
+                               f"{err})", name=e.name)
+            raise e from err
+        return _check(rc, handle)
+
+
+def _check_bridges(rc, handle, *bridges):
+    """_check after a call through several bridges: the first callback exception
+    (any bridge's) is raised, named and chained, and every bridge is reset."""
+    failed = next((b for b in bridges if b.error is not None), None)
+    for b in bridges:
+        if b is not failed:
+            b.error = None
+    return failed.check(rc, handle) if failed is not None else _check(rc, handle)
+
+
+class _CommBridge(_Bridge):
     """An amber_comm whose collectives are the methods of a Python object:
     `rank`, `size`, `allgather(data: bytes) -> bytes` (every rank's bytes, rank
     order), `broadcast(data: bytes, root) -> bytes` and `barrier()`. The library
-    calls them on the thread that called it; an exception inside one is kept
-    (`error`) and reported to the library as AMBER_EIO, so that it never unwinds
-    through C. The ctypes callbacks live as long as this object."""
+    calls them on the thread that called it. The ctypes callbacks live as long as
+    this object."""
 
     def __init__(self, comm):
+        super().__init__()
         self.comm = comm
-        self.error = None
-
-        def guard(fn):
-            def call(*args):
-                try:
-                    fn(*args)
-                    return 0
-                except BaseException as e:  # never let an exception cross the C frames
-                    if self.error is None:
-                        self.error = e
-                    return EIO
-            return call
 
         def allgather(_ctx, send, n, recv):
             out = comm.allgather(ctypes.string_at(send, n) if n else b"")
@@ -879,46 +952,66 @@ class _CommBridge:
             if n:
                 ctypes.memmove(buf, out, n)
 
-        self._cbs = (_ALLGATHER(guard(allgather)), _BROADCAST(guard(broadcast)),
-                     _BARRIER(guard(lambda _ctx: comm.barrier())))
+        self._cbs = (_ALLGATHER(self.guard(allgather)), _BROADCAST(self.guard(broadcast)),
+                     _BARRIER(self.guard(lambda _ctx: comm.barrier())))
         self.c = _Comm(rank=comm.rank, size=comm.size, allgather=self._cbs[0],
                        broadcast=self._cbs[1], barrier=self._cbs[2], ctx=None)
 
-    def check(self, rc, handle):
-        """_check, with the collective's own exception named and chained."""
-        err, self.error = self.error, None
-        if rc < 0 and err is not None:
-            e = _error(rc, handle)
-            if getattr(err, "ranks", None):  # the comm knows which ranks are gone
-                e = AmberError(rc, f"{e.message}: {err}", name=e.name)
-                e.rank = err.ranks[0]
-            else:
-                e = AmberError(rc, f"{e.message} (collective failed: {type(err).__name__}: "
-                               f"{err})", name=e.name)
-            raise e from err
-        return _check(rc, handle)
+
+class _P2PBridge(_Bridge):
+    """An amber_p2p whose exchange is the method of a Python object:
+    `sendrecv(data: bytes, dest, rlen, src) -> bytes` sends `data` to rank `dest` and
+    returns the `rlen` bytes that rank `src` sent, both at once (as MPI_Sendrecv: post
+    the receive before waiting on the send, so that a ring cannot deadlock); `dest`
+    None: nothing to send (data is b""); `src` None: nothing to receive (return b"").
+    Ranks as the communicator beside it numbers them. Called on the thread that
+    called the library."""
+
+    what = "sendrecv"
+
+    def __init__(self, p2p):
+        super().__init__()
+        self.p2p = p2p
+
+        def sendrecv(_ctx, send, slen, dest, recv, rlen, src):
+            data = ctypes.string_at(send, slen) if slen and dest >= 0 else b""
+            out = p2p.sendrecv(data, dest if dest >= 0 else None, rlen if src >= 0 else 0,
+                               src if src >= 0 else None)
+            want = rlen if src >= 0 else 0
+            if out is None:
+                out = b""
+            if len(out) != want:
+                raise RuntimeError(f"sendrecv returned {len(out)} bytes, not {want}")
+            if want:
+                ctypes.memmove(recv, bytes(out), want)
+
+        self._cb = _SENDRECV(self.guard(sendrecv))
+        self.c = _P2P(sendrecv=self._cb, ctx=None)
 
 
 class GlobalWriter(_Handle):
     """This rank's global writer of the multi-rank store at `path`.
 
-    GlobalWriter(path, comm=None, **writer options as for Writer). `comm` is an
-    object with `rank`, `size`, `allgather(bytes) -> bytes`, `broadcast(bytes,
+    GlobalWriter(path, comm=None, **writer options as for Writer, local=False). `comm`
+    is an object with `rank`, `size`, `allgather(bytes) -> bytes`, `broadcast(bytes,
     root) -> bytes` and `barrier()` (amber.torch's distributed Checkpointer gives
-    one over torch.distributed); None is a job of one rank. Opening, save, begin,
+    one over torch.distributed); None is a job of one rank. local=True: `path` is this
+    rank's own or its host's (a memory tier), and every rank's path gets each step's
+    manifest and GLOBAL (AMBER_WRITER_GLOBAL_LOCAL; docs/DESIGN.md, "Local mode"). Opening, save, begin,
     plan and wait are collective (every rank calls them, in the same order); add,
     add_preselected, set_data, set_meta, info, set_selection, fence and confirm are
     this rank's alone. Ownership of the tensors' memory as for Writer; pre-selected
     tensors (add_preselected, driven by amber.device) as for amber.device."""
 
     def __init__(self, path, comm=None, chunk_elems=0, compress_full=False, zstd_level=0,
-                 full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0):
+                 full_every=0, full_share=0.0, stage_bytes=0, direct_io=True, keep_last=0,
+                 local=False):
         super().__init__()
         opts = _WriterOpts()
         _writer_opts_init(byref(opts))
         opts.chunk_elems = chunk_elems
         opts.flags = (WRITER_COMPRESS_FULL if compress_full else 0) | \
-            (0 if direct_io else WRITER_NO_DIRECT_IO)
+            (0 if direct_io else WRITER_NO_DIRECT_IO) | (WRITER_GLOBAL_LOCAL if local else 0)
         opts.zstd_level, opts.full_every, opts.full_share = zstd_level, full_every, full_share
         opts.stage_bytes, opts.keep_last = stage_bytes, keep_last
         self._bridge = _CommBridge(comm) if comm is not None else None
@@ -1390,3 +1483,124 @@ def tier_durable(memory):
         return os.fsdecode(ctypes.string_at(p.value))
     finally:
         _free(p)
+
+
+# ---- peer replicas and the restore from the tiers ---------------------------------
+
+
+class ReplicaStats:
+    """This rank's replication: step (the last replicated, None before the first),
+    sent_bytes and received_bytes of that step, total_sent and total_received since
+    the open, seconds (that step's replication)."""
+    __slots__ = ("step", "sent_bytes", "received_bytes", "total_sent", "total_received",
+                 "seconds")
+
+    def __init__(self, c):
+        self.step = None if c.step == NO_STEP else c.step
+        self.sent_bytes, self.received_bytes = c.sent_bytes, c.received_bytes
+        self.total_sent, self.total_received = c.total_sent, c.total_received
+        self.seconds = c.seconds
+
+    def __repr__(self):
+        return (f"ReplicaStats(step={self.step}, sent_bytes={self.sent_bytes}, "
+                f"received_bytes={self.received_bytes}, seconds={self.seconds:.6f})")
+
+
+class Replicas(_Handle):
+    """This rank's replicator of memory directory `memory` (its local-mode
+    GlobalWriter's path): after each committed step, step(n) sends the files that
+    step added to this rank's store to `replicas` peers on other hosts, which keep
+    them under this rank's store in their memory directories (docs/DESIGN.md, "Peer
+    replicas and the restore").
+
+    Replicas(memory, comm, p2p, replicas=1, host=None, keep_last=0). `comm` as for
+    GlobalWriter, `p2p` an object with `sendrecv(data: bytes, dest, rlen, src) ->
+    bytes` over the same ranks (dest/src None: no peer that way); both must be amber's
+    own (a gloo group of its own: replication runs beside training, on one thread).
+    host: this rank's host (None: $AMBER_HOST, else the host name). keep_last: steps
+    each replica keeps (0: 2). Opening and step() are collective; an error of any
+    rank raises on every rank and is sticky (open a new Replicas to go on)."""
+
+    def __init__(self, memory, comm, p2p, replicas=1, host=None, keep_last=0):
+        super().__init__()
+        opts = _ReplicasOpts()
+        _rep_opts_init(byref(opts))
+        self._host = host.encode() if isinstance(host, str) else host
+        opts.host, opts.keep_last = self._host, keep_last
+        self._comm, self._p2p = _CommBridge(comm), _P2PBridge(p2p)
+        h = _H()
+        self._call(_rep_open(byref(h), os.fsencode(os.fspath(memory)), byref(self._comm.c),
+                             byref(self._p2p.c), replicas, byref(opts)), None)
+        self._h = h.value
+        self.memory = os.fspath(memory)
+
+    def _call(self, rc, handle):
+        return _check_bridges(rc, handle, self._comm, self._p2p)
+
+    def step(self, step):
+        """Replicates committed global step `step` (increasing). Collective."""
+        with self._lock:
+            h = self._handle()
+            self._call(_rep_step(h, step), h)
+
+    def peers(self):
+        """The ranks that hold this rank's replicas (a list)."""
+        with self._lock:
+            arr, n = (c_int * 64)(), c_size_t()
+            _check(_rep_peers(self._handle(), arr, 64, byref(n)), self._h)
+            return [arr[i] for i in range(min(n.value, 64))]
+
+    def stats(self):
+        """This rank's ReplicaStats."""
+        with self._lock:
+            st = _ReplicasStats()
+            _check(_rep_stats(self._handle(), byref(st)), self._h)
+            return ReplicaStats(st)
+
+    def close(self):
+        """Releases the replicator (not collective)."""
+        with self._lock:
+            if self._h is None:
+                return
+            _rep_close(self._h)
+            self._h = None
+
+
+class TiersRestore:
+    """What tiers_restore decided for this rank: step (None: nothing to restore, a
+    new job), tier ("memory", "peer" or "durable": where this rank's files came
+    from), path (the store to open with GlobalReader at `step`), world_size (the
+    step's), fetched_bytes (what this rank received into its memory directory), and
+    ranks_memory, ranks_peer, ranks_durable (how many ranks each tier served)."""
+    __slots__ = ("step", "tier", "path", "world_size", "fetched_bytes", "ranks_memory",
+                 "ranks_peer", "ranks_durable")
+
+    def __repr__(self):
+        return (f"TiersRestore(step={self.step}, tier={self.tier!r}, path={self.path!r}, "
+                f"world_size={self.world_size})")
+
+
+def tiers_restore(memory, durable, comm, p2p):
+    """Restores from the fastest tier that holds a step every rank can restore
+    (amber_tiers_restore): `memory` is this rank's memory directory, `durable` the
+    durable tier every rank reads (None: none); `comm` and `p2p` as for Replicas.
+    Collective; returns a TiersRestore, the same step on every rank. A host whose
+    memory was wiped gets its files from the peer that keeps them; with every
+    memory directory lost, every rank gets the durable tier's newest step; at
+    another world size than the memory tier's, the durable tier serves as it is."""
+    cb, pb = _CommBridge(comm), _P2PBridge(p2p)
+    res = _TiersResult()
+    mem = os.fsencode(os.fspath(memory))
+    dur = os.fsencode(os.fspath(durable)) if durable is not None else None
+    _check_bridges(_tiers_restore(mem, dur, byref(cb.c), byref(pb.c), byref(res)), None, cb,
+                   pb)
+    out = TiersRestore()
+    out.step = None if res.step == NO_STEP else res.step
+    out.tier = _RESTORE_TIERS.get(res.tier)
+    # the memory directory at the job's world size, else the durable tier as it is
+    out.path = None if out.step is None else (
+        os.fspath(memory) if res.world_size == comm.size else os.fspath(durable))
+    out.world_size, out.fetched_bytes = res.world_size, res.fetched_bytes
+    out.ranks_memory, out.ranks_peer = res.ranks_memory, res.ranks_peer
+    out.ranks_durable = res.ranks_durable
+    return out

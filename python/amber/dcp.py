@@ -92,7 +92,7 @@ from amber.torch._naming import box, is_dtensor
 from amber.torch._options import Options
 from amber.torch._save import Saver, in_place_names
 from amber.torch._sink import GlobalSink, StoreSink
-from amber.torch._tiers import TierOptions, Tiers
+from amber.torch._tiers import TierOptions, Tiers, holds, latest_of, pick
 from amber.torch._values import Decoder, Encoder
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
@@ -186,7 +186,8 @@ class Writer(StorageWriter, AsyncStager):
     """DCP StorageWriter (and AsyncStager) into an amber store.
 
     Writer(checkpoint_id=None, policy=None, full_every=None, full_share=None,
-           threads=0, chunk_elems=0, process_group=None, overwrite=True)
+           threads=0, chunk_elems=0, process_group=None, overwrite=True, memory=None,
+           memory_budget=None, max_lag=None, max_lag_bytes=None)
       policy, full_every, full_share, threads, chunk_elems: as for
       amber.torch.Checkpointer ("exact" by default, "lossy", rules...).
       checkpoint_id: the default id ("STORE" or "STORE/step-N"), used by every save
@@ -201,6 +202,11 @@ class Writer(StorageWriter, AsyncStager):
               multi-rank store (see the module's documentation). Every rank
               makes its Writer, and the first save is collective (it makes the
               Writer's gloo group).
+      memory, memory_budget, max_lag, max_lag_bytes: a memory tier, as for
+              amber.torch.Checkpointer: every save goes to the directory `memory`
+              (on /dev/shm), and the library drains each committed step to the
+              store in the background; close() waits until the store holds them.
+              Read it back with Reader(checkpoint_id, memory=...).
     Keep one Writer for the run and close() it at the end (it holds the store's
     lock while open; with many ranks close() completes a staged save, which is
     collective). Not thread-safe beyond what DCP does with it."""
@@ -208,8 +214,15 @@ class Writer(StorageWriter, AsyncStager):
     _synchronize_after_execute = False  # staging completes with stage()'s Future
 
     def __init__(self, checkpoint_id=None, policy=None, full_every=None, full_share=None,
-                 threads=0, chunk_elems=0, process_group=None, overwrite=True):
+                 threads=0, chunk_elems=0, process_group=None, overwrite=True, memory=None,
+                 memory_budget=None, max_lag=None, max_lag_bytes=None):
         super().__init__()
+        # the memory tier (amber.torch.Checkpointer's memory=...): checked now when the
+        # store is known, else at the first save
+        self._tier_args = (memory, memory_budget, max_lag, max_lag_bytes)
+        if memory is not None and checkpoint_id is not None:
+            TierOptions.make(parse_checkpoint_id(checkpoint_id)[0], *self._tier_args)
+        self._tier_store = None  # the durable store the memory tier drains to
         self._pg = process_group
         self._overwrite = bool(overwrite)
         self._ready = False   # reset() ran for the save in progress
@@ -228,13 +241,22 @@ class Writer(StorageWriter, AsyncStager):
 
     # -- the store and its saver --
     def _use(self, path, many):
-        """The saver of the store at `path` (a multi-rank store when `many`); an s3://
-        store's writes go through its staging directory, drained at each commit."""
+        """The saver of the store at `path` (a multi-rank store when `many`); with
+        memory=, or for an s3:// store (through its staging directory, drained at each
+        commit), the sink writes a memory tier that drains to `path`."""
         if self._saver is not None and self._path == path and self._saver.sink.dist == many:
             return
         self._drop()
         opts = self._options
-        tiers = TierOptions.make(path, None)  # None for a directory
+        if self._tier_args[0] is not None:
+            if many:
+                raise NotImplementedError("amber.dcp.Writer(memory=...) with many ranks: "
+                                          "not yet")
+            if self._tier_store not in (None, path):
+                raise ValueError(f"amber.dcp.Writer: its memory tier drains to {self._tier_store}"
+                                 f", not {path}: one Writer with memory= saves to one store")
+            self._tier_store = path
+        tiers = TierOptions.make(path, *self._tier_args)  # None: a directory, written directly
         where = tiers.memory if tiers is not None else path
         if many:
             if self._comm is None:
@@ -254,16 +276,21 @@ class Writer(StorageWriter, AsyncStager):
         self._path = path
         self._saver = Saver(sink, self._comm or _comm.SoloComm(), opts, confirm_at_fence=False)
 
-    def _drop(self):
+    def _drop(self, flush=False):
         if self._saver is not None:
-            self._saver.close()
-            self._saver = None
+            saver, self._saver = self._saver, None
+            try:
+                if flush:
+                    saver.sink.close_tiers(flush=True)
+            finally:
+                saver.close()
 
     def close(self):
         """Releases the store (a save in progress that was not finished is dropped,
-        uncommitted)."""
+        uncommitted). With memory=, first waits until the durable store holds every
+        committed step (raising the drain's failure)."""
         self._abort()
-        self._drop()
+        self._drop(flush=True)
         hooks = getattr(self, "_hooks", None)
         if hooks is not None:
             hooks.remove()
@@ -586,11 +613,18 @@ def _pickled(meta):
 class Reader(StorageReader):
     """DCP StorageReader of an amber store: checkpoint_id "STORE/step-N" or "STORE"
     (latest). Reads each requested region after every checksum of the tensors it
-    needs has been checked, so a damaged step raises before the live state changes."""
+    needs has been checked, so a damaged step raises before the live state changes.
 
-    def __init__(self, checkpoint_id=None):
+    Reader(checkpoint_id=None, memory=None): with `memory`, the memory tier that a
+    Writer(memory=...) saved to: each load reads the fastest tier that holds the step
+    (for "STORE", the newest step of either; the memory tier on a tie); `served_by`
+    then names it."""
+
+    def __init__(self, checkpoint_id=None, memory=None):
         super().__init__()
         self._id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self._memory = None if memory is None else os.path.abspath(os.fspath(memory))
+        self.served_by = None  # the tier the last read_metadata chose ("memory", "durable")
         self._path = self._step = None
         self._meta = None  # {"keys", "objects", "global"} of the step being read
 
@@ -600,6 +634,14 @@ class Reader(StorageReader):
             raise ValueError("amber.dcp.Writer needs a checkpoint_id: Writer(\"STORE\") or "
                              "dcp.save(..., checkpoint_id=\"STORE/step-N\")")
         path, step = parse_checkpoint_id(cid)
+        self.served_by = None
+        if self._memory is not None and not _amber.is_global_store(path):
+            # the fastest tier that holds the step (the newest of either for "STORE")
+            for tier, where in pick(self._memory, path if _amber.is_url(path) else os.path.abspath(path),
+                                    latest_of(self._memory), step):
+                if holds(where, step):
+                    path, self.served_by = where, tier
+                    break
         if not _amber.is_url(path) and not os.path.isdir(path):
             raise FileNotFoundError(f"amber.dcp.Reader: no amber store at {path!r} "
                                     f"(checkpoint_id {cid!r})")

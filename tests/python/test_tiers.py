@@ -248,3 +248,38 @@ def test_cli_lists_the_tiers_and_drains_what_a_crashed_job_left(tmp_path, memory
     with Checkpointer(store, readonly=True) as rd:
         assert rd.load(back) == 5
     assert torch.equal(back["w"], w)
+
+
+def test_dcp_writer_and_reader_reach_the_memory_tier(tmp_path, memory):
+    """amber.dcp.Writer(path, memory=DIR) saves through the memory tier (the store
+    gets every step once the Writer closes); Reader(path, memory=DIR) reads the
+    fastest tier holding the step, and the durable tier when the memory is gone."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Reader, Writer
+    store = str(tmp_path / "dcp")
+    m = torch.nn.Linear(32, 32)
+    saved = []
+    with Writer(store, memory=memory) as w:
+        for _ in range(4):
+            with torch.no_grad():
+                m.weight.add_(0.5)
+            dcp.save({"m": m.state_dict()}, storage_writer=w)
+            saved.append(m.weight.clone())
+    assert steps_of(store) == [0, 1, 2, 3]
+    assert steps_of(memory)[-1] == 3 and len(steps_of(memory)) < 4
+    for sid, tier, want in ((store, "memory", saved[3]), (f"{store}/step-3", "memory", saved[3]),
+                            (f"{store}/step-0", "durable", saved[0])):
+        back = torch.nn.Linear(32, 32)
+        sd = {"m": back.state_dict()}
+        r = Reader(sid, memory=memory)
+        dcp.load(sd, storage_reader=r)
+        assert r.served_by == tier, (sid, r.served_by)
+        assert torch.equal(back.weight, want), sid
+    shutil.rmtree(memory)
+    back = torch.nn.Linear(32, 32)
+    sd = {"m": back.state_dict()}
+    r = Reader(store, memory=memory)
+    dcp.load(sd, storage_reader=r)
+    assert r.served_by == "durable" and torch.equal(back.weight, saved[3])
+    with pytest.raises(ValueError, match="separate directories"):
+        Writer(store, memory=store)

@@ -36,7 +36,8 @@ from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
 from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
 from ._source import GlobalSource, StoreSource
-from ._tiers import TierOptions, Tiers, is_url, latest_of, pick, single_store, steps_of
+from ._tiers import (RankTiers, TierOptions, Tiers, both_steps, is_url, rank_sources,
+                     single_store, sources)
 
 log = logging.getLogger("amber.torch")
 
@@ -123,16 +124,25 @@ class Checkpointer:
         self.rank, self.world_size = self._comm.rank, self._comm.size
         self._tiers = None      # _tiers.Tiers: the drain of the memory tier
         self.served_by = None   # the tier the last load read ("memory", "durable", ...)
+        self.restored = None    # many ranks with tiers: the last load's amber.TiersRestore
         tiers = self.tier_options if not opts.readonly else None
-        if many or _amber.is_global_store(path):
+        if many and tiers is not None and not tiers.staging:
+            # this rank's memory tier (its host's: a local-mode global store), drained to
+            # the global store at `path`; replication and restore on a group of their own
+            self.path = os.fspath(path) if is_url(path) else os.path.abspath(os.fspath(path))
+            sink = GlobalSink(tiers.memory, opts.writer, opts.rules, self._comm, local=True)
+            self.store = None
+            self._tiers = sink.tiers = RankTiers(tiers, self.path,
+                                                 _comm.comm_for(process_group, own=True))
+        elif many or _amber.is_global_store(path):
             if tiers is not None and not tiers.staging:
-                raise NotImplementedError("memory= with many ranks: not yet")
+                raise NotImplementedError("memory= for one process on a store of many ranks")
             self.store = None
             self.path = os.fspath(path)
             if tiers is None:
                 sink = GlobalSink(path, opts.writer, opts.rules, self._comm)
-            else:  # an s3:// store: this rank's part through the staging directory
-                sink = GlobalSink(tiers.memory, opts.writer, opts.rules, self._comm)
+            else:  # an s3:// store: this rank's part through the host's staging directory
+                sink = GlobalSink(tiers.memory, opts.writer, opts.rules, self._comm, local=True)
                 self._tiers = sink.tiers = Tiers(tiers, self.path, rank=self.rank)
         elif tiers is not None:
             # the writer's store is the memory tier's; the run's path is the durable tier
@@ -442,15 +452,10 @@ class Checkpointer:
         self._open()
         self.wait()
         mem = self._memory_tier()
-        if mem is None:
-            if self._tiers is not None:  # many ranks on an s3:// store: drained at each commit
-                return _amber.global_steps(self.path) if _amber.is_global_store(self.path) \
-                    else []
-            return self._sink.steps()
-        got = {}
-        for path in (self.path, mem):
-            got.update((i.step, i) for i in steps_of(path))
-        return [got[k] for k in sorted(got)]
+        if mem is None and self._sink.dist and self.tier_options is not None and \
+                self.tier_options.staging:  # many ranks on an s3:// store: drained at each commit
+            return _amber.global_steps(self.path) if _amber.is_global_store(self.path) else []
+        return self._sink.steps() if mem is None else both_steps(self.path, mem)
 
     def _memory_tier(self) -> Optional[str]:
         """The memory tier's directory (a store of one process), or None."""
@@ -459,16 +464,16 @@ class Checkpointer:
 
     def _sources(self, step):
         """[(tier, source)] that a load tries in turn: with a memory tier, the
-        fastest tier holding the step first (_tiers.pick); else the store itself."""
+        fastest tier holding the step first (_tiers.sources); else the store itself."""
+        t = self.tier_options
+        if isinstance(self._tiers, RankTiers) or (self._sink.dist and t and not t.staging):
+            out, self.restored = rank_sources(self._tiers, self.tier_options.memory,
+                                              self.path, step)
+            return out
         mem = self._memory_tier()
         if mem is None:
             return [(None, self._source())]
-        mine = self.store is not None and self.store.path == mem
-        latest = self.store.latest() if mine else latest_of(mem)
-        out = []
-        for tier, path in pick(mem, self.path, latest, step):
-            out.append((tier, StoreSource(path, self.store if mine and path == mem else None)))
-        return out or [("durable", StoreSource(self.path))]
+        return sources(mem, self.path, self.store, step)
 
     def _source(self):
         if self.store is not None:

@@ -113,11 +113,13 @@ class TorchComm:
     def sendrecv(self, data, dest, rlen, src):
         """Sends `data` to group rank `dest` and returns `rlen` bytes received from
         group rank `src`, both posted before either is waited for (so that a ring of
-        exchanges cannot deadlock); nothing is sent or received for an empty side."""
+        exchanges cannot deadlock); nothing is sent or received for an empty side or a
+        peer of None (amber_p2p's AMBER_P2P_NONE)."""
         ops = []
-        if data:
+        if data and dest is not None:
             t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             ops.append(lambda: dist.isend(t, group=self.group, group_dst=dest))
+        rlen = rlen if src is not None else 0
         out = torch.empty(rlen, dtype=torch.uint8)
         if rlen:
             ops.append(lambda: dist.irecv(out, group=self.group, group_src=src))

@@ -117,6 +117,7 @@ class _Sink:
         self.writer.set_units(units)
 
     def begin(self, step: int, full: bool, confirm: bool, voted: bool = False) -> None:
+        self.step = step  # what wait() commits
         if voted:  # the ranks agreed on full or delta in their own vote (global writer)
             self.writer.begin(step, full=full, confirm=confirm, voted=True)
         else:
@@ -136,7 +137,7 @@ class _Sink:
         s3:// store's staging directory), raising its failure. The step is committed
         in the memory tier whatever this raises."""
         if self.tiers is not None:
-            self.tiers.committed()
+            self.tiers.committed(self.step)
 
     def wants_full(self) -> bool:
         """Whether the next save should be full: the memory tier is over its budget."""
@@ -152,12 +153,12 @@ class _Sink:
             self.writer.close()
             self.writer = None
 
-    def close_tiers(self) -> None:
-        """Waits until the durable tier holds every committed step, then stops the
-        drain (raising its failure)."""
+    def close_tiers(self, flush: bool = True) -> None:
+        """Stops the drain of the memory tier (after waiting until the durable tier
+        holds every committed step, with `flush`); raises the drain's failure."""
         tiers, self.tiers = self.tiers, None
         if tiers is not None:
-            tiers.close(flush=True)
+            tiers.close(flush=flush)
 
     def newest(self, mine: Optional[int]) -> Optional[int]:
         """The newer of `mine` (the sink's own store's latest) and the durable tier's."""
@@ -208,19 +209,27 @@ class StoreSink(_Sink):
         self.writer.seed_reference(step)
 
     def latest(self) -> Optional[int]:
+        """The latest step (with a memory tier: of either tier)."""
         return self.newest(self.store.latest())
 
     def steps(self) -> list:
-        return self.store.list()
+        """The committed checkpoints (with a memory tier: of both tiers, the memory
+        tier's where both hold a step)."""
+        if self.tiers is None:
+            return self.store.list()
+        got = {i.step: i for i in self.tiers.durable_steps()}
+        got.update((i.step, i) for i in self.store.list())
+        return [got[k] for k in sorted(got)]
 
     def close(self) -> None:
         self.close_writer()
         try:
-            self.close_tiers()
-        finally:
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+            self.close_tiers(flush=False)
+        except AmberError:
+            pass  # raised by the close that flushed, or by the next save's kick
+        if self.store is not None:
+            self.store.close()
+            self.store = None
 
 
 class GlobalSink(_Sink):
@@ -234,10 +243,11 @@ class GlobalSink(_Sink):
     background_ok = False   # begin is collective: on the calling thread
     store = None
 
-    def __init__(self, path, opts: WriterOptions, rules, comm):
+    def __init__(self, path, opts: WriterOptions, rules, comm, local: bool = False):
         path = os.fspath(path)
         super().__init__(path if _amber.is_url(path) else os.path.abspath(path), opts, rules)
         self.comm = comm
+        self.local = local  # `path` is this rank's own (a memory tier): local mode
 
     @staticmethod
     def _add(w, it):
@@ -259,7 +269,7 @@ class GlobalSink(_Sink):
             os.makedirs(self.path, exist_ok=True)
         # a job of one: the library's own communicator (no Python in its collectives)
         w = GlobalWriter(self.path, self.comm if self.comm.size > 1 else None,
-                         **self.opts.kwargs())
+                         local=self.local, **self.opts.kwargs())
         try:
             self._declare_on(w, items, dev, extra_rules)
         except BaseException:
@@ -296,7 +306,7 @@ class GlobalSink(_Sink):
             return super().committed()
         why = None
         try:
-            self.tiers.committed()
+            self.tiers.committed(self.step)
         except AmberError as e:
             why = (e.code, e.message)
         votes = self.comm.gather_objects(why)
@@ -307,7 +317,10 @@ class GlobalSink(_Sink):
 
     def close(self) -> None:
         self.close_writer()
-        self.close_tiers()
+        try:
+            self.close_tiers(flush=False)
+        except AmberError:
+            pass  # raised by the close that flushed, or by the next save's wait
 
 
 def device_wanted(t: torch.Tensor, forced: bool) -> bool:

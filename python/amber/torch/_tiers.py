@@ -24,10 +24,14 @@ wait() returns once the step is durable in the object store.
 
 import logging
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import amber as _amber
+
+from ._source import GlobalSource, StoreSource
 
 log = logging.getLogger("amber.torch")
 
@@ -144,8 +148,7 @@ class Tiers:
             else opts.memory_budget
         if not url:
             os.makedirs(os.path.dirname(self.durable), exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(self.memory), exist_ok=True)
+        os.makedirs(os.path.dirname(self.memory), exist_ok=True)
         self.drain = self._start()
 
     def _start(self):
@@ -161,7 +164,7 @@ class Tiers:
         except _amber.AmberError:
             pass  # its failure, raised already
 
-    def committed(self) -> None:
+    def committed(self, step: Optional[int] = None) -> None:
         """After a commit to the memory tier: wakes the drain; waits while the durable
         tier lags beyond its bound or the memory tier is over its budget (and, for an
         s3:// store's staging directory, until the step is durable there); raises the
@@ -202,6 +205,9 @@ class Tiers:
         if self.drain is None:
             self.drain = self._start()
         return self.drain.status()
+
+    def durable_steps(self) -> list:
+        return steps_of(self.durable)
 
     def flush(self, timeout: Optional[float] = None) -> None:
         if self.drain is None:
@@ -260,6 +266,14 @@ def steps_of(path) -> list:
         return st.list()
 
 
+def holds(path: str, step: Optional[int]) -> bool:
+    """Whether the store of one process at `path` holds committed `step` (None: any)."""
+    try:
+        return any(i.step == step or step is None for i in steps_of(path))
+    except _amber.AmberError:
+        return False
+
+
 def pick(memory: str, durable: str, memory_latest: Optional[int], step: Optional[int]):
     """The tiers a load of one process tries, fastest first: [(tier name, path)].
     `step` None: the newest step of either (the memory tier on a tie); a given step:
@@ -273,3 +287,133 @@ def pick(memory: str, durable: str, memory_latest: Optional[int], step: Optional
             return [("memory", memory)] + ([("durable", durable)] if d is not None else [])
         return [("durable", durable), ("memory", memory)]
     return [("memory", memory), ("durable", durable)]
+
+
+class RankTiers(Tiers):
+    """The tiers of one rank of many: this rank's drain (rank 0's also moves the
+    durable tier's manifests and GLOBAL), and with `replicas` its replicator, which
+    sends each committed step's new files to its peers on other hosts from a thread of
+    its own, in commit order, over `comm` (a communicator of amber's own: a gloo group
+    that no other thread uses, which also serves the restore). Collective to make."""
+
+    def __init__(self, opts: TierOptions, durable: str, comm):
+        super().__init__(opts, durable, rank=comm.rank)
+        self.comm = comm
+        self.replicas = None
+        self._queue = None
+        self._error = None
+        if opts.replicas:
+            try:
+                self.replicas = _amber.Replicas(self.memory, comm, comm, replicas=opts.replicas)
+            except BaseException:
+                self.drain.close()
+                raise
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._replicate, name="amber-replicas",
+                                            daemon=True)
+            self._thread.start()
+
+    def _replicate(self):
+        while True:
+            step = self._queue.get()
+            try:
+                if step is None:
+                    return
+                if self._error is None:
+                    self.replicas.step(step)  # collective: every rank's thread, in order
+            except BaseException as e:  # sticky: raised by the next save, wait or close
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _raise(self):
+        if self._error is not None:
+            raise self._error
+
+    def committed(self, step: Optional[int] = None) -> None:
+        super().committed(step)
+        if self._queue is not None:
+            self._raise()
+            self._queue.put(step)
+
+    def settle(self) -> None:
+        """Waits until every committed step was replicated; raises the replicator's
+        failure."""
+        if self._queue is not None:
+            self._queue.join()
+            self._raise()
+
+    def restore(self):
+        """Which tier serves a load (amber.tiers_restore, collective): the newest step
+        every rank can restore from some tier, files fetched from peers where a
+        rank's memory lacks them. A TiersRestore."""
+        self.settle()
+        return _amber.tiers_restore(self.memory, self.durable, self.comm, self.comm)
+
+    def stats(self):
+        return None if self.replicas is None else self.replicas.stats()
+
+    def close(self, flush: bool = True) -> None:
+        try:
+            if self._queue is not None:
+                if flush:
+                    self.settle()
+                self._queue.put(None)
+                self._thread.join()
+                self._queue = None
+        finally:
+            if self.replicas is not None:
+                self.replicas.close()
+                self.replicas = None
+            super().close(flush=flush)
+
+
+def both_steps(durable: str, memory: str) -> list:
+    """The committed checkpoints of both stores of one process (CheckpointInfo), the
+    memory tier's where both hold a step."""
+    got = {}
+    for path in (durable, memory):
+        got.update((i.step, i) for i in steps_of(path))
+    return [got[k] for k in sorted(got)]
+
+
+def sources(memory: str, durable: str, store, step):
+    """[(tier, StoreSource)] that a load of one process tries in turn (pick), the
+    memory tier through `store` when that is the sink's open store."""
+    mine = store is not None and store.path == memory
+    latest = store.latest() if mine else latest_of(memory)
+    out = [(tier, StoreSource(path, store if mine and path == memory else None))
+           for tier, path in pick(memory, durable, latest, step)]
+    return out or [("durable", StoreSource(durable))]
+
+
+class Pinned:
+    """A source whose latest step is the one the ranks agreed on (a load of step None
+    reads `step`)."""
+
+    def __init__(self, source, step):
+        self.source, self.step, self.path = source, step, source.path
+
+    def empty(self):
+        return self.step is None
+
+    def open(self, step, *args):
+        return self.source.open(self.step if step is None else step, *args)
+
+
+def rank_sources(tiers: Optional[RankTiers], memory: str, durable: str, step):
+    """([(tier, source)], TiersRestore or None) of a load at many ranks with a memory
+    tier: for the latest step, what every rank agrees on (RankTiers.restore: its own
+    memory, a peer's replica fetched into it, or the durable tier); a given step from
+    the durable tier when it holds it, else from the memory tier. One source: every
+    rank reads the same step."""
+    if step is not None or tiers is None:
+        held = step is not None and _amber.is_global_store(durable) and \
+            any(s.step == step for s in _amber.global_steps(durable))
+        if step is None or held or not _amber.is_global_store(memory):
+            return [("durable", GlobalSource(durable))], None
+        return [("memory", GlobalSource(memory))], None
+    got = tiers.restore()
+    if got.step is None:
+        return [("durable", Pinned(GlobalSource(durable), None))], got
+    return [(got.tier, Pinned(GlobalSource(got.path), got.step))], got
