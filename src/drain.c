@@ -126,7 +126,16 @@ static int mem_list(const char *dir, amber__err *e, mlist *m) {
   int rc = amber_store_open(&st, dir, &so);
   if (rc == AMBER_ENOENT) return 0;
   if (rc) return amber__fail(e, rc, "%s", amber_last_error(NULL));
-  rc = amber__store_list(st, e, &m->info, &m->n);
+  /* No LATEST: nothing committed to move. Files without it are also what a store
+   * being installed holds for a while (a restore unpacks a chain there, its files
+   * first and LATEST last), which is not damage: a reader reports a store left so. */
+  uint64_t step, state;
+  rc = amber__read_latest(st, e, &step, &state);
+  if (rc == AMBER_ENOENT) {
+    amber_store_close(st);
+    return 0;
+  }
+  if (rc == 0) rc = amber__store_list(st, e, &m->info, &m->n);
   amber_store_close(st);
   return rc;
 }

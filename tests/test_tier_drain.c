@@ -376,6 +376,40 @@ static void test_a_damaged_memory_file_never_becomes_durable(void) {
         has_file(mem, 1)); /* the memory tier keeps what is not durable */
 }
 
+/* A store being installed in the memory tier (a restore copying a chain there from a
+ * peer or the durable tier: its files first, LATEST last) holds files but no LATEST
+ * for a while. A drain that looks at it then finds nothing committed to move; it
+ * must not take it for a damaged store (a sticky error that failed the job's close
+ * while the restore was in progress). */
+static void test_a_store_being_installed_is_not_damage(void) {
+  char mem[2048], dur[2048], latest[4400], aside[4400];
+  paths(mem, dur, sizeof mem);
+  job j;
+  job_open(&j, mem, 100);
+  for (uint64_t s = 1; s <= 3; s++)
+    job_save(&j, s, 0);
+  job_close(&j);
+  snprintf(latest, sizeof latest, "%s/LATEST", mem);
+  snprintf(aside, sizeof aside, "%s/../LATEST.aside", mem);
+  CHECK(rename(latest, aside) == 0); /* the install has written the files only */
+  amber_drain *d = NULL;
+  CHECK_OK(amber_drain_start(&d, mem, dur, NULL));
+  CHECK_OK(amber_drain_kick(d));
+  CHECK_OK(amber_drain_flush(d, 30));
+  amber_drain_status ds;
+  CHECK_OK(amber_drain_get_status(d, &ds));
+  CHECK(ds.error == 0 && ds.durable_step == AMBER_NO_STEP);
+  uint64_t steps[MAXSTEP];
+  CHECK(steps_of(dur, steps) == 0);
+  CHECK(has_file(mem, 1) && has_file(mem, 3)); /* nothing removed */
+  CHECK(rename(aside, latest) == 0); /* the install completes */
+  CHECK_OK(amber_drain_kick(d));
+  CHECK_OK(amber_drain_flush(d, 30));
+  CHECK(steps_of(dur, steps) == 3);
+  check_step(dur, 3);
+  CHECK_OK(amber_drain_close(d));
+}
+
 static void test_drain_refuses_what_it_must(void) {
   char mem[2048], dur[2048], p[4300];
   paths(mem, dur, sizeof mem);
@@ -479,6 +513,7 @@ int main(void) {
   TEST_RUN(test_a_budget_smaller_than_a_full_is_a_clear_sticky_error);
   TEST_RUN(test_a_full_durable_disk_is_a_sticky_error_that_loses_nothing);
   TEST_RUN(test_a_damaged_memory_file_never_becomes_durable);
+  TEST_RUN(test_a_store_being_installed_is_not_damage);
   TEST_RUN(test_drain_refuses_what_it_must);
   TEST_RUN(test_tiers_file_is_read_strictly_and_breaks_no_reader);
   return tu_finish();
