@@ -92,7 +92,8 @@ from amber.torch._naming import box, is_dtensor
 from amber.torch._options import Options
 from amber.torch._save import Saver, in_place_names
 from amber.torch._sink import GlobalSink, StoreSink
-from amber.torch._tiers import TierOptions, Tiers, holds, latest_of, pick
+from amber.torch._source import holds, latest_of
+from amber.torch._tiers import TierOptions, Tiers, pick
 from amber.torch._values import Decoder, Encoder
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]

@@ -142,10 +142,15 @@ def scenario_resume(rank, world, d):
 
 def scenario_s3resume(rank, world, d):
     """An exact run 1..6 into a directory against 1..3 into an s3:// store
-    ($AMBER_TEST_S3), its staging directories removed, a restart that loads step 3
+    ($AMBER_TEST_S3; with AMBER_TEST_S3_HOSTS=1 each rank on a "host" of its own, its
+    own staging directory), its staging directories removed, a restart that loads step 3
     from the objects and runs 4..6: bit-identical."""
     import shutil
     url = os.environ["AMBER_TEST_S3"]
+    hosts = os.environ.get("AMBER_TEST_S3_HOSTS") == "1"
+    if hosts:  # each rank a host of its own: a staging directory each
+        os.environ["AMBER_STAGING"] = os.path.join(os.environ["AMBER_STAGING"], f"host-{rank}")
+        os.makedirs(os.environ["AMBER_STAGING"], exist_ok=True)
     torch.manual_seed(100 + rank)
     model, opt = build(0)
     with Checkpointer(f"{d}/a") as ck:
@@ -157,7 +162,7 @@ def scenario_s3resume(rank, world, d):
         run(model, opt, ck, 1, 3)
         assert [s.step for s in ck.steps()] == [1, 2, 3]  # durable in the bucket already
     dist.barrier()
-    if rank == 0:  # a restart on other hosts: nothing local, only the objects
+    if rank == 0 or hosts:  # a restart on other hosts: nothing local, only the objects
         shutil.rmtree(amber.tier_staging(url), ignore_errors=True)
     dist.barrier()
     del model, opt

@@ -147,9 +147,13 @@ def test_a_run_checkpoints_to_s3_and_resumes_from_it_bit_identically(url, tmp_pa
             ck.save(6, {"model": model, "optim": opt})
 
 
+@pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
 def test_two_ranks_checkpoint_to_s3_and_resume_from_it_bit_identically(url, tmp_path,
-                                                                       monkeypatch):
+                                                                       monkeypatch, hosts):
+    """2 ranks on one host share its staging directory; on two hosts (a staging
+    directory each) every rank's part still reaches the bucket before GLOBAL does."""
     monkeypatch.setenv("AMBER_TEST_S3", url)
+    monkeypatch.setenv("AMBER_TEST_S3_HOSTS", "1" if hosts == 2 else "0")
     ranks("s3resume", 2, str(tmp_path))
     ls = cli("ls", url, "--json")
     assert ls.returncode == 0, ls.stderr

@@ -35,9 +35,8 @@ from ._options import Options
 from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
 from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
-from ._source import GlobalSource, StoreSource
-from ._tiers import (RankTiers, TierOptions, Tiers, both_steps, is_url, rank_sources,
-                     single_store, sources)
+from ._source import GlobalSource, StoreSource, is_url, single_store
+from ._tiers import RankTiers, TierOptions, Tiers, both_steps, rank_sources, sources
 
 log = logging.getLogger("amber.torch")
 

@@ -21,7 +21,7 @@ import amber as _amber
 from amber import AmberError, GlobalWriter, Store
 from amber import device as _device
 
-from . import _tiers
+from ._source import single_store
 from ._meta import TORCH, TORCH_DIST
 
 
@@ -279,7 +279,7 @@ class GlobalSink(_Sink):
 
     def check_save(self) -> None:
         for path in (self.path,) + ((self.tiers.durable,) if self.tiers is not None else ()):
-            if _tiers.single_store(path):
+            if single_store(path):
                 raise ValueError(f"{path} holds a store written by one process, which "
                                  "many ranks load but do not save into: save to a new path")
 

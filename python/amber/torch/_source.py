@@ -10,6 +10,7 @@ wrote it: _meta converts), a reader for _load.Load, and which RNG states this ra
 gets back.
 """
 
+import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +20,56 @@ import amber as _amber
 from amber import AmberError, GlobalReader, Store
 
 from . import _meta
-from ._tiers import latest_of
+
+
+# ---- what a store holds (a directory or an s3:// URL) ----
+
+def is_url(path) -> bool:
+    """Whether a store path names an object store ("s3://..."), which os.path must not
+    touch (amber.is_url)."""
+    return isinstance(path, (str, os.PathLike)) and _amber.is_url(os.fspath(path))
+
+
+def latest_of(path: str, many: bool = False) -> Optional[int]:
+    """The latest step of the store of one process at `path` (`many`: of the
+    multi-rank store), or None (no store, or an empty or unreadable one)."""
+    try:
+        if many or _amber.is_global_store(path):
+            steps = _amber.global_steps(path) if _amber.is_global_store(path) else []
+            return steps[-1].step if steps else None
+        if not is_url(path) and not os.path.exists(os.path.join(path, "LATEST")):
+            return None
+        with _amber.Store(path, readonly=True, create=False) as st:
+            return st.latest()
+    except _amber.AmberError:
+        return None
+
+
+def single_store(path) -> bool:
+    """Whether `path` holds a store of one process (its LATEST), not a multi-rank one."""
+    if is_url(path):
+        return not _amber.is_global_store(path) and latest_of(path) is not None
+    return not _amber.is_global_store(path) and os.path.exists(os.path.join(path, "LATEST"))
+
+
+def steps_of(path) -> list:
+    """The committed checkpoints of the store of one process at `path` (CheckpointInfo),
+    [] when there is none."""
+    if is_url(path) and latest_of(path) is None:  # an empty prefix, or none readable
+        return []
+    if not is_url(path) and not os.path.exists(os.path.join(path, "LATEST")):
+        return []
+    with _amber.Store(path, readonly=True, create=False) as st:
+        return st.list()
+
+
+def holds(path: str, step: Optional[int]) -> bool:
+    """Whether the store of one process at `path` holds committed `step` (None: any)."""
+    try:
+        return any(i.step == step or step is None for i in steps_of(path))
+    except _amber.AmberError:
+        return False
+
 
 
 @dataclass

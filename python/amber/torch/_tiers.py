@@ -31,7 +31,7 @@ from typing import Optional
 
 import amber as _amber
 
-from ._source import GlobalSource, StoreSource
+from ._source import GlobalSource, StoreSource, is_url, latest_of, steps_of
 
 log = logging.getLogger("amber.torch")
 
@@ -81,12 +81,6 @@ class TierOptions:
             raise ValueError(f"the memory tier {mem} and the durable tier {dur} must be "
                              "separate directories, neither inside the other")
         return TierOptions(mem, int(replicas or 0), memory_budget, max_lag, max_lag_bytes)
-
-
-def is_url(path) -> bool:
-    """Whether a store path names an object store ("s3://..."), which os.path must not
-    touch (amber.is_url)."""
-    return isinstance(path, (str, os.PathLike)) and _amber.is_url(os.fspath(path))
 
 
 def fs_type(path: str) -> Optional[str]:
@@ -231,47 +225,6 @@ class Tiers:
             self._drop()
             raise
         self.drain.close()
-
-
-def latest_of(path: str, many: bool = False) -> Optional[int]:
-    """The latest step of the store of one process at `path` (`many`: of the
-    multi-rank store), or None (no store, or an empty or unreadable one)."""
-    try:
-        if many or _amber.is_global_store(path):
-            steps = _amber.global_steps(path) if _amber.is_global_store(path) else []
-            return steps[-1].step if steps else None
-        if not is_url(path) and not os.path.exists(os.path.join(path, "LATEST")):
-            return None
-        with _amber.Store(path, readonly=True, create=False) as st:
-            return st.latest()
-    except _amber.AmberError:
-        return None
-
-
-def single_store(path) -> bool:
-    """Whether `path` holds a store of one process (its LATEST), not a multi-rank one."""
-    if is_url(path):
-        return not _amber.is_global_store(path) and latest_of(path) is not None
-    return not _amber.is_global_store(path) and os.path.exists(os.path.join(path, "LATEST"))
-
-
-def steps_of(path) -> list:
-    """The committed checkpoints of the store of one process at `path` (CheckpointInfo),
-    [] when there is none."""
-    if is_url(path) and latest_of(path) is None:  # an empty prefix, or none readable
-        return []
-    if not is_url(path) and not os.path.exists(os.path.join(path, "LATEST")):
-        return []
-    with _amber.Store(path, readonly=True, create=False) as st:
-        return st.list()
-
-
-def holds(path: str, step: Optional[int]) -> bool:
-    """Whether the store of one process at `path` holds committed `step` (None: any)."""
-    try:
-        return any(i.step == step or step is None for i in steps_of(path))
-    except _amber.AmberError:
-        return False
 
 
 def pick(memory: str, durable: str, memory_latest: Optional[int], step: Optional[int]):
