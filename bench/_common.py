@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
 
 def logger(name):
@@ -63,34 +64,46 @@ def quick_model():
     return GPT2Small(2, 256, 8192, 256)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard, else `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def fake_grads(model, gen):
     """Stands for forward + backward: fresh gradients for every parameter, of the
-    size GPT-2 training clips them to (global norm 1.0: 1/sqrt(124M) per element)."""
+    size GPT-2 training clips them to (global norm 1.0: 1/sqrt(124M) per element).
+    A sharded parameter (FSDP2's DTensor) gets a DTensor gradient, filled on this
+    rank's shard."""
     std = 1.0 / sum(p.numel() for p in model.parameters()) ** 0.5
     for p in model.parameters():
         if p.grad is None:
-            p.grad = torch.empty_like(p)
-        p.grad.normal_(0, std, generator=gen)
+            g = torch.empty_like(local(p))
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape,
+                                        stride=p.stride(), run_check=False) \
+                if isinstance(p, DTensor) else g
+        local(p.grad).normal_(0, std, generator=gen)
 
 
-def warm_state(model, opt):
+def warm_state(model, opt, gen=None):
     """Sets AdamW's state to what many steps on fake_grads' gradients leave: step
     1000, first moments at the stationary spread of an EMA (beta 0.9) of the
     gradients, second moments near the gradients' variance."""
     std = 1.0 / sum(p.numel() for p in model.parameters()) ** 0.5
     b1, b2 = opt.defaults["betas"]
-    for p in model.parameters():
-        s = opt.state[p]
-        s["step"].fill_(1000.0)
-        s["exp_avg"].normal_(0, std * ((1 - b1) / (1 + b1)) ** 0.5)
-        s["exp_avg_sq"].normal_(1, ((1 - b2) / (1 + b2)) ** 0.5).mul_(std * std)
+    with torch.no_grad():
+        for p in model.parameters():
+            s = opt.state[p]
+            s["step"].fill_(1000.0)
+            local(s["exp_avg"]).normal_(0, std * ((1 - b1) / (1 + b1)) ** 0.5, generator=gen)
+            local(s["exp_avg_sq"]).normal_(1, ((1 - b2) / (1 + b2)) ** 0.5,
+                                           generator=gen).mul_(std * std)
 
 
 def warm_up(model, opt, gen, steps=3):
     """A first step (AdamW creates its state), warm_state, then `steps` more steps."""
     fake_grads(model, gen)
     opt.step()
-    warm_state(model, opt)
+    warm_state(model, opt, gen)
     for _ in range(steps):
         fake_grads(model, gen)
         opt.step()

@@ -58,8 +58,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
                      cold_read, dcp_async_save, dcp_save, delta_figures, direct_write, drop_cache,
-                     du, emit, fmt, logger, quick_model, read_floor, row, run_group, spreads,
-                     target_lines, target_records, timed)
+                     du, emit, fake_grads, fmt, logger, quick_model, read_floor, row, run_group,
+                     spreads, target_lines, target_records, timed, warm_up)
 
 log = logger("dist_bench")
 
@@ -198,16 +198,9 @@ def worker(a):
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1 + rank)
-    std = 1.0 / nparams ** 0.5
 
     def grads():
-        """_common.fake_grads on this rank's shard (DTensor gradients)."""
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh,
-                                            p.placements, shape=p.shape, stride=p.stride(),
-                                            run_check=False)
-            p.grad.to_local().normal_(0, std, generator=gen)
+        fake_grads(model, gen)
 
     def local_tensors():
         ts = [p.to_local() for p in model.parameters()]
@@ -215,19 +208,7 @@ def worker(a):
             ts += [v.to_local() for v in st.values() if isinstance(v, DTensor)]
         return ts
 
-    grads()
-    opt.step()
-    b1, b2 = opt.defaults["betas"]
-    with torch.no_grad():  # _common.warm_state: AdamW after many such steps
-        for p in model.parameters():
-            s = opt.state[p]
-            s["step"].fill_(1000.0)
-            s["exp_avg"].to_local().normal_(0, std * ((1 - b1) / (1 + b1)) ** 0.5, generator=gen)
-            s["exp_avg_sq"].to_local().normal_(1, ((1 - b2) / (1 + b2)) ** 0.5,
-                                               generator=gen).mul_(std * std)
-    for _ in range(2):
-        grads()
-        opt.step()
+    warm_up(model, opt, gen, steps=2)
     state = {"model": model, "optim": opt}
 
     def dstate():

@@ -314,7 +314,6 @@ def rank_worker(a):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
 
     rank, world = a.rank, a.world
     os.environ["AMBER_HOST"] = f"host-{rank}"
@@ -323,24 +322,16 @@ def rank_worker(a):
                             timeout=datetime.timedelta(seconds=a.timeout))
     torch.manual_seed(0)
     model = quick_model() if a.quick else GPT2Small()
-    nparams = sum(p.numel() for p in model.parameters())
     for b in model.h:
         fully_shard(b)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     gen = torch.Generator().manual_seed(1 + rank)
-    std = 1.0 / nparams ** 0.5
 
     def grads():
-        for p in model.parameters():
-            if p.grad is None:
-                p.grad = DTensor.from_local(torch.empty_like(p.to_local()), p.device_mesh,
-                                            p.placements, shape=p.shape, stride=p.stride(),
-                                            run_check=False)
-            p.grad.to_local().normal_(0, std, generator=gen)
+        fake_grads(model, gen)
 
-    grads()
-    opt.step()
+    warm_up(model, opt, gen)  # AdamW well into training, as the one-process part
     state = {"model": model, "optim": opt}
     mine = sum(p.to_local().numel() * 4 for p in model.parameters()) * 3
     durable, memory = os.path.join(a.out, "durable"), os.path.join(a.mem, f"host-{rank}")
@@ -360,16 +351,9 @@ def rank_worker(a):
             ck.wait()
             ck._tiers.settle()
             sent0 = ck._tiers.stats().total_sent
-            stalls = []
-            for step in range(2, a.deltas + 2):
-                grads()
-                opt.step()
-                t0 = time.perf_counter()
-                ck.save(step, state)
-                grads()
-                ck.fence()
-                stalls.append(time.perf_counter() - t0)
-                ck.wait()
+            # alternately save() + wait() and save() + the fence after the next
+            # gradients (the stall: save() and the fence, as in the one-process part)
+            _, _, stalls = amber_deltas(ck, state, 1, a.deltas, grads, opt.step, dist.barrier)
             ck._tiers.settle()
             st = ck._tiers.stats()
             res["replica_bytes"] = (st.total_sent - sent0) / a.deltas

@@ -16,6 +16,7 @@
 #include <jansson.h>
 
 #include "safetensors.h"
+#include "cli_run.h"
 #include "testutil.h"
 
 typedef struct {
@@ -87,53 +88,7 @@ static int write_safetensors(const char *path, const spec *s, size_t n, const ch
   return fclose(f);
 }
 
-/* ---- running the CLI ---- */
-
-typedef struct {
-  int rc;
-  char *out, *err; /* NUL-terminated stdout and stderr */
-} result;
-
-static char *read_text(const char *path) {
-  size_t len = 0;
-  uint8_t *b = tu_read_file(path, &len);
-  char *s = malloc(len + 1);
-  if (b) memcpy(s, b, len);
-  s[b ? len : 0] = 0;
-  free(b);
-  return s;
-}
-
-/* Runs `amber ARGS` (ARGS is shell text) capturing stdout and stderr. */
-__attribute__((format(printf, 1, 2))) static result cli(const char *fmt, ...) {
-  static const char *dir;
-  if (!dir) dir = tu_tmpdir();
-  char args[4096], o[4200], e[4200];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(args, sizeof args, fmt, ap);
-  va_end(ap);
-  snprintf(o, sizeof o, "%s/stdout", dir);
-  snprintf(e, sizeof e, "%s/stderr", dir);
-  result r;
-  r.rc = tu_system("'%s' %s >'%s' 2>'%s'", AMBER_CLI, args, o, e);
-  r.out = read_text(o);
-  r.err = read_text(e);
-  return r;
-}
-
-/* Checks the exit status; on a mismatch shows what the CLI said. */
-#define CHECK_EXIT(r, want)                                                              \
-  do {                                                                                   \
-    CHECK((r).rc == (want));                                                             \
-    if ((r).rc != (want))                                                                \
-      fprintf(stderr, "  exit %d, wanted %d; stderr: %s", (r).rc, (want), (r).err);      \
-  } while (0)
-
-static void result_free(result *r) {
-  free(r->out);
-  free(r->err);
-}
+/* ---- running the CLI (cli_run.h) ---- */
 
 /* Runs the CLI and parses its stdout as JSON; NULL (and a failed check) if not. */
 __attribute__((format(printf, 2, 3))) static json_t *cli_json(int want_rc,

@@ -10,54 +10,9 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "cli_run.h"
 #include "testutil.h"
 #include "tier_job.h"
-
-typedef struct result {
-  int rc;
-  char *out, *err;
-} result;
-
-static char *slurp(const char *path) {
-  size_t len = 0;
-  uint8_t *b = tu_read_file(path, &len);
-  char *s = malloc(len + 1);
-  if (b) memcpy(s, b, len);
-  s[b ? len : 0] = 0;
-  free(b);
-  return s;
-}
-
-__attribute__((format(printf, 1, 2))) static result cli(const char *fmt, ...) {
-  static const char *dir;
-  if (!dir) dir = tu_tmpdir();
-  char args[8192], o[4200], e[4200];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(args, sizeof args, fmt, ap);
-  va_end(ap);
-  snprintf(o, sizeof o, "%s/stdout", dir);
-  snprintf(e, sizeof e, "%s/stderr", dir);
-  result r;
-  r.rc = tu_system("AMBER_PROGRESS=${AMBER_PROGRESS:-0} '%s' %s >'%s' 2>'%s'", AMBER_CLI,
-                   args, o, e);
-  r.out = slurp(o);
-  r.err = slurp(e);
-  if (getenv("AMBER_TEST_VERBOSE"))
-    fprintf(stderr, "$ amber %s\n%s%s", args, r.out, r.err);
-  return r;
-}
-
-static void done(result *r) {
-  free(r->out);
-  free(r->err);
-}
-
-#define CHECK_EXIT(r, want)                                                              \
-  do {                                                                                   \
-    CHECK((r).rc == (want));                                                             \
-    if ((r).rc != (want)) fprintf(stderr, "  exit %d; stderr: %s", (r).rc, (r).err);     \
-  } while (0)
 
 /* The line of `text` that starts with step `step` in its first column. */
 static const char *row(const char *text, uint64_t step) {
@@ -91,14 +46,14 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "tiers") == NULL && row(r.out, 8));
   char *plain = strdup(r.out);
-  done(&r);
+  result_free(&r);
   setenv("AMBER_PROGRESS", "1", 1); /* progress lines, as on a terminal */
   r = cli("drain '%s' '%s'", mem, dur);
   unsetenv("AMBER_PROGRESS");
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "every committed step is durable") && strstr(r.out, "step 8"));
   CHECK(strstr(r.err, "drain ") && strstr(r.err, "100% of"));
-  done(&r);
+  result_free(&r);
   for (uint64_t s = 1; s <= 8; s++)
     check_step(dur, s);
   job_save(&j, 9, 0); /* committed to memory only */
@@ -108,7 +63,7 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
   CHECK(row_tiers(r.out, 1, "durable") && row_tiers(r.out, 5, "durable"));
   CHECK(row_tiers(r.out, 6, "memory,durable") && row_tiers(r.out, 8, "memory,durable"));
   CHECK(row_tiers(r.out, 9, "memory"));
-  done(&r);
+  result_free(&r);
   r = cli("ls '%s' --json", mem);
   CHECK_EXIT(r, 0);
   json_t *arr = json_loads(r.out, 0, NULL);
@@ -123,26 +78,26 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
     CHECK(first && !strcmp(first, step <= 5 ? "durable" : "memory"));
   }
   json_decref(arr);
-  done(&r);
+  result_free(&r);
   r = cli("verify '%s'", mem);
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "step 9: ok") && strstr(r.out, "step 6: ok"));
-  done(&r);
+  result_free(&r);
   r = cli("drain '%s'", mem); /* the recorded durable tier */
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "step 9") != NULL);
-  done(&r);
+  result_free(&r);
   check_step(dur, 9);
   r = cli("ls '%s'", dur); /* the durable tier itself has no TIERS */
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "tiers") == NULL && row(r.out, 1) && row(r.out, 9));
-  done(&r);
+  result_free(&r);
   r = cli("drain '%s' --json", mem);
   CHECK_EXIT(r, 0);
   json_t *o = json_loads(r.out, 0, NULL);
   CHECK(o && json_integer_value(json_object_get(o, "durable_step")) == 9);
   json_decref(o);
-  done(&r);
+  result_free(&r);
   job_close(&j);
   /* a store that never had a drain lists as before */
   char other[2100];
@@ -154,7 +109,7 @@ static void test_drain_ls_and_verify_of_a_single_rank_memory_tier(void) {
   r = cli("ls '%s'", other);
   CHECK_EXIT(r, 0);
   CHECK(strlen(r.out) == strlen(plain) && strstr(r.out, "tiers") == NULL);
-  done(&r);
+  result_free(&r);
   free(plain);
 }
 
@@ -170,16 +125,16 @@ static void test_drain_of_a_multi_rank_memory_tier(void) {
   json_t *o = json_loads(r.out, 0, NULL);
   CHECK(o && json_integer_value(json_object_get(o, "durable_step")) == 5);
   json_decref(o);
-  done(&r);
+  result_free(&r);
   for (uint64_t s = 1; s <= 5; s++)
     g_check(dur, s);
   r = cli("ls '%s'", mem);
   CHECK_EXIT(r, 0);
   CHECK(row_tiers(r.out, 1, "durable") && row_tiers(r.out, 5, "memory,durable"));
-  done(&r);
+  result_free(&r);
   r = cli("verify '%s'", mem);
   CHECK_EXIT(r, 0);
-  done(&r);
+  result_free(&r);
 }
 
 static void test_drain_fails_clearly(void) {
@@ -189,7 +144,7 @@ static void test_drain_fails_clearly(void) {
   result r = cli("drain '%s/none'", t);
   CHECK_EXIT(r, 1);
   CHECK(strstr(r.err, "no memory tier at") != NULL);
-  done(&r);
+  result_free(&r);
   job j;
   job_open(&j, mem, 4);
   job_save(&j, 1, 0);
@@ -197,24 +152,24 @@ static void test_drain_fails_clearly(void) {
   r = cli("drain '%s'", mem);
   CHECK_EXIT(r, 1);
   CHECK(strstr(r.err, "records no durable tier") && strstr(r.err, "amber drain"));
-  done(&r);
+  result_free(&r);
   r = cli("drain '%s' '%s/no/such/parent'", mem, t);
   CHECK_EXIT(r, 1);
   CHECK(strstr(r.err, "cannot drain") != NULL);
-  done(&r);
+  result_free(&r);
   r = cli("drain");
   CHECK_EXIT(r, 2);
-  done(&r);
+  result_free(&r);
   r = cli("drain a b c");
   CHECK_EXIT(r, 2);
-  done(&r);
+  result_free(&r);
   r = cli("drain --help");
   CHECK_EXIT(r, 0);
   CHECK(strstr(r.out, "TIERS") && strstr(r.out, "MEMDIR [DURABLE]"));
-  done(&r);
+  result_free(&r);
   r = cli("--help");
   CHECK(strstr(r.out, "amber drain MEMDIR") != NULL);
-  done(&r);
+  result_free(&r);
 }
 
 int main(void) {

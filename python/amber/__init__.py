@@ -964,14 +964,20 @@ class _P2PBridge(_Bridge):
     returns the `rlen` bytes that rank `src` sent, both at once (as MPI_Sendrecv: post
     the receive before waiting on the send, so that a ring cannot deadlock); `dest`
     None: nothing to send (data is b""); `src` None: nothing to receive (return b"").
-    Ranks as the communicator beside it numbers them. Called on the thread that
-    called the library."""
+    An object that also has `sendrecv_into(send, dest, recv, src)` gets that instead,
+    with memoryviews of the library's own buffers (valid during the call): it sends
+    `send` and fills `recv` in place, copying nothing (a replica or a restore moves a
+    rank's whole chain this way). Ranks as the communicator beside it numbers them.
+    Called on the thread that called the library."""
 
     what = "sendrecv"
 
     def __init__(self, p2p):
         super().__init__()
         self.p2p = p2p
+
+        def view(address, n):
+            return memoryview((ctypes.c_ubyte * n).from_address(address)).cast("B")
 
         def sendrecv(_ctx, send, slen, dest, recv, rlen, src):
             data = ctypes.string_at(send, slen) if slen and dest >= 0 else b""
@@ -985,7 +991,15 @@ class _P2PBridge(_Bridge):
             if want:
                 ctypes.memmove(recv, bytes(out), want)
 
-        self._cb = _SENDRECV(self.guard(sendrecv))
+        def sendrecv_into(_ctx, send, slen, dest, recv, rlen, src):
+            empty = memoryview(b"")
+            p2p.sendrecv_into(view(send, slen) if slen and dest >= 0 else empty,
+                              dest if dest >= 0 else None,
+                              view(recv, rlen) if rlen and src >= 0 else empty,
+                              src if src >= 0 else None)
+
+        fast = callable(getattr(p2p, "sendrecv_into", None))
+        self._cb = _SENDRECV(self.guard(sendrecv_into if fast else sendrecv))
         self.c = _P2P(sendrecv=self._cb, ctx=None)
 
 

@@ -68,6 +68,18 @@ def run_python(*args, check=True, timeout=120, env=None):
     return p
 
 
+def step_log(path):
+    """{step: digest} from a worker's --log file (one "STEP DIGEST" line per committed
+    save; a line cut by a kill is ignored)."""
+    out = {}
+    if os.path.exists(path):
+        for line in open(path):
+            parts = line.split()
+            if len(parts) == 2:
+                out[int(parts[0])] = parts[1]
+    return out
+
+
 def trial_seeds(name):
     """The seeds of a randomized test's trials, printed so that a failure can be replayed."""
     seeds = [SEED + i for i in range(TRIALS)]

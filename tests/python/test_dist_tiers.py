@@ -19,21 +19,14 @@ import time
 
 import pytest
 
-from conftest import HERE, TRIALS, SEED
+from conftest import HERE, SEED, TRIALS, step_log
 from test_dist_checkpointer import cli, ranks, start
 
 WORKER = os.path.join(HERE, "tiers_worker.py")
 
 
 def logged(d, rank):
-    out = {}
-    path = os.path.join(d, f"log-{rank}")
-    if os.path.exists(path):
-        for line in open(path):
-            parts = line.split()
-            if len(parts) == 2:
-                out[int(parts[0])] = parts[1]
-    return out
+    return step_log(os.path.join(d, f"log-{rank}"))
 
 
 def loaded(d, world):

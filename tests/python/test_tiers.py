@@ -20,7 +20,7 @@ import torch
 
 import amber
 from amber.torch import Checkpointer
-from conftest import HERE, PYTHON, run_python
+from conftest import HERE, PYTHON, run_python, step_log
 from test_dist_checkpointer import cli
 
 WORKER = os.path.join(HERE, "train_worker.py")
@@ -39,17 +39,6 @@ def worker(store, memory, *args, check=True, timeout=120):
     p = run_python(WORKER, store, "--memory", memory, *args, check=check, timeout=timeout)
     import json
     return p, (json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else None)
-
-
-def logged(path):
-    """{step: digest} from a worker's --log file."""
-    out = {}
-    if os.path.exists(path):
-        for line in open(path):
-            parts = line.split()
-            if len(parts) == 2:
-                out[int(parts[0])] = parts[1]
-    return out
 
 
 def load_only(store, memory):
@@ -75,7 +64,7 @@ def steps_of(store):
 def test_every_step_reaches_the_durable_tier_and_restores_from_memory(tmp_path, memory):
     store = str(tmp_path / "run")
     _, out = worker(store, memory, "--steps", "12", "--log", str(tmp_path / "log"))
-    saved = logged(str(tmp_path / "log"))
+    saved = step_log(str(tmp_path / "log"))
     assert sorted(saved) == list(range(1, 13))
     # close() waited for the drain: the durable tier holds every step, in order
     assert steps_of(store) == list(range(1, 13))
@@ -115,13 +104,13 @@ def test_sigkill_at_random_moments_restores_from_memory_bit_identical(tmp_path, 
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             deadline = time.time() + 60
             want = rng.randint(3, 25)  # steps saved before the kill, at least
-            while len(logged(log)) < want and p.poll() is None and time.time() < deadline:
+            while len(step_log(log)) < want and p.poll() is None and time.time() < deadline:
                 time.sleep(0.005)
             time.sleep(rng.uniform(0, 0.05))
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=30)
             assert p.returncode == -9, p.stderr.read().decode()[-2000:]
-            saved = logged(log)
+            saved = step_log(log)
             last = max(saved)
             # the durable tier: whole steps only, each restoring what it saved
             assert cli("verify", store).returncode == 0 or not os.path.exists(store), \
@@ -194,7 +183,7 @@ def test_a_full_durable_disk_is_a_clear_error_and_loses_nothing(tmp_path, memory
                       check=False)
         assert p.returncode != 0
         assert "AMBER_ENOSPC" in p.stderr and disk in p.stderr, p.stderr[-2000:]
-        saved = logged(str(tmp_path / "log"))
+        saved = step_log(str(tmp_path / "log"))
         # the memory tier holds every committed step not yet durable: a restart restores
         # the newest one bit-identically
         # (its close() raises the drain's error again: the durable disk is still full)

@@ -115,20 +115,26 @@ class TorchComm:
         group rank `src`, both posted before either is waited for (so that a ring of
         exchanges cannot deadlock); nothing is sent or received for an empty side or a
         peer of None (amber_p2p's AMBER_P2P_NONE)."""
+        out = bytearray(rlen if src is not None else 0)
+        self.sendrecv_into(memoryview(bytearray(data)), dest, memoryview(out), src)
+        return bytes(out)
+
+    def sendrecv_into(self, send, dest, recv, src):
+        """sendrecv over buffers: sends memoryview `send` to group rank `dest` and
+        fills memoryview `recv` from group rank `src`, in place (the tensors are views
+        of the buffers: nothing is copied on this side of gloo)."""
         ops = []
-        if data and dest is not None:
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if len(send) and dest is not None:
+            t = torch.frombuffer(send, dtype=torch.uint8)
             ops.append(lambda: dist.isend(t, group=self.group, group_dst=dest))
-        rlen = rlen if src is not None else 0
-        out = torch.empty(rlen, dtype=torch.uint8)
-        if rlen:
-            ops.append(lambda: dist.irecv(out, group=self.group, group_src=src))
+        if len(recv) and src is not None:
+            r = torch.frombuffer(recv, dtype=torch.uint8)
+            ops.append(lambda: dist.irecv(r, group=self.group, group_src=src))
 
         def run():
             for w in [op() for op in ops]:
                 w.wait()
         self._call("send/recv", run)
-        return out.numpy().tobytes()
 
 
 class SoloComm:
