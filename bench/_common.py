@@ -109,6 +109,34 @@ def warm_up(model, opt, gen, steps=3):
         opt.step()
 
 
+class Trainer:
+    """The training loop the benches checkpoint: fake_grads stands for forward and
+    backward, then AdamW's step. `state` is what a Checkpointer saves."""
+
+    def __init__(self, model, opt, gen):
+        self.model, self.opt, self.gen = model, opt, gen
+        self.state = {"model": model, "optim": opt}
+
+    def grads(self):
+        fake_grads(self.model, self.gen)
+
+    def step(self):
+        self.opt.step()
+
+    def train(self):
+        """One training step: gradients, then the optimizer."""
+        self.grads()
+        self.step()
+
+
+def state_bytes(model, opt):
+    """Bytes of the model's state dict and the optimizer's tensors."""
+    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    for st in opt.state.values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+    return n
+
+
 def dcp_state(model, opt):
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}

@@ -13,8 +13,13 @@ checked) behind its proxy, which counts the requests and the bytes of their bodi
 both ways. moto is a Python server on the same 2 cores as the client: every figure
 here is bound by it, so the run measures a plain PUT and GET of the same bytes
 through the same server too (boto3's multipart transfer, 16 MiB parts, 8 at once),
-the floor below which no writer can go here. On real S3 the three move at the
-network's pace; what carries over is the bytes and the requests.
+the floor below which no writer can go here, and one GET of the whole object. moto
+serves each ranged GET by reading the whole object first, so a reader's time here
+grows with its requests times the size of the objects they range over: a ranged
+reader of one large object (amber's one file per rank and step, boto3's 16 MiB
+ranges) pays that on every request, one that GETs many smaller objects whole does
+not. On real S3 a ranged GET costs its range; the three move at the network's pace,
+and what carries over is the bytes and the requests.
 
   amber: Checkpointer(url, policy): the writer writes into the URL's staging
     directory under /dev/shm and each commit is drained to the bucket before wait()
@@ -35,7 +40,6 @@ import io
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
 import uuid
@@ -51,29 +55,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import s3_server  # noqa: E402  (tests/s3_server.py: the server and its driver)
-from _common import (GPT2Small, add_run_args, dcp_state, emit, fake_grads, fmt,  # noqa: E402
-                     logger, quick_model, row, spreads, warm_up)
+from _common import (GPT2Small, Trainer, add_run_args, dcp_state, emit, fmt,  # noqa: E402
+                     logger, quick_model, row, spreads, state_bytes, warm_up)
 
 log = logger("s3_bench")
 BUCKET = "amber-test"
 PARALLEL = 8
-
-
-class Trainer:
-    def __init__(self, model, opt, gen):
-        self.model, self.opt, self.gen = model, opt, gen
-        self.state = {"model": model, "optim": opt}
-
-    def step(self):
-        fake_grads(self.model, self.gen)
-        self.opt.step()
-
-
-def state_bytes(model, opt):
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for st in opt.state.values():
-        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-    return n
 
 
 class Meter:
@@ -121,7 +108,7 @@ def amber_round(tr, meter, f, policy, step):
             log(f"{name}: full save")
             secs, c, _ = meter(lambda: (ck.save(step, tr.state, full=True), ck.wait()))
             record(f, name, "full", secs, c)
-            tr.step()
+            tr.train()
             log(f"{name}: the next step's save")
             secs, c, _ = meter(lambda: (ck.save(step + 1, tr.state), ck.wait()))
             record(f, name, "delta", secs, c)
@@ -148,7 +135,7 @@ def dcp_round(tr, meter, f, name, writer, reader):
         secs, c, _ = meter(lambda: dcp.save(dcp_state(tr.model, tr.opt),
                                             storage_writer=writer(f"{url}/step-1")))
         record(f, name, "full", secs, c)
-        tr.step()
+        tr.train()
         log(f"{name}: the next step's save (the whole state again)")
         secs, c, _ = meter(lambda: dcp.save(dcp_state(tr.model, tr.opt),
                                             storage_writer=writer(f"{url}/step-2")))
@@ -196,7 +183,8 @@ def s3tc_io():
 
 def floor(meter, f, nbytes):
     """A plain PUT and GET of `nbytes` through the same server (boto3's multipart
-    transfer): what the server allows a writer of the state."""
+    transfer: 16 MiB parts and ranges, 8 at once), and one GET of the whole object:
+    what the server allows a writer and a reader of the state."""
     from boto3.s3.transfer import TransferConfig
     cfg = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20,
                          max_concurrency=PARALLEL)
@@ -207,10 +195,15 @@ def floor(meter, f, nbytes):
         log(f"floor: PUT and GET of {nbytes / 1e9:.2f} GB")
         secs, c, _ = meter(lambda: s3.upload_fileobj(io.BytesIO(buf), BUCKET, key, Config=cfg))
         record(f, "floor", "put", secs, c)
-        del buf
+        buf = None
         sink = io.BytesIO()
         secs, c, _ = meter(lambda: s3.download_fileobj(BUCKET, key, sink, Config=cfg))
         record(f, "floor", "get", secs, c)
+        sink = None
+        # one GET of the whole object: moto serves every ranged GET by reading the
+        # whole object first, so here fewer, larger requests win whatever their ranges
+        secs, c, _ = meter(lambda: len(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()))
+        record(f, "floor", "get_whole", secs, c)
     finally:
         s3.delete_object(Bucket=BUCKET, Key=key)
 
@@ -236,6 +229,7 @@ def one_round(tr, meter, r, a):
     for s in systems:  # against the server's own pace
         for what, fl in (("full", "floor_put"), ("delta", "floor_put"), ("load", "floor_get")):
             f[f"{s}_{what}_vs_floor"] = f[f"{s}_{what}"] / f[fl]
+        f[f"{s}_load_vs_floor_whole_get"] = f[f"{s}_load"] / f["floor_get_whole"]
     for p in a.policy.split(","):
         for n, _ in PEERS:
             if f"{n}_full" in f:
@@ -256,7 +250,7 @@ def report(res, markdown, systems):
     if markdown:
         lines.append("|---|---|---|---|---|")
     for s in systems + ["floor"]:
-        for what in (("put", "get") if s == "floor" else ("full", "delta", "load")):
+        for what in (("put", "get", "get_whole") if s == "floor" else ("full", "delta", "load")):
             k = f"{s}_{what}"
             if k not in F:
                 continue

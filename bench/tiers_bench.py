@@ -60,31 +60,12 @@ import amber
 from amber.torch import Checkpointer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
+from _common import (TARGETS_HEAD, GPT2Small, Trainer, add_run_args, amber_deltas, amber_full,  # noqa: E402
                      cold_read, dcp_state, drop_cache, du, emit, fake_grads, fmt, logger,
-                     quick_model, row, run_group, spreads, target_lines, target_records,
-                     warm_up)
+                     quick_model, row, run_group, spreads, state_bytes, target_lines,
+                     target_records, warm_up)
 
 log = logger("tiers_bench")
-
-
-class Trainer:
-    def __init__(self, model, opt, gen):
-        self.model, self.opt, self.gen = model, opt, gen
-        self.state = {"model": model, "optim": opt}
-
-    def grads(self):
-        fake_grads(self.model, self.gen)
-
-    def step(self):
-        self.opt.step()
-
-
-def state_bytes(model, opt):
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for st in opt.state.values():
-        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
-    return n
 
 
 def copy_floor(model, opt, reps=3):

@@ -85,9 +85,9 @@ def policy_arg(text):
     return [r for r in text.split(",") if r]
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
+from _common import (TARGETS_HEAD, GPT2Small, Trainer, add_run_args, amber_deltas, amber_full,  # noqa: E402
                      cold_read, dcp_async_save, dcp_save, dcp_state, delta_figures, direct_write,
-                     drop_cache, du, emit, fake_grads, fmt, logger, quick_model, read_floor, row,
+                     drop_cache, du, emit, fmt, logger, quick_model, read_floor, row,
                      spreads, target_lines, target_records, timed, torch_save, warm_up)
 
 log = logger("torch_bench")
@@ -111,18 +111,6 @@ def flat_state(model, opt):
             if torch.is_tensor(v):
                 flat[f"optim.{names[p]}.{k}"] = v
     return flat
-
-
-class Trainer:
-    def __init__(self, model, opt, gen):
-        self.model, self.opt, self.gen = model, opt, gen
-        self.state = {"model": model, "optim": opt}
-
-    def grads(self):
-        fake_grads(self.model, self.gen)
-
-    def step(self):
-        self.opt.step()
 
 
 def peers(tr, out, r):
