@@ -171,7 +171,7 @@ typedef struct amber_store_opts {
 /* Fills `opts` with defaults. */
 AMBER_API void amber_store_opts_init(amber_store_opts *opts);
 
-/* Opens the store at directory `path`, creating it (not its parents) if missing,
+/* Opens the store at directory `path`, creating it and its parents if missing,
  * unless opened AMBER_OPEN_READONLY or AMBER_OPEN_NOCREATE. A multi-rank store's
  * directory (it holds GLOBAL or rank-00000/) is refused with AMBER_EINVAL: read it
  * with amber_global_reader_open, write it with amber_global_writer_open.

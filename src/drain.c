@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "global.h"
+#include "io.h"
 #include "s3store.h"
 #include "tier.h"
 
@@ -808,7 +809,7 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
   pthread_cond_init(&d->wake, NULL);
   pthread_cond_init(&d->moved, NULL);
   int rc = 0;
-  if (!sync && mkdir(d->memory, 0755) != 0 && errno != EEXIST)
+  if (!sync && amber__mkdir_p(d->memory) != 0)
     rc = amber__fail(&e, amber__errno_code(errno), "cannot create the memory tier %s: %s",
                      d->memory, strerror(errno));
   struct stat sb;

@@ -17,18 +17,7 @@
 #include <unistd.h>
 
 #include "gwriter.h"
-
-static int mkdir_p(const char *path) {
-  char buf[4096];
-  snprintf(buf, sizeof buf, "%s", path);
-  for (char *p = buf + 1; *p; p++)
-    if (*p == '/') {
-      *p = 0;
-      if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -1;
-      *p = '/';
-    }
-  return mkdir(buf, 0755) < 0 && errno != EEXIST ? -1 : 0;
-}
+#include "io.h"
 
 int amber__gw_rank_rollback(amber_global_writer *gw, uint64_t step, uint64_t state) {
   amber_ckpt_info *info = NULL;
@@ -233,7 +222,7 @@ int amber__gw_repair_rank_latest(amber_global_writer *gw) {
 static int prepare_rank_store(amber_global_writer *gw) {
   int rc;
   if (!gw->st) {
-    if (mkdir_p(gw->rankdir) < 0)
+    if (amber__mkdir_p(gw->rankdir) < 0)
       return amber__fail(&gw->err, amber__errno_code(errno), "cannot create %s: %s",
                          gw->rankdir, strerror(errno));
     amber_store_opts so;

@@ -187,6 +187,21 @@ int amber__create_tmp(amber__err *e, const char *prefix, char *path, size_t len,
                      strerror(errno));
 }
 
+int amber__mkdir_p(const char *path) {
+  char buf[4096];
+  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  for (char *p = buf + 1; *p; p++)
+    if (*p == '/' && p[-1] != '/') {
+      *p = 0;
+      if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -1;
+      *p = '/';
+    }
+  return mkdir(buf, 0755) < 0 && errno != EEXIST ? -1 : 0;
+}
+
 int amber__fsync_dir(const char *dir) {
   int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return -1;

@@ -62,6 +62,9 @@ int amber__write_full(int fd, const void *buf, size_t len);
  * (`len` bytes), the descriptor to *fd. The store's clean-up removes what a
  * crash leaves of it (its name ends in .tmp). */
 int amber__create_tmp(amber__err *e, const char *prefix, char *path, size_t len, int *fd);
+/* mkdir -p: creates `path` and the parents it lacks (mode 0755 less the umask); 0 when
+ * it is there afterwards (made or not), else -1 with errno set (mkdir's). */
+int amber__mkdir_p(const char *path);
 /* fsync of a directory by path. */
 int amber__fsync_dir(const char *dir);
 

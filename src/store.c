@@ -272,7 +272,7 @@ int amber__store_open(amber_store **out, const char *path, const amber_store_opt
    * touch the file system, not even with a mkdir it undoes (which also changes the
    * parent and fails under a read-only parent with a misleading error). */
   int create = !ro && !(opts->flags & AMBER_OPEN_NOCREATE);
-  if (create && mkdir(path, 0755) != 0 && errno != EEXIST)
+  if (create && amber__mkdir_p(path) != 0)
     return amber__fail(NULL, amber__errno_code(errno), "cannot create store %s: %s", path,
                        strerror(errno));
   amber_store *st = calloc(1, sizeof *st);

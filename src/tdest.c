@@ -242,7 +242,7 @@ static const amber__dest_ops dir_ops = {dir_put,    dir_stat,  dir_read, dir_lis
 
 int amber__dest_dir_open(amber__dest **out, amber__err *e, const char *root, int create) {
   *out = NULL;
-  if (create && mkdir(root, 0755) != 0 && errno != EEXIST)
+  if (create && amber__mkdir_p(root) != 0)
     return amber__fail(e, amber__errno_code(errno), "cannot create %s: %s", root,
                        strerror(errno));
   struct stat sb;

@@ -104,6 +104,24 @@ static void test_open_of_missing_path_creates_nothing(void) {
   CHECK(unchanged_since_age(d));
 }
 
+/* A writable open creates the store's directory and the parents it lacks (as
+ * Python's Checkpointer does): a fresh "runs/x" works as written; a parent that is a
+ * file is a clear error. */
+static void test_writable_open_creates_missing_parents(void) {
+  const char *d = tu_tmpdir();
+  char deep[4200], under_file[4200], file[4200];
+  snprintf(deep, sizeof deep, "%s/runs/a/b/x", d);
+  snprintf(file, sizeof file, "%s/plain", d);
+  snprintf(under_file, sizeof under_file, "%s/plain/x", d);
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, deep, NULL));
+  amber_store_close(st);
+  CHECK(exists(deep));
+  CHECK(tu_write_file(file, "x", 1) == 0);
+  CHECK(amber_store_open(&st, under_file, NULL) < 0);
+  CHECK(strstr(amber_last_error(NULL), "cannot create store") != NULL);
+}
+
 /* Under a parent that nobody may write to, a missing store is still "no store",
  * never "cannot create store". As root the mode stops nothing: the counted mkdir
  * and the parent's mtime show that no attempt was made. */
@@ -327,6 +345,7 @@ static void test_cli_readonly_commands_on_missing_path_say_no_store(void) {
 
 int main(void) {
   TEST_RUN(test_open_of_missing_path_creates_nothing);
+  TEST_RUN(test_writable_open_creates_missing_parents);
   TEST_RUN(test_open_under_readonly_parent_says_no_store);
   TEST_RUN(test_readonly_open_of_store_writes_nothing);
   TEST_RUN(test_readonly_open_takes_no_lock);
