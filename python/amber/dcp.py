@@ -75,7 +75,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
-from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
+                                                          create_default_local_save_plan)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
     TensorProperties, TensorStorageMetadata)
@@ -181,6 +182,22 @@ def _async_save_args():
             return f.f_locals.get("checkpoint_id"), f.f_locals.get("async_checkpointer_type")
         f = f.f_back
     return None, None
+
+
+def _check_async_planner(planner):
+    """An asynchronous save is staged (read, then released to training at amber's
+    fence) before DCP plans it, so what it writes is what DCP's default planner
+    resolves: a planner that resolves or transforms data otherwise is refused, rather
+    than have its decisions silently ignored (dcp.save follows them)."""
+    kind = type(planner)
+    for name in ("resolve_data", "transform_object"):
+        if getattr(kind, name, None) is not getattr(DefaultSavePlanner, name):
+            raise NotImplementedError(
+                f"amber.dcp.Writer: dcp.async_save with a planner that overrides {name} "
+                f"({kind.__name__}): the asynchronous save stages the state dict before DCP "
+                "plans it, as DCP's default planner resolves it; use dcp.save for this "
+                "planner, or async_save with a planner that resolves data as the default "
+                "one does")
 
 
 class Writer(StorageWriter, AsyncStager):
@@ -394,6 +411,8 @@ class Writer(StorageWriter, AsyncStager):
                                     "planner other than DCP's DefaultSavePlanner?)")
                 self._begin_items(state, getattr(planner, "mappings", None) or {},
                                   planner.resolve_data)
+            else:  # dcp.async_save: staged before DCP planned, as its default planner resolves
+                _check_async_planner(planner)
             names, _ = self._begun
             self._check_plan(plan)
             if self._staged is not None:

@@ -26,7 +26,9 @@ from amber.dcp import Reader, Writer  # noqa: E402
 
 def sharded(spec, fill=None):
     from torch.distributed._shard import sharded_tensor
-    st = sharded_tensor.zeros(spec, 10, 20, init_rrefs=False)
+    # rows: 5 per placement of the finer spec (2 per rank), so that no shard is empty
+    # (DCP's own plan validation refuses an empty shard past the end)
+    st = sharded_tensor.zeros(spec, 10 * dist.get_world_size(), 20, init_rrefs=False)
     if fill is not None:
         for sh in st.local_shards():
             off = sh.metadata.shard_offsets

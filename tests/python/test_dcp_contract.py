@@ -9,6 +9,7 @@ back through dcp.load; PROCESS-based async saves are refused with what to use in
 
 import io
 import json
+import os
 import warnings
 
 import pytest
@@ -112,6 +113,35 @@ def test_what_the_planner_resolves_is_what_amber_writes(tmp_path):
     back = {"x": torch.zeros(6)}
     dcp.load(back, storage_reader=Reader(store))
     assert torch.equal(back["x"], 2 * x)
+
+
+def test_async_save_refuses_a_planner_whose_resolution_it_would_ignore(tmp_path):
+    """dcp.async_save stages before DCP plans: a planner that transforms what it
+    resolves is refused with a message that says why, nothing is committed, and the
+    Writer saves again (a planner that resolves as the default one is fine)."""
+    class Doubling(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            out = super().transform_object(write_item, object)
+            return out * 2 if isinstance(out, torch.Tensor) else out
+
+    class Planning(DefaultSavePlanner):  # changes no data: accepted
+        pass
+    store = str(tmp_path / "run")
+    x = torch.arange(6.0)
+    with Writer() as w:
+        e = failure(lambda: dcp.async_save({"x": x}, storage_writer=w, planner=Doubling(),
+                                           checkpoint_id=f"{store}/step-1")
+                    .upload_completion.result())
+        assert isinstance(e, NotImplementedError) and "transform_object" in str(e) and \
+            "dcp.save" in str(e), e
+        if os.path.isdir(store):
+            with amber.Store(store, readonly=True) as st:
+                assert st.list() == []
+        dcp.async_save({"x": x}, storage_writer=w, planner=Planning(),
+                       checkpoint_id=f"{store}/step-1").upload_completion.result()
+    back = {"x": torch.zeros(6)}
+    dcp.load(back, storage_reader=Reader(store))
+    assert torch.equal(back["x"], x)
 
 
 def test_local_shards_of_one_tensor_in_one_process_are_saved_whole(tmp_path):

@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 
+import pytest
+
 from conftest import HERE, PYTHON
 from test_dist_checkpointer import TIMEOUT, WORKER, cli, ranks
 
@@ -80,12 +82,14 @@ def test_dcp_save_and_load_under_torchrun(tmp_path):
     assert cli("verify", f"{d}/t").returncode == 0
 
 
-def test_dcp_contract_at_two_ranks(tmp_path):
-    """DCP's contract at 2 ranks (tests/python/dcp_contract_worker.py): ShardedTensors
-    through a Writer given its path and no checkpoint_id, a nested state dict through
-    DCP's empty-state-dict loader (planner_data), dcp.async_save of a DTensor and a
-    BytesIO value waited on as an AsyncSaveResponse; and the CLI verifies the stores."""
-    ranks("contract", 2, str(tmp_path), worker=os.path.join(HERE, "dcp_contract_worker.py"))
-    assert open(f"{tmp_path}/contract.ok").read() == "2"
+@pytest.mark.parametrize("world", [2, 4])
+def test_dcp_contract_at_many_ranks(tmp_path, world):
+    """DCP's contract at 2 and 4 ranks (tests/python/dcp_contract_worker.py):
+    ShardedTensors through a Writer given its path and no checkpoint_id, a nested state
+    dict through DCP's empty-state-dict loader (planner_data), dcp.async_save of a
+    DTensor and a BytesIO value waited on as an AsyncSaveResponse; and the CLI verifies
+    the stores."""
+    ranks("contract", world, str(tmp_path), worker=os.path.join(HERE, "dcp_contract_worker.py"))
+    assert open(f"{tmp_path}/contract.ok").read() == str(world)
     for store in ("st0", "nested", "async"):
         assert cli("verify", f"{tmp_path}/{store}").returncode == 0, store
