@@ -125,6 +125,7 @@ def main():
     ap.add_argument("--restored")
     ap.add_argument("--export")
     ap.add_argument("--errors", action="store_true")
+    ap.add_argument("--store", help="amber_store (default: OUT/amber); may be s3://")
     opts = ap.parse_args()
     sys.stdout.write(f"pid {os.getpid()}\n")  # for a kill under a launcher: one write
     sys.stdout.flush()
@@ -137,7 +138,7 @@ def main():
     args = training_args(opts)
     report = Report(opts)
     trainer = AmberTrainer(model=model, args=args, train_dataset=data, callbacks=[report],
-                           amber_policy=opts.policy,
+                           amber_policy=opts.policy, amber_store=opts.store,
                            amber_options={"full_share": -1, "full_every": 1000} if opts.deltas else None)
     trainer.remove_callback(PrinterCallback)
     report.trainer = trainer

@@ -331,6 +331,11 @@ def test_links_removal_and_pruning_as_model_checkpoint_does_them(tmp_path):
         io.save_checkpoint(odd_checkpoint(), "s3://bucket/x.ckpt")
 
 
+def test_an_s3_store_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="s3:// stores are not supported by the Lightning"):
+        AmberCheckpointIO(store="s3://bucket/runs/x")
+
+
 def test_a_torch_save_checkpoint_still_loads(tmp_path):
     """A .ckpt that Lightning wrote before the switch to amber loads through
     Lightning's TorchCheckpointIO."""

@@ -23,7 +23,7 @@ import torch
 
 import amber
 from amber.torch import Checkpointer
-from conftest import HERE, ROOT
+from conftest import HERE, PYTHON, ROOT
 from test_dist_checkpointer import cli, ranks
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -162,6 +162,34 @@ def test_two_ranks_checkpoint_to_s3_and_resume_from_it_bit_identically(url, tmp_
     assert {r["world_size"] for r in rows} == {2}
     v = cli("verify", url)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_the_hf_trainer_checkpoints_to_s3_and_resumes_bit_identically(url, tmp_path):
+    """AmberTrainer(amber_store="s3://..."): a run SIGKILLed mid-training, its staging
+    directory removed (a restart on another host), resumes from the bucket with
+    resume_from_checkpoint=True and ends bit-identical to an uninterrupted run."""
+    pytest.importorskip("transformers")
+    from hf_procs import Proc, procs
+    worker = os.path.join(HERE, "hf_worker.py")
+    ref, run = str(tmp_path / "ref"), str(tmp_path / "run")
+    with procs() as ps:
+        ps.append(Proc([PYTHON, worker, ref, "--steps", "8"]))
+        ps.append(Proc([PYTHON, worker, run, "--steps", "8", "--store", url, "--pause-at", "5"]))
+        a, b = ps
+        b.wait_line("step 5", 180)
+        b.kill()
+        shutil.rmtree(amber.tier_staging(url), ignore_errors=True)
+        c = Proc([PYTHON, worker, run, "--steps", "8", "--store", url, "--resume"])
+        ps.append(c)
+        a.finish(180)
+        c.finish(180)
+        want, got = a.result(), c.result()
+    assert 1 <= got["start"] <= 4 and got["global_step"] == 8, got
+    assert got["losses"] == want["losses"]
+    from safetensors.torch import load_file
+    x, y = load_file(f"{ref}/final.safetensors"), load_file(f"{run}/final.safetensors")
+    assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
+    assert bucket_steps(url)[-1] == 8
 
 
 def test_the_cli_on_an_s3_store(url, tmp_path):

@@ -83,6 +83,7 @@ from transformers.trainer_callback import ExportableState
 import amber
 from amber.torch import Checkpointer
 from amber.torch._dtypes import TORCH as _TORCH
+from amber.torch._source import latest_of, single_store
 
 __all__ = ["AmberTrainerMixin", "AmberTrainer", "export"]
 
@@ -121,13 +122,14 @@ def _inner(optimizer):
 
 
 def _is_store(path):
-    return amber.is_global_store(path) or os.path.isfile(os.path.join(path, "LATEST"))
+    """Whether `path` (a directory, or an s3:// store) holds an amber store."""
+    return amber.is_global_store(path) or single_store(path)
 
 
 class AmberTrainerMixin:
     """A transformers.Trainer (subclass) that checkpoints into an amber store; see the
     module's documentation. Keywords, besides the Trainer's:
-      amber_store: the store's path (default: <args.output_dir>/amber).
+      amber_store: the store's path (default: <args.output_dir>/amber), or an s3:// store.
       amber_policy: "exact" (default), "lossy", "lossy-frequent", "lossy-compact", "lossy-capped" or
           rules, as amber.torch.Checkpointer's policy.
       amber_options: a dict of Checkpointer options: full_every, full_share,
@@ -169,14 +171,7 @@ class AmberTrainerMixin:
         train(): a read of the store's own files, without opening a Checkpointer)."""
         if self.amber is not None:
             return self.amber.latest()
-        path = self.amber_store
-        if amber.is_global_store(path):
-            steps = amber.global_steps(path)
-            return steps[-1].step if steps else None
-        if not os.path.isfile(os.path.join(path, "LATEST")):
-            return None
-        with amber.Store(path, readonly=True) as st:
-            return st.latest()
+        return latest_of(self.amber_store)
 
     def _amber_state(self, extra):
         """The dict amber saves and loads: the same keys in both, so that a load of
@@ -342,7 +337,7 @@ def _read_model(store, step, prefix):
                     g.read_into(ti.index, [0] * len(ti.shape), ti.shape, t.data_ptr(), ti.nbytes)
                     out[ti.name[len(prefix):]] = t
             return g.step, out, g.meta(0)
-    if not os.path.isfile(os.path.join(store, "LATEST")):
+    if not single_store(store):
         raise FileNotFoundError(f"{store} is not an amber store")
     with amber.Store(store, readonly=True) as st, st.reader(step) as r:
         for ti in r.tensors():

@@ -364,6 +364,11 @@ class AmberCheckpointIO(CheckpointIO):
     def __init__(self, store=None, policy=None, full_every=None, full_share=None, rng=True,
                  threads=0, chunk_elems=0):
         super().__init__()
+        if store is not None and "://" in str(os.fspath(store)):
+            raise ValueError(f"AmberCheckpointIO: store={store!r}: s3:// stores are not "
+                             "supported by the Lightning plug-in yet (its pointer files name a "
+                             "local store); checkpoint to a local or mounted store, or use "
+                             "amber.torch.Checkpointer(\"s3://...\") in a callback")
         self.store = os.path.realpath(os.fspath(store)) if store is not None else None
         self._rules = _policy(policy)
         self._opts = {"full_every": full_every, "full_share": full_share, "threads": threads,
