@@ -63,25 +63,6 @@ static int killed_drain(const char *mem, const char *dur, useconds_t delay) {
   return WIFSIGNALED(status);
 }
 
-/* The durable tier of a single-rank drain after a kill: steps 1..L, each whole;
- * every step in one tier or the other. Returns L. */
-static uint64_t check_single(const char *mem, const char *dur) {
-  uint64_t ds[MAXSTEP], ms[MAXSTEP];
-  size_t nd = steps_of(dur, ds), nm = steps_of(mem, ms);
-  for (size_t i = 0; i < nd; i++) {
-    CHECK(ds[i] == i + 1); /* commit order: a prefix */
-    check_step(dur, ds[i]);
-  }
-  for (size_t i = 0; i < nm; i++)
-    check_step(mem, ms[i]);
-  for (uint64_t k = 1; k <= STEPS; k++) {
-    int in = k <= nd;
-    for (size_t i = 0; i < nm; i++)
-      in |= ms[i] == k;
-    CHECK(in);
-  }
-  return nd;
-}
 
 static uint64_t check_multi(const char *mem, const char *dur) {
   uint64_t ds[64], ms[64];
@@ -131,14 +112,14 @@ static void kill_loop(int multi) {
       useconds_t delay = (useconds_t)(tu_rand(&seed) % 60000);
       done = !killed_drain(mem, dur, delay);
       kills += !done, finished += done;
-      uint64_t l = multi ? check_multi(mem, dur) : check_single(mem, dur);
+      uint64_t l = multi ? check_multi(mem, dur) : check_visible(mem, dur, STEPS, 1);
       if (l > 0 && l < STEPS) progress_seen++;
       if (tu_failures)
         fprintf(stderr, "  kill after %u us (AMBER_KILL_SEED=%" PRIu64 ")\n",
                 (unsigned)delay, seed0);
     }
     /* the finished drain: everything durable, nothing temporary left */
-    CHECK((multi ? check_multi(mem, dur) : check_single(mem, dur)) == STEPS);
+    CHECK((multi ? check_multi(mem, dur) : check_visible(mem, dur, STEPS, 1)) == STEPS);
     CHECK(count_tmp(dur) == 0);
     tu_rm_rf(t);
   }

@@ -97,6 +97,30 @@ static inline size_t steps_of(const char *dir, uint64_t *steps) {
 
 /* The memory tier holds the chain of its newest step, no more: its steps are the
  * newest full one and the deltas after it. */
+/* What a drain that was killed or failed leaves visible, a single-rank store's: the
+ * durable tier `dur` (a directory or an s3:// store) holds steps 1..L in commit
+ * order, each restoring whole there, and every step up to `last` is in one tier or
+ * the other (nothing committed is lost). `restore_memory`: the memory tier's steps
+ * restore too. Returns L. */
+static inline size_t check_visible(const char *mem, const char *dur, uint64_t last,
+                                   int restore_memory) {
+  uint64_t ds[MAXSTEP], ms[MAXSTEP];
+  size_t nd = steps_of(dur, ds), nm = steps_of(mem, ms);
+  for (size_t i = 0; i < nd; i++) {
+    CHECK(ds[i] == i + 1); /* commit order: a prefix */
+    check_step(dur, ds[i]);
+  }
+  for (size_t i = 0; restore_memory && i < nm; i++)
+    check_step(mem, ms[i]);
+  for (uint64_t k = 1; k <= last; k++) {
+    int in = k <= nd;
+    for (size_t i = 0; i < nm; i++)
+      in |= ms[i] == k;
+    CHECK(in);
+  }
+  return nd;
+}
+
 static inline void check_only_newest_chain(const char *dir, uint64_t newest) {
   amber_store_opts so;
   amber_store_opts_init(&so);
