@@ -129,6 +129,18 @@ class Trainer:
         self.step()
 
 
+def warm_trainer(a):
+    """The benches' one-process trainer: GPT-2 small (or --quick's model) and AdamW at
+    --lr, warmed up (warm_up), on every core."""
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 2)
+    model = quick_model() if a.quick else GPT2Small()
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    gen = torch.Generator().manual_seed(1)
+    warm_up(model, opt, gen)
+    return Trainer(model, opt, gen)
+
+
 def state_bytes(model, opt):
     """Bytes of the model's state dict and the optimizer's tensors."""
     n = sum(t.numel() * t.element_size() for t in model.state_dict().values())

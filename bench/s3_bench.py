@@ -44,7 +44,6 @@ import sys
 import time
 import uuid
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -55,8 +54,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 import s3_server  # noqa: E402  (tests/s3_server.py: the server and its driver)
-from _common import (GPT2Small, Trainer, add_run_args, dcp_state, emit, fmt,  # noqa: E402
-                     logger, quick_model, row, spreads, state_bytes, warm_up)
+from _common import (add_run_args, dcp_state, emit, fmt, logger, row, spreads,  # noqa: E402
+                     state_bytes, warm_trainer)
 
 log = logger("s3_bench")
 BUCKET = "amber-test"
@@ -279,13 +278,7 @@ def main():
             os.environ.pop(k, None)
         os.environ.setdefault("AMBER_STAGING", "/dev/shm" if os.path.isdir("/dev/shm")
                               else "/tmp")
-        torch.manual_seed(0)
-        torch.set_num_threads(os.cpu_count() or 2)
-        model = quick_model() if a.quick else GPT2Small()
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-        gen = torch.Generator().manual_seed(1)
-        warm_up(model, opt, gen)
-        tr = Trainer(model, opt, gen)
+        tr = warm_trainer(a)
         meter = Meter(server)
         rounds = [one_round(tr, meter, r, a) for r in range(a.repeat)]
     finally:

@@ -60,10 +60,10 @@ import amber
 from amber.torch import Checkpointer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (TARGETS_HEAD, GPT2Small, Trainer, add_run_args, amber_deltas, amber_full,  # noqa: E402
+from _common import (TARGETS_HEAD, GPT2Small, add_run_args, amber_deltas, amber_full,  # noqa: E402
                      cold_read, dcp_state, drop_cache, du, emit, fake_grads, fmt, logger,
                      quick_model, row, run_group, spreads, state_bytes, target_lines,
-                     target_records, warm_up)
+                     target_records, warm_trainer, warm_up)
 
 log = logger("tiers_bench")
 
@@ -463,13 +463,7 @@ def main():
     a = ap.parse_args()
     if a.worker:
         return rank_worker(a)
-    torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count() or 2)
-    model = quick_model() if a.quick else GPT2Small()
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    gen = torch.Generator().manual_seed(1)
-    warm_up(model, opt, gen)
-    tr = Trainer(model, opt, gen)
+    tr = warm_trainer(a)
     os.makedirs(a.out, exist_ok=True)
     rounds = [one_round(tr, a.out, r, a) for r in range(a.repeat)]
     ratio_keys = [k for k in rounds[0] if "_vs_" in k or k.endswith("_pct_of_full_state")]

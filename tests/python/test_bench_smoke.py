@@ -77,3 +77,44 @@ def test_delta_speed_quick_compares_policies_in_one_run(tmp_path):
         assert cap["x_above_floor_per_elem"] is None
     assert "x per MB" in p.stdout and "floor: a delta that stores nothing" in p.stdout
     assert not list(tmp_path.glob("amber-delta-speed-*"))  # its store is removed
+
+
+def test_tiers_bench_quick_reports_every_figure_and_target(tmp_path):
+    """bench/tiers_bench.py (small model, one process and 2 ranks): every figure, the
+    three targets with their bounds, and the many-rank restarts from each tier."""
+    out = tmp_path / "tiers.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "tiers_bench.py"), "--quick",
+                        "--deltas", "2", "--ranks", "2", "--timeout", "240",
+                        "--out", str(tmp_path / "scratch"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    F = res["figures"]
+    for k in ("stall_disk", "stall_tiers", "stall_tc", "restore_memory", "dcp_load_cold",
+              "copy_floor"):
+        assert k in F and math.isfinite(F[k]["median"]) and F[k]["median"] > 0, k
+    assert len(res["targets"]) == 3 and all(isinstance(t["met"], bool) for t in res["targets"])
+    two = res["ranks"]["2"]
+    for k in ("stall", "restore_memory", "restore_peer", "restore_durable_cold",
+              "dcp_load_cold", "replica_pct_of_shard"):
+        assert two[k]["median"] > 0, k
+    assert two["replica_pct_of_shard"]["median"] < 100  # one delta, not the whole shard
+
+
+def test_s3_bench_quick_compares_amber_with_its_peers_on_one_server(tmp_path):
+    """bench/s3_bench.py (small model) against its local S3 server: amber's full, delta
+    and load beside DCP's fsspec writer and s3torchconnector's, and the floors."""
+    pytest.importorskip("moto")
+    out = tmp_path / "s3.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "s3_bench.py"), "--quick",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    F = json.loads(out.read_text())["figures"]
+    for s in ("amber_lossy", "dcp_fsspec", "s3torchconnector"):
+        for what in ("full", "delta", "load"):
+            assert F[f"{s}_{what}"]["median"] > 0 and F[f"{s}_{what}_requests"]["median"] > 0
+    for k in ("floor_put", "floor_get", "floor_get_whole"):
+        assert F[k]["median"] > 0, k
+    # a delta uploads a small part of what a full does; the peers upload the whole state
+    assert F["amber_lossy_delta_up"]["median"] < 0.2 * F["amber_lossy_full_up"]["median"]
+    assert F["dcp_fsspec_delta_up"]["median"] > 0.9 * F["dcp_fsspec_full_up"]["median"]
