@@ -153,9 +153,17 @@ static void test_drain_fails_clearly(void) {
   CHECK_EXIT(r, 1);
   CHECK(strstr(r.err, "records no durable tier") && strstr(r.err, "amber drain"));
   result_free(&r);
-  r = cli("drain '%s' '%s/no/such/parent'", mem, t);
+  /* a durable tier's missing parents are made (as a store's are); one under a file
+   * cannot be */
+  char file[2100];
+  snprintf(file, sizeof file, "%s/plain", t);
+  CHECK(tu_write_file(file, "x", 1) == 0);
+  r = cli("drain '%s' '%s/under'", mem, file);
   CHECK_EXIT(r, 1);
   CHECK(strstr(r.err, "cannot drain") != NULL);
+  result_free(&r);
+  r = cli("drain '%s' '%s/new/parents/durable'", mem, t);
+  CHECK_EXIT(r, 0);
   result_free(&r);
   r = cli("drain");
   CHECK_EXIT(r, 2);
