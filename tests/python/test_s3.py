@@ -164,6 +164,26 @@ def test_two_ranks_checkpoint_to_s3_and_resume_from_it_bit_identically(url, tmp_
     assert v.returncode == 0, v.stdout + v.stderr
 
 
+def test_a_memory_tier_drains_to_s3_in_the_background(url, tmp_path):
+    """Checkpointer(url, memory=DIR): saves land in DIR and drain to the bucket in the
+    background; close() returns once the bucket holds every step; with DIR wiped, a
+    restart restores from the bucket (served_by "durable") bit-identically."""
+    torch.manual_seed(3)
+    model, opt = build(0)
+    mem = str(tmp_path / "mem")
+    with Checkpointer(url, memory=mem) as ck:
+        run(model, opt, ck, 1, 4)
+    assert bucket_steps(url) == [1, 2, 3, 4]
+    want = snapshot(model, opt)
+    shutil.rmtree(mem)
+    model, opt = build(9)
+    with Checkpointer(url, memory=mem) as ck:
+        assert ck.load({"model": model, "optim": opt}) == 4 and ck.served_by == "durable"
+    got = snapshot(model, opt)
+    for k in want:
+        assert torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k], k
+
+
 def test_the_hf_trainer_checkpoints_to_s3_and_resumes_bit_identically(url, tmp_path):
     """AmberTrainer(amber_store="s3://..."): a run SIGKILLed mid-training, its staging
     directory removed (a restart on another host), resumes from the bucket with
