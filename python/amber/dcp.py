@@ -237,9 +237,10 @@ class Writer(StorageWriter, AsyncStager):
         super().__init__()
         # the memory tier (amber.torch.Checkpointer's memory=...): checked now when the
         # store is known, else at the first save
-        self._tier_args = (memory, memory_budget, max_lag, max_lag_bytes)
-        if memory is not None and checkpoint_id is not None:
-            TierOptions.make(parse_checkpoint_id(checkpoint_id)[0], *self._tier_args)
+        self._tier_args = dict(memory=memory, memory_budget=memory_budget, max_lag=max_lag,
+                               max_lag_bytes=max_lag_bytes)
+        if checkpoint_id is not None and any(v is not None for v in self._tier_args.values()):
+            TierOptions.make(parse_checkpoint_id(checkpoint_id)[0], **self._tier_args)
         self._tier_store = None  # the durable store the memory tier drains to
         self._pg = process_group
         self._overwrite = bool(overwrite)
@@ -266,7 +267,7 @@ class Writer(StorageWriter, AsyncStager):
             return
         self._drop()
         opts = self._options
-        if self._tier_args[0] is not None:
+        if self._tier_args["memory"] is not None:
             if many:
                 raise NotImplementedError("amber.dcp.Writer(memory=...) with many ranks: "
                                           "not yet")
@@ -274,7 +275,7 @@ class Writer(StorageWriter, AsyncStager):
                 raise ValueError(f"amber.dcp.Writer: its memory tier drains to {self._tier_store}"
                                  f", not {path}: one Writer with memory= saves to one store")
             self._tier_store = path
-        tiers = TierOptions.make(path, *self._tier_args)  # None: a directory, written directly
+        tiers = TierOptions.make(path, **self._tier_args)  # None: a directory, written directly
         where = tiers.memory if tiers is not None else path
         if many:
             if self._comm is None:
