@@ -680,6 +680,9 @@ typedef struct amber_tensor_info {
  * amber_last_error(reader) says which and why. Without the flag, a damaged step
  * is an error (strict). */
 #define AMBER_READER_FALLBACK (1u << 0)
+/* Read the step from its own checkpoint files, never from the image a memory tier's
+ * drain keeps of its newest step (what `amber verify` does: it checks the files). */
+#define AMBER_READER_FILES (1u << 1)
 
 typedef struct amber_reader_opts {
   uint32_t flags;       /* AMBER_READER_* */
@@ -1177,9 +1180,18 @@ typedef struct amber_drain_opts {
                              durable tier for them). -1: every rank store the memory
                              directory holds, and its manifests (what `amber drain` does);
                              a single-rank memory tier takes -1 */
-  uint32_t flags;         /* reserved, must be 0 */
+  uint32_t flags;         /* AMBER_DRAIN_* */
   uint64_t reserved[4];   /* must be zero */
 } amber_drain_opts;
+
+/* The drain keeps an image of each store it drains (file "image.amber" there): the
+ * newest step's state as one full checkpoint file, brought forward in place as
+ * steps commit, after they are durable, so that a restart from the memory tier
+ * reads one file instead of a full checkpoint and every delta after it. It takes
+ * one state's bytes of the memory tier, where the memory budget leaves room for it
+ * (it is dropped where it does not); readers take it only while it is whole and
+ * holds the step they read, else they read the step's files. */
+#define AMBER_DRAIN_IMAGE (1u << 0)
 
 /* Fills `o` with defaults: no bounds, rank -1. */
 AMBER_API void amber_drain_opts_init(amber_drain_opts *o);
@@ -1240,7 +1252,9 @@ typedef struct amber_drain_status {
   uint64_t drained_files; /* files copied by this handle (pointers not counted) */
   int error;              /* the sticky error, or 0 */
   int wants_full;         /* as amber_drain_wants_full */
-  uint64_t reserved[4];
+  uint64_t image_step;    /* AMBER_DRAIN_IMAGE: the step every drained store's image holds
+                             (the lowest of them); AMBER_NO_STEP when a store has none */
+  uint64_t reserved[3];
 } amber_drain_status;
 
 /* Fills `st` with the drain's position (the memory tier looked at now). Returns the

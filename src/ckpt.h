@@ -82,6 +82,8 @@ typedef struct amber__ckpt {
   struct amber__s3_obj *obj; /* an s3:// store's file: its object (fd, dfd -1), read by
                                 ranges pinned to the ETag it opened */
   amber__span *ahead;        /* its ranges fetched ahead (sorted, disjoint) */
+  const uint8_t *map;        /* a file on a memory file system: mapped whole, read in
+                                place (a read(2) there costs 2.5x a copy), or NULL */
   size_t nahead;
   uint64_t size;
   amber__header hdr;
@@ -92,6 +94,14 @@ typedef struct amber__ckpt {
 /* Opens checkpoint `step` of the store and checks its header, footer and index. */
 int amber__ckpt_open(amber__err *e, amber_store *st, uint64_t step, amber__ckpt *c);
 void amber__ckpt_close(amber__ckpt *c);
+/* Opens the checkpoint file at `path`, whatever step it holds, and checks it as
+ * amber__ckpt_open does. `how`: AMBER__OPEN_PLAIN; AMBER__OPEN_SHARED also takes a
+ * shared flock on it for as long as it is open, without waiting (AMBER_ELOCKED while
+ * an exclusive one is held): how an image (src/image.c) is read while its drain may
+ * change it in place under an exclusive flock; AMBER__OPEN_WRITE opens it read-write,
+ * unmapped and unlocked (the drain's own open: it locks for each change). */
+enum { AMBER__OPEN_PLAIN, AMBER__OPEN_SHARED, AMBER__OPEN_WRITE };
+int amber__ckpt_open_file(amber__err *e, const char *path, int how, amber__ckpt *c);
 
 /* Reads the payload of chunk `ch` of file `c` into `buf` (>= ch->size bytes) and
  * checks its checksum. `stage` is a reusable aligned scratch buffer for O_DIRECT
@@ -103,6 +113,11 @@ typedef struct amber__stage {
 int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                       amber__stage *stage, const uint8_t **payload);
 void amber__stage_free(amber__stage *s);
+/* A payload stored as the chunk's bytes (RAW), read straight into their place `dst`
+ * (>= ch->size bytes) and checked there, without a stage: 0, a failure (dst then
+ * holds bytes that did not check), or 1 when `c` is read otherwise (an object, an
+ * O_DIRECT read) and the caller must use amber__chunk_load. */
+int amber__chunk_read_into(amber__err *e, amber__ckpt *c, const amber__chunk *ch, uint8_t *dst);
 
 /* ---- reading ahead (s3:// files) ----
  *

@@ -53,6 +53,8 @@ typedef struct lane {
   uint64_t d_step,
       d_state; /* the durable store's LATEST (AMBER_NO_STEP: none); under mu */
   uint64_t auth_g, auth_step, auth_state; /* retention's authority, for GLOBAL auth_g */
+  amber__image *img; /* AMBER_DRAIN_IMAGE: the image of the store's newest step */
+  uint64_t img_step; /* the step it holds (AMBER_NO_STEP: none); under mu */
 } lane;
 
 struct amber_drain {
@@ -75,6 +77,9 @@ struct amber_drain {
   int error;    /* sticky */
   int failed;   /* the drain stopped (error is its reason) */
   int kicked, wants_full;
+  int committed; /* a commit was kicked: the images follow commits from then on, and a
+                    restart's restore (which installs files but commits nothing) never
+                    competes with an image being built */
   uint64_t gen; /* units of work done */
   uint64_t drained_bytes, drained_files;
   atomic_int stop;
@@ -212,9 +217,11 @@ static int add_lane(amber_drain *d, amber__err *e, int32_t rank) {
   lane l;
   memset(&l, 0, sizeof l);
   l.rank = rank;
-  l.d_step = l.auth_g = AMBER_NO_STEP;
+  l.d_step = l.auth_g = l.img_step = AMBER_NO_STEP;
   amber__dview_init(&l.dv, d->dest, rank);
   int rc = d->dest->ops->claim(d->dest, e, store);
+  if (!rc && (d->o.flags & AMBER_DRAIN_IMAGE) && amber__image_create(&l.img, src))
+    rc = amber__fail(e, AMBER_ENOMEM, "out of memory");
   char **names = NULL;
   size_t n = 0;
   if (!rc) rc = d->dest->ops->list(d->dest, e, l.dv.prefix, &names, &n);
@@ -236,6 +243,7 @@ static int add_lane(amber_drain *d, amber__err *e, int32_t rank) {
   if (rc) {
     free(l.src);
     amber__dview_free(&l.dv);
+    amber__image_free(l.img);
     return rc;
   }
   pthread_mutex_lock(&d->mu);
@@ -601,6 +609,39 @@ static int coord_unit(amber_drain *d, amber__err *e, int *progress, int *waiting
   return 0;
 }
 
+/* The bytes the memory tier holds of lane `l`'s store (its committed files). */
+static uint64_t lane_bytes(lane *l) {
+  mlist m;
+  amber__err e;
+  uint64_t n = 0;
+  if (mem_list(l->src, &e, &m) == 0)
+    for (size_t k = 0; k < m.n; k++) n += m.info[k].bytes;
+  amber_free(m.info);
+  return n;
+}
+
+/* Brings each lane's image to its store's newest step, where the memory budget has
+ * room for it beside the files (it is dropped where it has not). Done when nothing
+ * else is to do: the durable tier comes first. */
+static int images(amber_drain *d, const atomic_int *stop) {
+  uint64_t used = 0, b = d->o.memory_budget;
+  if (b)
+    for (size_t i = 0; i < d->nlanes; i++) used += lane_bytes(&d->lanes[i]);
+  int rc = 0;
+  for (size_t i = 0; i < d->nlanes && !rc; i++) {
+    lane *l = &d->lanes[i];
+    amber_store *st = l->img ? lane_store(l) : NULL;
+    if (!st) continue;
+    uint64_t room = !b ? UINT64_MAX : b > used ? b - used : 0, bytes = 0;
+    rc = amber__image_update(l->img, st, stop, room, &bytes);
+    used += bytes;
+    pthread_mutex_lock(&d->mu);
+    l->img_step = amber__image_step(l->img);
+    pthread_mutex_unlock(&d->mu);
+  }
+  return rc == AMBER_ECANCELED ? 0 : rc;
+}
+
 /* One unit of work: *progress when something became durable or was looked at
  * anew; *waiting when only other hosts' ranks can make the next step. */
 static int unit(amber_drain *d, amber__err *e, int *progress, int *waiting) {
@@ -615,6 +656,12 @@ static int unit(amber_drain *d, amber__err *e, int *progress, int *waiting) {
   if (!rc &&
       (*progress || (d->layout == LAYOUT_MULTI && durable_global(d) != d->retained_g)))
     rc = retain(d, e);
+  pthread_mutex_lock(&d->mu);
+  int committed = d->committed;
+  pthread_mutex_unlock(&d->mu);
+  if (!rc && !*progress && committed && (d->o.flags & AMBER_DRAIN_IMAGE) &&
+      (rc = images(d, &d->stop)))
+    amber__fail(e, rc, "memory tier %s: out of memory for its image", d->memory);
   return rc;
 }
 
@@ -779,7 +826,7 @@ static int drain_open(amber_drain **out, const char *memory, const char *durable
   if (!out || !memory || !*memory)
     return amber__fail(NULL, AMBER_EINVAL, "drain: no memory tier given");
   *out = NULL;
-  int reserved = o->flags != 0;
+  int reserved = (o->flags & ~AMBER_DRAIN_IMAGE) != 0;
   for (int i = 0; i < 4; i++)
     reserved |= o->reserved[i] != 0;
   if (reserved || o->rank < -1)
@@ -866,7 +913,7 @@ int amber_drain_kick(amber_drain *d) {
   const amber_drain_opts *o = &d->o;
   int bounded = o->max_lag_steps || o->max_lag_bytes || o->memory_budget;
   pthread_mutex_lock(&d->mu);
-  d->kicked = 1;
+  d->kicked = d->committed = 1;
   pthread_cond_signal(&d->wake);
   /* The store's first commit shows its layout: the thread takes it (its lanes) first. */
   uint64_t gen = d->gen;
@@ -920,6 +967,11 @@ int amber_drain_get_status(amber_drain *d, amber_drain_status *st) {
   st->memory_bytes = v.memory_bytes;
   st->drained_bytes = d->drained_bytes, st->drained_files = d->drained_files;
   st->error = d->error, st->wants_full = d->wants_full;
+  st->image_step = AMBER_NO_STEP;
+  for (size_t i = 0; i < d->nlanes; i++) /* the lowest: where every image is */
+    if (!i || d->lanes[i].img_step < st->image_step ||
+        d->lanes[i].img_step == AMBER_NO_STEP)
+      st->image_step = d->lanes[i].img_step;
   pthread_mutex_unlock(&d->mu);
   if (rc) return amber__fail(NULL, rc, "drain of %s: %s", d->memory, e.msg);
   return sticky(d);
@@ -1017,7 +1069,13 @@ int amber_drain_close(amber_drain *d) {
     pthread_join(d->thread, NULL);
   }
   int rc = sticky(d);
+  if (!rc && d->committed && (d->o.flags & AMBER_DRAIN_IMAGE)) {
+    /* a clean close leaves each image at its newest step: the next start reads one file */
+    atomic_int go = 0;
+    images(d, &go);
+  }
   for (size_t i = 0; i < d->nlanes; i++) {
+    amber__image_free(d->lanes[i].img);
     amber_store_close(d->lanes[i].st);
     amber__dview_free(&d->lanes[i].dv);
     free(d->lanes[i].src);

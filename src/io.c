@@ -18,8 +18,11 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <linux/magic.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation per chunk */
 #include <xxhash.h>
@@ -69,6 +72,11 @@ static int direct_reads = 1;
 
 void amber__io_direct_reads(int on) {
   __atomic_store_n(&direct_reads, on, __ATOMIC_SEQ_CST);
+}
+
+int amber__on_memory_fs(int fd) {
+  struct statfs sf;
+  return fstatfs(fd, &sf) == 0 && (sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC);
 }
 
 int amber__io_direct_reads_on(void) {

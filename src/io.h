@@ -45,6 +45,8 @@ void amber__io_inject_failure(int after, int err);
  * (what a file system that refuses it gets); 1 (the default) allows it again. */
 void amber__io_direct_reads(int on);
 int amber__io_direct_reads_on(void);
+/* 1 when open file `fd` lives on a memory file system (tmpfs, ramfs: /dev/shm). */
+int amber__on_memory_fs(int fd);
 
 /* Large reused buffers: 4 KiB-aligned, huge pages requested when large. */
 void *amber__big_alloc(size_t n);

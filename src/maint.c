@@ -21,13 +21,12 @@
 #include "s3store.h"
 #include "store.h"
 
-/* Writes the full file for the reader's step, with state id `state_id`, into a
- * new temporary file next to `dst`, whose name goes to `tmp` (4200 bytes). */
-static int write_compacted(amber_store *st, amber_reader *r, const amber__index *src,
-                           uint64_t state_id, const char *dst, char *tmp) {
+int amber__write_restored(amber__err *e, amber_reader *r, uint64_t state_id,
+                          const char *dst, char *tmp, const char *progress) {
+  const amber__index *src = amber__reader_index(r);
   amber__ckpt_out *o = NULL;
   if (amber__ckpt_out_create(&o, AMBER__STAGE_BYTES, 1))
-    return amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
+    return amber__fail(e, AMBER_ENOMEM, "out of memory");
   amber__index ix = *src;
   ix.chunks = calloc(src->n_chunks ? src->n_chunks : 1, sizeof *ix.chunks);
   uint64_t max = 0;
@@ -35,8 +34,8 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
     if (src->tensors[i].nbytes > max) max = src->tensors[i].nbytes;
   uint8_t *buf = malloc(max ? max : 1);
   int rc = 0;
-  if (!ix.chunks || !buf) rc = amber__fail(&st->err, AMBER_ENOMEM, "out of memory");
-  if (!rc && (rc = amber__ckpt_create(o, &st->err, dst, amber_reader_step(r), src->tensors,
+  if (!ix.chunks || !buf) rc = amber__fail(e, AMBER_ENOMEM, "out of memory");
+  if (!rc && (rc = amber__ckpt_create(o, e, dst, amber_reader_step(r), src->tensors,
                                       src->n_tensors, AMBER_NO_STEP, 0)) == 0)
     snprintf(tmp, 4200, "%s", amber__ckpt_tmp(o));
   int created = !rc;
@@ -45,7 +44,7 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
   for (uint64_t i = 0; i < src->n_tensors && !rc; i++) {
     const amber__tensor *t = &src->tensors[i];
     if ((rc = amber_reader_read(r, (size_t)i, buf, t->nbytes)) != 0) {
-      amber__err_adopt(&st->err);
+      amber__fail(e, rc, "%s", amber_last_error(r));
       break;
     }
     size_t isz = amber_dtype_size(t->dtype);
@@ -57,7 +56,7 @@ static int write_compacted(amber_store *st, amber_reader *r, const amber__index 
       amber__ckpt_append_hashed(o, c, buf + j * t->chunk_elems * isz, (size_t)(n * isz));
       rc = amber__ckpt_failed(o);
     }
-    if (!rc) amber__progress("compact", done += t->nbytes, total);
+    if (!rc && progress) amber__progress(progress, done += t->nbytes, total);
   }
   uint64_t sealed_id, bytes;
   if (created && rc) amber__ckpt_abort(o);
@@ -90,7 +89,6 @@ int amber_store_compact(amber_store *st, uint64_t step) {
     amber_reader_close(r);
     return 0; /* already full */
   }
-  amber__index *ix = amber__reader_index(r);
   char tmp[4200] = "", dst[4200];
   if (st->s3) { /* written locally, then uploaded whole under the step's key */
     const char *dir = getenv("TMPDIR");
@@ -99,7 +97,7 @@ int amber_store_compact(amber_store *st, uint64_t step) {
   } else {
     amber__ckpt_path(st, ci.step, NULL, dst, sizeof dst);
   }
-  rc = write_compacted(st, r, ix, ci.hash, dst, tmp);
+  rc = amber__write_restored(&st->err, r, ci.hash, dst, tmp, "compact");
   amber_reader_close(r);
   /* An object store replaces the object at once: a reader that opened the delta
    * fails with AMBER_ECHANGED (its reads are pinned to its ETag), never mixes two. */

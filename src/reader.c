@@ -72,6 +72,7 @@ struct amber_reader {
   int advised;        /* the deltas' pages were asked for (readahead) */
   amber__part *parts; /* the boxes of a read, kept between reads */
   size_t parts_cap;
+  int imaged;         /* chain[0] is the store's image (take_image) */
 };
 
 static const amber__ckpt *target(const amber_reader *r) {
@@ -107,16 +108,22 @@ static int same_layout(amber__err *e, const amber__ckpt *child, const amber__ckp
 }
 
 static int open_chain(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
-                      const char *who);
+                      const char *who, int files);
 
-static int open_one(amber_reader **out, amber_store *st, uint64_t step) {
-  return open_chain(out, st, step, 0, NULL);
+static int open_one(amber_reader **out, amber_store *st, uint64_t step, int files) {
+  return open_chain(out, st, step, 0, NULL, files);
 }
 
 int amber__reader_open_at(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
                           const char *who) {
   *out = NULL;
-  return open_chain(out, st, step, state, who ? who : "its caller");
+  return open_chain(out, st, step, state, who ? who : "its caller", 0);
+}
+
+int amber__reader_open_files(amber_reader **out, amber_store *st, uint64_t step,
+                             uint64_t state) {
+  *out = NULL;
+  return open_chain(out, st, step, state, "LATEST", 1);
 }
 
 size_t amber_reader_skipped(const amber_reader *r) {
@@ -131,11 +138,12 @@ int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
     for (int i = 0; i < 6; i++)
       if (opts->reserved[i] || opts->reserved0)
         return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: reserved option set");
-    if (opts->flags & ~AMBER_READER_FALLBACK)
+    if (opts->flags & ~(AMBER_READER_FALLBACK | AMBER_READER_FILES))
       return amber__fail(NULL, AMBER_EINVAL, "amber_reader_open: unknown flags 0x%x",
                          opts->flags);
   }
-  if (!opts || !(opts->flags & AMBER_READER_FALLBACK)) return open_one(out, st, step);
+  int files = opts && (opts->flags & AMBER_READER_FILES);
+  if (!opts || !(opts->flags & AMBER_READER_FALLBACK)) return open_one(out, st, step, files);
   /* Fallback: the newest step <= the requested one that opens and verifies. */
   amber_ckpt_info *info = NULL;
   size_t n = 0, skipped = 0;
@@ -147,8 +155,14 @@ int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
   for (size_t i = n; i-- > 0;) {
     if (step != AMBER_LATEST && info[i].step > step) continue;
     amber_reader *r = NULL;
-    rc = open_one(&r, st, info[i].step);
+    rc = open_one(&r, st, info[i].step, files);
     if (!rc) rc = amber_reader_verify(r);
+    if (rc && r && r->imaged) { /* a damaged image: the step's own files may be whole */
+      amber_reader_close(r);
+      r = NULL;
+      rc = open_one(&r, st, info[i].step, 1);
+      if (!rc) rc = amber_reader_verify(r);
+    }
     if (!rc) {
       r->skipped = skipped;
       if (skipped)
@@ -177,8 +191,30 @@ int amber_reader_open(amber_reader **out, amber_store *st, uint64_t step,
 /* Opens the chain of `step`. `who` NULL: the step is checked against LATEST (and
  * its file against LATEST's state id when it is LATEST's step); else `who` names
  * what gives `state`, which the step's file must carry, and LATEST is not read. */
+/* A delta file `c` whose step the store's image holds (same step, same state id,
+ * same tensors): the image, opened shared, takes its place in the chain and ends
+ * it. 1 when it did; 0 leaves `c` (no image, one of another step, one the drain is
+ * rewriting, or a damaged one: the files serve the step). */
+static int take_image(amber_store *st, amber__ckpt *c) {
+  if (st->s3 || c->hdr.kind == AMBER_KIND_FULL) return 0;
+  char path[4200];
+  amber__image_path(st->path, path, sizeof path);
+  amber__ckpt img;
+  amber__err quiet;
+  if (access(path, F_OK) != 0 || amber__ckpt_open_file(&quiet, path, AMBER__OPEN_SHARED, &img))
+    return 0;
+  if (img.hdr.kind != AMBER_KIND_FULL || img.hdr.step != c->hdr.step ||
+      img.ftr.state_id != c->ftr.state_id || same_layout(&quiet, c, &img)) {
+    amber__ckpt_close(&img);
+    return 0;
+  }
+  amber__ckpt_close(c);
+  *c = img;
+  return 1;
+}
+
 static int open_chain(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
-                      const char *who) {
+                      const char *who, int files) {
   amber_reader *r = calloc(1, sizeof *r);
   if (!r) return amber__fail(NULL, AMBER_ENOMEM, "out of memory");
   r->st = st;
@@ -219,6 +255,7 @@ static int open_chain(amber_reader **out, amber_store *st, uint64_t step, uint64
                        r->nchain == 1 ? who : r->chain[r->nchain - 2].path);
       break;
     }
+    if (!files && take_image(st, c)) r->imaged = 1;
     if (r->nchain > 1 && (rc = same_layout(&r->err, &r->chain[r->nchain - 2], c)) != 0) break;
     if (c->hdr.kind == AMBER_KIND_FULL) break;
     step = c->hdr.parent_step;
@@ -394,10 +431,13 @@ static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t
                          c->path);
     return 0;
   }
-  const uint8_t *p;
-  int rc = amber__chunk_load(&r->err, c, ch, &r->stage, &p);
-  if (rc) return rc;
   size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
+  int rc;
+  if (ch->encoding == AMBER__ENC_RAW && ch->size == bytes &&
+      (rc = amber__chunk_read_into(&r->err, c, ch, dst)) <= 0)
+    return rc;
+  const uint8_t *p;
+  if ((rc = amber__chunk_load(&r->err, c, ch, &r->stage, &p))) return rc;
   switch (ch->encoding) {
   case AMBER__ENC_RAW:
     memcpy(dst, p, bytes);
@@ -449,6 +489,32 @@ static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t
   return amber__fail(&r->err, AMBER_ECORRUPT,
                      "%s (step %" PRIu64 "): tensor '%s' chunk %" PRIu64 " does not decode",
                      c->path, c->hdr.step, t->name, j);
+}
+
+/* ---- one chunk applied outside a restore (the image, src/image.c) ---- */
+
+struct amber__applier {
+  rctx x;
+};
+
+int amber__applier_create(amber__applier **out) {
+  return (*out = calloc(1, sizeof **out)) ? 0 : AMBER_ENOMEM;
+}
+
+void amber__applier_free(amber__applier *a) {
+  if (!a) return;
+  amber__stage_free(&a->x.stage);
+  free(a->x.scratch);
+  free(a->x.buf);
+  amber__zstd_dctx_free(a->x.dctx);
+  free(a);
+}
+
+int amber__applier_apply(amber__applier *a, amber__err *e, struct amber__ckpt *c,
+                         size_t tensor, uint64_t j, uint8_t *dst) {
+  int rc = apply_chunk(&a->x, c, &c->ix.tensors[tensor], j, dst);
+  if (rc) amber__fail(e, rc, "%s", a->x.err.msg);
+  return rc;
 }
 
 /* ---- the parallel restore ---- */

@@ -6,6 +6,7 @@
 #ifndef AMBER_STORE_H
 #define AMBER_STORE_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -85,8 +86,50 @@ int amber__store_prune(amber_store *st, amber__err *e, uint64_t keep_last, size_
  * checks it. */
 int amber__reader_open_at(amber_reader **out, amber_store *st, uint64_t step, uint64_t state,
                           const char *who);
+/* The same, from the step's own files only (never an image), `state` checked. */
+int amber__reader_open_files(amber_reader **out, amber_store *st, uint64_t step,
+                             uint64_t state);
 /* The index of the step a reader opened (for compaction). */
 amber__index *amber__reader_index(amber_reader *r);
+
+/* Writes the restored state of the reader's step as a full checkpoint of raw chunks
+ * with state id `state_id` into a new temporary file next to `dst`, named into `tmp`
+ * (4200 bytes), reporting progress as `progress` (NULL: none). src/maint.c. */
+int amber__write_restored(amber__err *e, amber_reader *r, uint64_t state_id, const char *dst,
+                          char *tmp, const char *progress);
+
+/* ---- applying a chunk outside a restore (src/reader.c, for src/image.c) ---- */
+typedef struct amber__applier amber__applier;
+struct amber__ckpt;
+int amber__applier_create(amber__applier **out);
+void amber__applier_free(amber__applier *a);
+/* Decodes chunk `j` of tensor `tensor` of file `c` onto `dst` (the chunk's bytes,
+ * holding its parent's values for a delta), as a restore does. */
+int amber__applier_apply(amber__applier *a, amber__err *e, struct amber__ckpt *c, size_t tensor,
+                         uint64_t j, uint8_t *dst);
+
+/* ---- the image of a memory tier's store (src/image.c) ----
+ *
+ * The drain of a memory tier keeps, in each store it drains, "image.amber": the
+ * newest step's state as one full checkpoint of raw chunks with that step's state id,
+ * so that a restart restores it by reading one file instead of the full checkpoint
+ * and every delta after it. The image is brought forward in place, delta by delta,
+ * under an exclusive flock; its header is invalid while that runs, so a crash leaves
+ * a file no reader takes (and the next drain rebuilds it). A reader takes it, under
+ * a shared flock, in place of the delta file of the same step and state id. */
+void amber__image_path(const char *store, char *buf, size_t len);
+typedef struct amber__image amber__image;
+int amber__image_create(amber__image **out, const char *store);
+void amber__image_free(amber__image *im);
+/* Brings the image of store `st` to its LATEST, where it takes at most `room` bytes
+ * (else there is none): 0 (also when it could not, for now: a reader holds it, or
+ * the step does not restore; the files serve restores then), AMBER_ECANCELED when
+ * *stop was set, AMBER_ENOMEM. *bytes (may be NULL) gets the image's size, 0 when
+ * there is none. */
+int amber__image_update(amber__image *im, amber_store *st, const atomic_int *stop,
+                        uint64_t room, uint64_t *bytes);
+/* The step the image holds (AMBER_NO_STEP: none). */
+uint64_t amber__image_step(const amber__image *im);
 
 /* ---- restores of boxes (src/reader.c): the one load path of every reader ----
  *

@@ -425,7 +425,7 @@ static void test_drain_refuses_what_it_must(void) {
   CHECK_OK(amber_drain_close(a));
   amber_drain_opts o;
   amber_drain_opts_init(&o);
-  o.flags = 1;
+  o.flags = AMBER_DRAIN_IMAGE << 1; /* an unknown flag */
   CHECK_RC(amber_drain_start(&b, mem, dur, &o), AMBER_EINVAL);
   amber_drain_opts_init(&o);
   o.rank = 0; /* a rank of a single-rank store */

@@ -1256,7 +1256,10 @@ static int cmd_info(const args *a) {
 /* Opens and verifies one step; 0 when intact, else writes the reason to `why`. */
 static int verify_step(amber_store *st, uint64_t step, char *why, size_t len) {
   amber_reader *r = NULL;
-  int rc = amber_reader_open(&r, st, step, NULL);
+  amber_reader_opts ro; /* the step's own files, never a memory tier's image of it */
+  amber_reader_opts_init(&ro);
+  ro.flags = AMBER_READER_FILES;
+  int rc = amber_reader_open(&r, st, step, &ro);
   if (rc) {
     snprintf(why, len, "%s",
              *amber_last_error(NULL) ? amber_last_error(NULL) : amber_strerror(rc));

@@ -1348,7 +1348,7 @@ class _DrainStatus(Structure):
     _fields_ = [("memory_step", c_uint64), ("durable_step", c_uint64),
                 ("lag_steps", c_uint64), ("lag_bytes", c_uint64), ("memory_bytes", c_uint64),
                 ("drained_bytes", c_uint64), ("drained_files", c_uint64), ("error", c_int),
-                ("wants_full", c_int), ("reserved", c_uint64 * 4)]
+                ("wants_full", c_int), ("image_step", c_uint64), ("reserved", c_uint64 * 3)]
 
 
 _drain_opts_init = _fn("amber_drain_opts_init", None, POINTER(_DrainOpts))
@@ -1365,11 +1365,15 @@ _tier_staging = _fn("amber_tier_staging", c_int, c_char_p, POINTER(c_void_p))
 _store_sweep = _fn("amber_store_sweep", c_int, c_char_p, c_uint64, POINTER(c_size_t))
 
 
-def _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank):
+DRAIN_IMAGE = 1  # AMBER_DRAIN_IMAGE
+
+
+def _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank, image=False):
     o = _DrainOpts()
     _drain_opts_init(byref(o))
     o.max_lag_steps, o.max_lag_bytes = int(max_lag_steps or 0), int(max_lag_bytes or 0)
     o.memory_budget, o.rank = int(memory_budget or 0), int(rank)
+    o.flags = DRAIN_IMAGE if image else 0
     return o
 
 
@@ -1381,7 +1385,8 @@ class DrainStatus:
     """Where a drain stands: `memory_step` and `durable_step` (None when none), the
     lag (`lag_steps`, `lag_bytes`), `memory_bytes` the memory tier holds, what this
     drain copied (`drained_bytes`, `drained_files`), `error` (its sticky AMBER_E*
-    code, or 0) and `wants_full`."""
+    code, or 0), `wants_full`, and `image_step`: the step the memory tier's image
+    holds (Drain(..., image=True); None when there is none)."""
 
     def __init__(self, st):
         none = lambda v: None if v == NO_STEP else v  # noqa: E731
@@ -1390,6 +1395,7 @@ class DrainStatus:
         self.memory_bytes = st.memory_bytes
         self.drained_bytes, self.drained_files = st.drained_bytes, st.drained_files
         self.error, self.wants_full = st.error, bool(st.wants_full)
+        self.image_step = none(st.image_step)
 
     def __repr__(self):
         return (f"DrainStatus(memory_step={self.memory_step}, durable_step="
@@ -1402,19 +1408,21 @@ class Drain(_Handle):
     order, each step's files first and its pointer last (amber_drain_start).
 
     Drain(memory, durable=None, max_lag_steps=0, max_lag_bytes=0, memory_budget=0,
-          rank=-1). durable None: the one the memory tier's TIERS file records.
-    0 means no bound. rank: a multi-rank memory tier's rank store that this process
-    drains (rank 0 also drains the manifests and GLOBAL); -1 for a store of one
-    process, or every rank store the directory holds.
+          rank=-1, image=False). durable None: the one the memory tier's TIERS file
+    records. 0 means no bound. rank: a multi-rank memory tier's rank store that this
+    process drains (rank 0 also drains the manifests and GLOBAL); -1 for a store of
+    one process, or every rank store the directory holds. image: keep an image of
+    each drained store's newest step (AMBER_DRAIN_IMAGE), so that a restart from the
+    memory tier reads one file.
 
     kick() after each commit (back-pressure, and the drain's sticky error raised);
     wants_full(); flush(timeout=None); status(); close() (stops after the file in
     progress; what is left resumes at the next start or with `amber drain`)."""
 
     def __init__(self, memory, durable=None, max_lag_steps=0, max_lag_bytes=0,
-                 memory_budget=0, rank=-1):
+                 memory_budget=0, rank=-1, image=False):
         super().__init__()
-        o = _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank)
+        o = _drain_opts(max_lag_steps, max_lag_bytes, memory_budget, rank, image)
         h = _H()
         _check(_drain_start(byref(h), _opt_path(memory), _opt_path(durable), byref(o)), None)
         self._h = h

@@ -76,6 +76,19 @@ def test_every_step_reaches_the_durable_tier_and_restores_from_memory(tmp_path, 
     got = load_only(store, memory)
     assert got["served_by"] == "memory" and got["start"] == 12
     assert got["digests"]["12"] == saved[12]
+    # from the image of step 12 alone (one file): with the chain's full checkpoint moved
+    # away the memory tier still serves it, bit-identical; the files verify as ever
+    with open(os.path.join(memory, "image.amber"), "rb") as f:
+        assert int.from_bytes(f.read(32)[24:32], "little") == 12
+    assert len(mem_steps) > 1, mem_steps  # 12 is a delta: else the image proves nothing
+    full = os.path.join(memory, f"ckpt-{mem_steps[0]:020d}.amber")
+    os.rename(full, full + ".away")
+    try:
+        got = load_only(store, memory)
+        assert got["served_by"] == "memory" and got["digests"]["12"] == saved[12]
+    finally:
+        os.rename(full + ".away", full)
+    assert cli("verify", memory).returncode == 0
     # memory lost (a rebooted node): the durable tier serves the same step
     shutil.rmtree(memory)
     got = load_only(store, memory)
@@ -272,3 +285,24 @@ def test_dcp_writer_and_reader_reach_the_memory_tier(tmp_path, memory):
     assert r.served_by == "durable" and torch.equal(back.weight, saved[3])
     with pytest.raises(ValueError, match="separate directories"):
         Writer(store, memory=store)
+
+
+def test_dcp_writer_takes_each_tier_argument_as_named(tmp_path, memory):
+    """Writer(memory=, max_lag=, memory_budget=) means what Checkpointer's arguments of
+    those names mean (they once went into the wrong parameters: max_lag=2 became a
+    budget of 2 bytes, which no full checkpoint fits)."""
+    import torch.distributed.checkpoint as dcp
+    from amber.dcp import Writer
+    store = str(tmp_path / "dcp")
+    m = torch.nn.Linear(16, 16)
+    with Writer(store, memory=memory, max_lag=2, memory_budget=1 << 30) as w:
+        for _ in range(3):
+            with torch.no_grad():
+                m.weight.add_(0.5)
+            dcp.save({"m": m.state_dict()}, storage_writer=w)
+        t = w._saver.sink.tiers
+        assert (t.opts.max_lag, t.opts.memory_budget, t.opts.replicas) == (2, 1 << 30, 0)
+        assert t.budget == 1 << 30
+    assert steps_of(store) == [0, 1, 2]
+    with pytest.raises(ValueError, match="max_lag_bytes"):
+        Writer(store, memory=memory, max_lag_bytes=-1)

@@ -268,8 +268,9 @@ class Load(Decoder):
         except AmberError as err:
             keys = ", ".join(dict.fromkeys(k for _, _, k, _ in self.inplace))
             partial = AmberError(err.code, f"{err.message}; the live state is partially loaded: "
-                                 f"tensors of {keys} may hold values of step {self.step}, the "
-                                 "others their previous values, and nothing else was restored "
+                                 f"tensors of {keys} may hold values of step {self.step} (where a "
+                                 "chunk failed its check, its damaged bytes), the others their "
+                                 "previous values, and nothing else was restored "
                                  "(load(..., fallback=True) verifies a step whole before "
                                  "restoring it)", name=err.name)
             partial.partial = True

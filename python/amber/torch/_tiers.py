@@ -149,7 +149,7 @@ class Tiers:
         o = self.opts
         return _amber.Drain(self.memory, self.durable, max_lag_steps=o.max_lag or 0,
                             max_lag_bytes=o.max_lag_bytes or 0, memory_budget=self.budget,
-                            rank=self.rank)
+                            rank=self.rank, image=not o.staging)
 
     def _drop(self):
         drain, self.drain = self.drain, None
