@@ -8,7 +8,7 @@ PREFIX ?= /usr/local
 CMAKE_FLAGS ?=
 # The tests that drive the threads (save thread, workers, I/O threads, an S3 client
 # shared by threads, the drain) run under TSan.
-TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_preselected|test_global_presel|test_delta_(policy|cadence|corrupt|kernels)|test_s3$$|test_s3_faults|test_tier_(drain|ranks)
+TSAN_TESTS ?= test_async|test_roundtrip|test_maint|test_preselected|test_global_presel|test_delta_(policy|cadence|corrupt|kernels)|test_s3$$|test_s3_faults|test_tier_(drain|ranks|image)
 
 .PHONY: all build setup test test-long test-c test-asan test-tsan test-python demo demo-full bench install clean format fuzz vecreport
 

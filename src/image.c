@@ -203,7 +203,10 @@ static int advance(amber__image *im, amber__ckpt *d, size_t n, uint64_t step, ui
   c->ftr.state_id = state;
   amber__footer_encode(&c->ftr, im->map + c->size - AMBER__FOOTER_SIZE);
   memcpy(im->map, hb, HDR_CHECKSUM_AT);
-  __atomic_thread_fence(__ATOMIC_RELEASE);
+  /* The checksum last, in program order: readers of the file never read while this
+   * runs (the lock), so only a crash can see the file half written, and a process
+   * that dies keeps every store it made; the compiler must not move them past this. */
+  __asm__ __volatile__("" ::: "memory");
   memcpy(im->map + HDR_CHECKSUM_AT, hb + HDR_CHECKSUM_AT, AMBER__HEADER_SIZE - HDR_CHECKSUM_AT);
   return 0;
 }

@@ -5,7 +5,7 @@ lossy preset restores within its bound; DDP on 2 CPU processes (gloo) saves and
 resumes through amber, every rank restoring exactly the saved state; Lightning
 writes no torch.save file; the checkpoint dict round-trips exactly; an interrupted
 save falls back to the step before it; files removed as ModelCheckpoint removes them
-take their steps with them.
+take their steps with them. (An s3:// store: tests/python/test_s3.py.)
 
 Every subprocess runs in its own session, bounded by a timeout; its whole process
 group (DDP's second rank included) is killed when it ends or times out."""
@@ -327,13 +327,9 @@ def test_links_removal_and_pruning_as_model_checkpoint_does_them(tmp_path):
     infos = store_steps(tmp_path)
     assert kept_beyond_chains(infos, oldest=3) == [3, 4] and len(infos) < 4  # 2 at teardown
     assert sorted(os.listdir(tmp_path)) == ["amber", "last.ckpt", "step=3.ckpt", "step=4.ckpt"]
-    with pytest.raises(ValueError, match="local"):
+    # pointer files are local; the store may be an object store (test_s3.py runs one)
+    with pytest.raises(ValueError, match="local.*s3:// store"):
         io.save_checkpoint(odd_checkpoint(), "s3://bucket/x.ckpt")
-
-
-def test_an_s3_store_is_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="s3:// stores are not supported by the Lightning"):
-        AmberCheckpointIO(store="s3://bucket/runs/x")
 
 
 def test_a_torch_save_checkpoint_still_loads(tmp_path):

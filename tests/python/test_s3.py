@@ -23,7 +23,7 @@ import torch
 
 import amber
 from amber.torch import Checkpointer
-from conftest import HERE, PYTHON, ROOT
+from conftest import HERE, PYTHON, ROOT, run_python
 from test_dist_checkpointer import cli, ranks
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -210,6 +210,36 @@ def test_the_hf_trainer_checkpoints_to_s3_and_resumes_bit_identically(url, tmp_p
     x, y = load_file(f"{ref}/final.safetensors"), load_file(f"{run}/final.safetensors")
     assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x)
     assert bucket_steps(url)[-1] == 8
+
+
+def test_lightning_checkpoints_to_s3_and_resumes_bit_identically(url, tmp_path):
+    """AmberCheckpointIO(store="s3://..."): ModelCheckpoint's pointer files stay in its
+    local dirpath and name the bucket; a run SIGKILLed right after a save, its staging
+    directory removed (a restart on another host), resumes with fit(ckpt_path="last")
+    and ends bit-identical to an uninterrupted run with a local store. Lightning's
+    removals of old files prune the bucket."""
+    pytest.importorskip("lightning")
+    worker = os.path.join(HERE, "pl_worker.py")
+    ref, run_dir = tmp_path / "ref", tmp_path / "run"
+    want = json.loads(run_python(worker, str(ref), "--steps", "8").stdout.splitlines()[-1])
+    p = run_python(worker, str(run_dir), "--steps", "8", "--store", url, "--kill-at", "4",
+                   check=False)
+    assert p.returncode == -9, p.stderr[-3000:]
+    shutil.rmtree(amber.tier_staging(url), ignore_errors=True)
+    last = json.loads((run_dir / "last.ckpt").read_text())
+    assert last["store"] == url and last["format"] == "amber-lightning"
+    assert not (run_dir / "amber").exists()  # the checkpoints are in the bucket alone
+    p = run_python(worker, str(run_dir), "--steps", "8", "--store", url, "--resume")
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got["resumed_from"] == 4, got
+    for step, loss in got["losses"].items():
+        assert loss == want["losses"][step], step
+    assert got["digest"] == want["digest"] and got["global_step"] == 8
+    steps = bucket_steps(url)
+    last = json.loads((run_dir / "last.ckpt").read_text())
+    assert steps[-1] == last["step"] and steps[0] > 1, steps  # pruned as Lightning removed files
+    from amber.integrations.lightning import load
+    assert load(run_dir / "last.ckpt")["global_step"] == 8
 
 
 def test_the_cli_on_an_s3_store(url, tmp_path):

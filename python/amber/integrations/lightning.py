@@ -90,6 +90,7 @@ Lightning's TorchCheckpointIO, so a run resumes from its old files.
 """
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -197,8 +198,26 @@ def _unpack(x, device):
 def _local_path(path):
     path = os.fspath(path)
     if "://" in str(path):
-        raise ValueError(f"AmberCheckpointIO writes to local (or mounted) file systems, not {path}")
+        raise ValueError(f"AmberCheckpointIO writes its pointer files to local (or mounted) "
+                         f"file systems, not {path}: keep ModelCheckpoint's dirpath local and "
+                         "give the plug-in an s3:// store (AmberCheckpointIO(store=\"s3://...\"))")
     return os.path.abspath(path)
+
+
+def _is_url(store):
+    return "://" in str(store)
+
+
+@contextlib.contextmanager
+def _store_of(ck, writable=False):
+    """The store behind Checkpointer `ck`, to list, read and prune: its own open store,
+    or, for an s3:// store (which a writing Checkpointer writes through a local staging
+    directory), the bucket's, opened for the call."""
+    if not _is_url(ck.path):
+        yield ck.store
+        return
+    with _amber.Store(ck.path, readonly=not writable, create=False) as st:
+        yield st
 
 
 # ---- pointer files ------------------------------------------------------------------
@@ -229,8 +248,9 @@ def _read_pointer(path):
     if p.get("version", 0) > VERSION:
         raise AmberError(_amber.EFORMAT, f"{path}: amber-lightning pointer version {p['version']}; "
                          f"this amber reads version {VERSION}", name="AMBER_EFORMAT")
-    base = os.path.dirname(os.path.realpath(path))
-    p["store"] = os.path.realpath(os.path.join(base, p["store"]))
+    if not _is_url(p["store"]):  # a local store is named relative to the pointer
+        base = os.path.dirname(os.path.realpath(path))
+        p["store"] = os.path.realpath(os.path.join(base, p["store"]))
     return p
 
 
@@ -305,11 +325,12 @@ def _load(ck, run, pointer, path, map_location):
     plug-in writes the store, else read-only) and returns Lightning's dict."""
     if run is not None:
         _settle(run)
-    step = _resolve(ck.store, pointer, path)
+    with _store_of(ck) as st:
+        step = _resolve(st, pointer, path)
     state = {"checkpoint": None, "file": None}
     # the latest step loads as step=None: the writer's reference is then seeded from
     # what was read, and the next save is a delta that reads nothing back
-    latest = ck.store.latest()
+    latest = ck.latest()
     ck.load(state, step=None if step == latest and run is not None else step)
     if run is not None:
         run.done = (step, state["file"]["token"])
@@ -338,11 +359,12 @@ class _Run:
 
     def __init__(self, ck):
         self.ck = ck
-        latest = ck.store.latest()
+        latest = ck.latest()
         self.next = (latest or 0) + 1
         self.done = None      # (step, token) committed: the fallback of the next pointer
         self.pending = None   # (step, token) of the save in flight
-        self.dirs = {os.path.dirname(ck.path)}  # real paths of directories with pointers
+        # real paths of directories with pointers into the store
+        self.dirs = set() if _is_url(ck.path) else {os.path.dirname(ck.path)}
         self.prune_due = False
 
 
@@ -351,8 +373,11 @@ class AmberCheckpointIO(CheckpointIO):
 
     AmberCheckpointIO(store=None, policy=None, full_every=None, full_share=None,
                       rng=True, threads=0, chunk_elems=0)
-      store: one store for every checkpoint (a path); None (default): a store named
-          STORE_NAME in each checkpoint directory.
+      store: one store for every checkpoint (a path, or an object store's URL,
+          "s3://bucket/prefix": the checkpoints go there, written through a local staging
+          directory and durable in the bucket when a save's commit completes; the pointer
+          files stay in ModelCheckpoint's dirpath and name the URL); None (default): a
+          store named STORE_NAME in each checkpoint directory.
       policy, full_every, full_share, threads, chunk_elems: as amber.torch.Checkpointer's
           (policy: "exact" default, "lossy", "lossy-frequent", "lossy-compact", "lossy-capped",
           rules).
@@ -364,12 +389,11 @@ class AmberCheckpointIO(CheckpointIO):
     def __init__(self, store=None, policy=None, full_every=None, full_share=None, rng=True,
                  threads=0, chunk_elems=0):
         super().__init__()
-        if store is not None and "://" in str(os.fspath(store)):
-            raise ValueError(f"AmberCheckpointIO: store={store!r}: s3:// stores are not "
-                             "supported by the Lightning plug-in yet (its pointer files name a "
-                             "local store); checkpoint to a local or mounted store, or use "
-                             "amber.torch.Checkpointer(\"s3://...\") in a callback")
-        self.store = os.path.realpath(os.fspath(store)) if store is not None else None
+        if store is not None:
+            store = os.fspath(store)
+            self.store = store.rstrip("/") if _is_url(store) else os.path.realpath(store)
+        else:
+            self.store = None
         self._rules = _policy(policy)
         self._opts = {"full_every": full_every, "full_share": full_share, "threads": threads,
                       "chunk_elems": chunk_elems}
@@ -395,7 +419,8 @@ class AmberCheckpointIO(CheckpointIO):
         """Deletes the steps older than the oldest one a pointer (or this writer)
         still needs. Only with no save in flight."""
         run.prune_due = False
-        steps = [i.step for i in run.ck.store.list()]
+        with _store_of(run.ck) as st:
+            steps = [i.step for i in st.list()]
         keep = set()
         for d in run.dirs:
             keep |= _pointers(d, run.ck.path, set(steps))
@@ -408,7 +433,8 @@ class AmberCheckpointIO(CheckpointIO):
         n = sum(1 for s in steps if s >= min(needed))
         if n < len(steps):
             try:
-                run.ck.store.prune(n)
+                with _store_of(run.ck, writable=True) as st:
+                    st.prune(n)
             except AmberError as e:  # a file that cannot go does not fail the save
                 warnings.warn(f"amber: old checkpoints of {run.ck.path} could not be removed: "
                               f"{e.message}", _amber.PruneWarning, stacklevel=3)
@@ -451,7 +477,7 @@ class AmberCheckpointIO(CheckpointIO):
             fb = run.done
             _write_pointer(path, {
                 "format": FORMAT, "version": VERSION,
-                "store": os.path.relpath(ck.path, directory),
+                "store": ck.path if _is_url(ck.path) else os.path.relpath(ck.path, directory),
                 "step": step, "token": token,
                 "fallback": None if fb is None else {"step": fb[0], "token": fb[1]},
                 "epoch": checkpoint.get("epoch"), "global_step": checkpoint.get("global_step"),
