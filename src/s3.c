@@ -123,8 +123,6 @@ void amber__s3_obj_close(amber__s3_obj *o) {
 
 #else /* AMBER_HAVE_S3 */
 
-#include <zlib.h>
-
 #include "s3req.h"
 
 /* ---- the client ---- */

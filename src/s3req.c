@@ -96,6 +96,8 @@ static CURL *easy_take(amber__s3 *s, amber__s3_conn *c) {
 }
 
 int amber__s3_engine_init(amber__s3 *s) {
+  int rc = amber__s3_load(); /* the libraries, where they are loaded at run time */
+  if (rc) return rc;
   pthread_once(&curl_once, curl_init);
   if (curl_init_rc != CURLE_OK)
     return amber__fail(NULL, AMBER_EIO, "curl_global_init failed: %s",

@@ -6,9 +6,12 @@
 #define AMBER_S3REQ_H
 
 #include <curl/curl.h>
+#include <expat.h>
 #include <pthread.h>
+#include <zlib.h>
 
 #include "s3.h"
+#include "s3dl.h" /* after the libraries' headers: a run-time build calls them through it */
 
 #define AMBER__S3_MIB (1024ull * 1024)
 /* The largest XML answer kept (a page of 1000 keys is about 300 KB). */

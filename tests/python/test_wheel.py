@@ -5,7 +5,8 @@ directory, with no sys.path edits and no AMBER_LIBRARY, that environment's `ambe
 library found as package data) runs tests/wheel_smoke.py (the release builds' smoke
 test), saves and loads a model, and its `amber` CLI lists the store. Every ELF file the wheel installs needs nothing but the C runtime and what the
 wheel carries: zstd, xxHash and Jansson are linked in (AMBER_STATIC_DEPS), so the wheel
-installs on a machine without them."""
+installs on a machine without them. s3:// stores work from the wheel with the system's
+libcurl, loaded at their first use (AMBER_S3_RUNTIME), against the tests' S3 server."""
 import os
 import re
 import subprocess
@@ -127,6 +128,53 @@ def test_wheel_repaired_installs_self_contained_and_saves_and_loads_from_another
     assert p.stdout.startswith("ok"), p.stdout
     p = run([str(venv / "bin" / "amber"), "ls", "store"], cwd=work, env=env)
     assert "1" in p.stdout, p.stdout
+    _s3_through_the_wheel(py, venv, work, env, tmp_path)
+
+
+def _s3_through_the_wheel(py, venv, work, env, tmp_path):
+    """The wheel carries no libcurl (AMBER_S3_RUNTIME: the system's is loaded at the
+    first s3:// use): a save and a load through the tests' S3 server, the CLI's listing
+    of the bucket, and, with AMBER_LIBCURL naming a libcurl that is not there, an
+    error that says what to install."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import s3_server
+    try:
+        srv = s3_server.Server()
+    except RuntimeError as e:
+        if os.environ.get("CI", "") not in ("", "false"):
+            pytest.fail(f"the S3 server does not start: {e}")
+        pytest.skip(f"the S3 server does not start: {e}")
+    try:
+        srv.cmd("reset")
+        env = dict(env, **srv.env(), AMBER_STAGING=str(tmp_path / "staging"))
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_PROFILE"):
+            env.pop(k, None)
+        os.makedirs(tmp_path / "staging")
+        url = "s3://amber-test/wheel"
+        script = textwrap.dedent("""
+            import sys, torch
+            from amber.torch import Checkpointer
+            m = torch.nn.Linear(5, 3)
+            with Checkpointer(sys.argv[1]) as ck:
+                ck.save(1, {"model": m})
+            m2 = torch.nn.Linear(5, 3)
+            with Checkpointer(sys.argv[1], readonly=True) as ck:
+                assert ck.load({"model": m2}) == 1
+            assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+            print("s3 ok")
+        """)
+        p = run([py, "-c", script, url], cwd=work, env=env)
+        assert "s3 ok" in p.stdout, p.stdout
+        p = run([str(venv / "bin" / "amber"), "ls", url], cwd=work, env=env)
+        assert "full" in p.stdout, p.stdout
+        bad = subprocess.run([str(venv / "bin" / "amber"), "ls", url], cwd=work,
+                             env=dict(env, AMBER_LIBCURL="/nonexistent/libcurl.so.4"),
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0
+        assert "need the libcurl that AMBER_LIBCURL names" in bad.stderr and \
+            "apt install libcurl4" in bad.stderr, bad.stderr
+    finally:
+        srv.stop()
 
 
 def _pip_has_python_option():
