@@ -83,6 +83,7 @@ SAVE_NO_REFERENCE = 1 << 1
 SAVE_CONFIRM = 1 << 2
 SAVE_VOTED = 1 << 3
 READER_FALLBACK = 1 << 0
+READER_FILES = 1 << 1  # the step's own files, never a memory tier's image of it
 KIND_FULL, KIND_DELTA = 0, 1
 NO_STEP = LATEST = (1 << 64) - 1
 # Error codes, mirrored from AMBER_ERRNO_MAP in amber.h (tests/python/test_binding.py
