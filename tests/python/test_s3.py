@@ -242,6 +242,32 @@ def test_lightning_checkpoints_to_s3_and_resumes_bit_identically(url, tmp_path):
     assert load(run_dir / "last.ckpt")["global_step"] == 8
 
 
+def test_accelerate_saves_to_and_loads_from_s3(url):
+    """AcceleratorCheckpointer(accelerator, "s3://..."): save_state writes the bucket;
+    load_state, its staging directory removed (another host), restores the saved
+    model, optimizer and extra exactly after training moved them on."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from amber.integrations.accelerate import AcceleratorCheckpointer
+    acc = Accelerator(cpu=True)
+    model, opt = acc.prepare(*build(0))
+    with AcceleratorCheckpointer(acc, url) as ck:
+        for step in (1, 2, 3):
+            train_step(model, opt)
+            ck.save_state(step, extra={"pos": step * 10})
+    want = snapshot(model, opt)
+    assert bucket_steps(url) == [1, 2, 3]
+    for _ in range(2):
+        train_step(model, opt)  # the live state moves on
+    shutil.rmtree(amber.tier_staging(url), ignore_errors=True)
+    with AcceleratorCheckpointer(acc, url) as ck:
+        assert ck.load_state() == 3 and ck.extra == {"pos": 30}
+    got = snapshot(model, opt)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k], k
+
+
 def test_the_cli_on_an_s3_store(url, tmp_path):
     model, opt = build(0)
     with Checkpointer(url, full_share=-1) as ck:
