@@ -625,13 +625,19 @@ static uint64_t lane_bytes(lane *l) {
  * else is to do: the durable tier comes first. */
 static int images(amber_drain *d, const atomic_int *stop) {
   uint64_t used = 0, b = d->o.memory_budget;
-  if (b)
-    for (size_t i = 0; i < d->nlanes; i++) used += lane_bytes(&d->lanes[i]);
-  int rc = 0;
+  int rc = 0, counted = 0;
   for (size_t i = 0; i < d->nlanes && !rc; i++) {
     lane *l = &d->lanes[i];
     amber_store *st = l->img ? lane_store(l) : NULL;
     if (!st) continue;
+    if (amber__image_current(l->img, st)) { /* the idle poll's usual case: LATEST read */
+      used += amber__image_bytes(l->img);
+      continue;
+    }
+    if (b && !counted) { /* what the files take, listed only when an image moves */
+      for (size_t k = 0; k < d->nlanes; k++) used += lane_bytes(&d->lanes[k]);
+      counted = 1;
+    }
     uint64_t room = !b ? UINT64_MAX : b > used ? b - used : 0, bytes = 0;
     rc = amber__image_update(l->img, st, stop, room, &bytes);
     used += bytes;

@@ -84,6 +84,10 @@ uint64_t amber__image_step(const amber__image *im) {
   return im && im->map ? im->c.hdr.step : AMBER_NO_STEP;
 }
 
+uint64_t amber__image_bytes(const amber__image *im) {
+  return im && im->map ? im->c.size : 0;
+}
+
 /* The image is a full file of raw chunks only: what an update can change in place. */
 static int raw_only(const amber__ckpt *c) {
   if (c->hdr.kind != AMBER_KIND_FULL) return 0;
@@ -301,6 +305,14 @@ static int update(amber__image *im, amber_store *st, uint64_t step, uint64_t sta
   if (rc) drop(im); /* perhaps half updated: never read again */
   if (rc || n) return rc;
   return build(im, st, step, state, room); /* the step's chain starts at a newer full */
+}
+
+int amber__image_current(amber__image *im, amber_store *st) {
+  uint64_t step, state;
+  amber__err e;
+  if (amber__store_state(st, &e, &step, &state) != 0) return 1; /* nothing committed */
+  if (step == im->failed_step && state == im->failed_state) return 1; /* not again */
+  return im->map && im->c.hdr.step == step && im->c.ftr.state_id == state;
 }
 
 int amber__image_update(amber__image *im, amber_store *st, const atomic_int *stop,

@@ -128,8 +128,12 @@ void amber__image_free(amber__image *im);
  * there is none. */
 int amber__image_update(amber__image *im, amber_store *st, const atomic_int *stop,
                         uint64_t room, uint64_t *bytes);
-/* The step the image holds (AMBER_NO_STEP: none). */
+/* 1 when there is nothing for amber__image_update to do: the image holds the store's
+ * LATEST (or the store has none, or its LATEST could not be imaged). Reads LATEST only. */
+int amber__image_current(amber__image *im, amber_store *st);
+/* The step the image holds (AMBER_NO_STEP: none), and its size (0: none). */
 uint64_t amber__image_step(const amber__image *im);
+uint64_t amber__image_bytes(const amber__image *im);
 
 /* ---- restores of boxes (src/reader.c): the one load path of every reader ----
  *
