@@ -40,9 +40,11 @@
 struct amber__image {
   char path[4200];
   amber__ckpt c;  /* the image, opened read-write (fd -1: none open) */
-  uint8_t *map;   /* c.size bytes, shared */
+  uint8_t *map;   /* map_len bytes, shared: the file as mapped (its payloads do not move) */
+  size_t map_len;
   uint8_t *dirty; /* one flag per chunk of an update */
   uint8_t *ixbuf; /* the encoded index of an update */
+  size_t ixcap;
   amber__applier *ap;
   uint64_t failed_step, failed_state; /* a LATEST whose image could not be made */
 };
@@ -65,8 +67,9 @@ int amber__image_create(amber__image **out, const char *store) {
 }
 
 static void unmap(amber__image *im) {
-  if (im->map) munmap(im->map, (size_t)im->c.size);
+  if (im->map) munmap(im->map, im->map_len);
   im->map = NULL;
+  im->ixcap = 0;
   if (im->c.fd >= 0 || im->c.path) amber__ckpt_close(&im->c);
   free(im->dirty);
   free(im->ixbuf);
@@ -122,6 +125,8 @@ static int map_image(amber__image *im) {
     return AMBER_EIO;
   }
   im->map = m;
+  im->map_len = (size_t)im->c.size;
+  im->ixcap = ixsize;
   return 0;
 }
 
@@ -189,23 +194,43 @@ static int advance(amber__image *im, amber__ckpt *d, size_t n, uint64_t step, ui
     if (im->dirty[i])
       ix->chunks[i].checksum = amber__xxh3(im->map + ix->chunks[i].offset,
                                            (size_t)ix->chunks[i].size);
-  /* the index, the footer, then the header, whose checksum makes the image whole */
-  size_t isize = (size_t)c->ftr.index_size;
-  if (amber__index_size(ix) != isize) return AMBER_ECORRUPT;
-  amber__index_encode(ix, im->ixbuf);
-  memcpy(im->map + c->ftr.index_offset, im->ixbuf, isize);
+  /* The index: the newest delta's (its metadata, such as a Python Checkpointer's plain
+   * values and RNG states, and its tensors' policies are the step's own) with the
+   * image's chunks. Its size may differ from the old one's: it is written after the
+   * payloads, the footer after it, and the file cut to its new length. */
+  amber__index nx = d[n - 1].ix;
+  nx.chunks = ix->chunks;
+  size_t isize = (size_t)amber__index_size(&nx);
+  if (isize > im->ixcap) {
+    uint8_t *g = realloc(im->ixbuf, isize);
+    if (!g) return AMBER_ENOMEM;
+    im->ixbuf = g, im->ixcap = isize;
+  }
+  amber__index_encode(&nx, im->ixbuf);
+  amber__index fresh;
+  if (amber__index_decode(&e, im->path, im->ixbuf, isize, c->ftr.index_offset, &fresh))
+    return AMBER_ECORRUPT;
+  amber__index_free(ix);
+  *ix = fresh;
   c->hdr.step = step;
-  uint8_t hb[AMBER__HEADER_SIZE];
+  c->hdr.format_minor = d[n - 1].hdr.format_minor;
+  uint8_t hb[AMBER__HEADER_SIZE], fb[AMBER__FOOTER_SIZE];
   amber__header_encode(&c->hdr, hb);
   XXH3_state_t hs;
   XXH3_INITSTATE(&hs);
   XXH3_64bits_reset(&hs);
   XXH3_64bits_update(&hs, hb, sizeof hb);
   XXH3_64bits_update(&hs, im->ixbuf, isize);
+  c->ftr.index_size = isize;
   c->ftr.index_checksum = amber__xxh3(im->ixbuf, isize);
   c->ftr.content_hash = XXH3_64bits_digest(&hs);
   c->ftr.state_id = state;
-  amber__footer_encode(&c->ftr, im->map + c->size - AMBER__FOOTER_SIZE);
+  amber__footer_encode(&c->ftr, fb);
+  uint64_t at = c->ftr.index_offset, size = at + isize + AMBER__FOOTER_SIZE;
+  if (amber__pwrite_full(c->fd, im->ixbuf, isize, at) ||
+      amber__pwrite_full(c->fd, fb, sizeof fb, at + isize) || ftruncate(c->fd, (off_t)size))
+    return AMBER_EIO;
+  c->size = size;
   memcpy(im->map, hb, HDR_CHECKSUM_AT);
   /* The checksum last, in program order: readers of the file never read while this
    * runs (the lock), so only a crash can see the file half written, and a process

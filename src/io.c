@@ -130,6 +130,17 @@ void amber__big_free(void *p, size_t n) {
   else munmap(p, n);
 }
 
+int amber__pwrite_full(int fd, const void *buf, size_t len, uint64_t off) {
+  const uint8_t *p = buf;
+  while (len) {
+    ssize_t n = pwrite(fd, p, len, (off_t)off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return -1;
+    p += n, len -= (size_t)n, off += (uint64_t)n;
+  }
+  return 0;
+}
+
 int amber__write_full(int fd, const void *buf, size_t len) {
   int inj = injected();
   if (inj) {

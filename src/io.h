@@ -58,6 +58,8 @@ void amber__big_prefault(void *p, size_t n);
 /* Reads exactly `len` bytes at `off` (retrying short reads and EINTR). */
 int amber__pread_full(int fd, void *buf, size_t len, uint64_t off);
 int amber__write_full(int fd, const void *buf, size_t len);
+/* pwrite of all `len` bytes at `off` (retried on EINTR and short writes): 0 or -1. */
+int amber__pwrite_full(int fd, const void *buf, size_t len, uint64_t off);
 /* Creates a new temporary file "<prefix>.<16 random hex digits>.tmp" for
  * writing: never an existing file or link (O_EXCL, O_NOFOLLOW), a name other
  * processes cannot predict, mode 0644 less the umask. The name goes to `path`

@@ -1,11 +1,12 @@
 /*
  * test_tier_image.c - the image a memory tier's drain keeps of its newest step
  * (AMBER_DRAIN_IMAGE, src/image.c): it follows each commit and a restore of the
- * newest step reads it alone, bit-identical to the step's files, exact and
- * quantized deltas alike; a torn image (a crash in the middle of an update) is never
- * read and is rebuilt after the next commit; a damaged one costs a fallback load nothing; a reader that
- * holds it delays its update and reads what it opened; a budget without room for it
- * means no image, and no error; `amber verify`'s reads never take it.
+ * newest step reads it alone, bit-identical to the step's files (its tensors and its
+ * own metadata), exact and quantized deltas alike; a torn image (a crash in the
+ * middle of an update) is never read and is rebuilt after the next commit; a damaged
+ * one costs a fallback load nothing; a reader that holds it delays its update and
+ * reads what it opened; a budget without room for it means no image, and no error;
+ * `amber verify`'s reads never take it.
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -71,6 +72,34 @@ static int restore(const char *dir, uint64_t step, int files, float *out) {
   return rc;
 }
 
+/* The metadata a save of step s carries: its step, and padding that grows with it (so
+ * that an image's index changes size as it moves). */
+static void meta_for(uint64_t s, char *buf, size_t len) {
+  int n = snprintf(buf, len, "{\"step\": %llu, \"pad\": \"", (unsigned long long)s);
+  for (uint64_t k = 0; k < 37 * s && (size_t)n + 3 < len; k++) buf[n++] = (char)('a' + k % 26);
+  snprintf(buf + n, len - (size_t)n, "\"}");
+}
+
+/* 1 when step `step` of `dir`, read (not from its files only: so from the image when
+ * it holds the step), carries the metadata its save set. */
+static int meta_is_saved(const char *dir, uint64_t step) {
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY;
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, &so));
+  amber_reader *r = NULL;
+  const char *json = NULL;
+  size_t len = 0;
+  char want[2048];
+  meta_for(step, want, sizeof want);
+  int ok = amber_reader_open(&r, st, step, NULL) == 0 && amber_reader_meta(r, &json, &len) == 0 &&
+           len == strlen(want) && json && memcmp(json, want, len) == 0;
+  amber_reader_close(r);
+  amber_store_close(st);
+  return ok;
+}
+
 /* 1 when a restore of `step` of `mem` is served by the image alone: it succeeds
  * with the chain's full checkpoint moved away, while the files alone cannot. */
 static int served_by_image(const char *mem, uint64_t full, uint64_t step) {
@@ -92,15 +121,20 @@ static void test_the_image_follows_each_commit_and_restores_identically(void) {
   job_open(&j, mem, 5); /* 1 full, 2..6 deltas, 7 full, 8..12, 13 full, 14, 15 */
   amber_drain *d = start(mem, dur, 0);
   static float got[N];
+  char meta[2048];
   for (uint64_t s = 1; s <= 12; s++) {
+    meta_for(s, meta, sizeof meta);
+    CHECK_OK(amber_writer_set_meta(j.w, meta, strlen(meta)));
     job_save(&j, s, 0);
     CHECK_OK(amber_drain_kick(d));
     CHECK(wait_image(d, s) == s);
     CHECK_OK(restore(mem, s, 0, got));
     CHECK(memcmp(got, states[s], sizeof got) == 0);
+    CHECK(meta_is_saved(mem, s)); /* the step's own metadata, not the image's first */
     if (s == 4) CHECK(served_by_image(mem, 1, 4));
   }
   CHECK(served_by_image(mem, 7, 12));
+  CHECK(meta_is_saved(mem, 12));
   /* every step the memory tier lists restores from its files too */
   check_step(mem, 12);
   /* the image is no checkpoint: not listed, never drained */
