@@ -114,9 +114,10 @@ int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
                       amber__stage *stage, const uint8_t **payload);
 void amber__stage_free(amber__stage *s);
 /* A payload stored as the chunk's bytes (RAW), read straight into their place `dst`
- * (>= ch->size bytes) and checked there, without a stage: 0, a failure (dst then
- * holds bytes that did not check), or 1 when `c` is read otherwise (an object, an
- * O_DIRECT read) and the caller must use amber__chunk_load. */
+ * (>= ch->size bytes) and checked there, without a stage (a mapped file: copied and
+ * hashed block by block, in one pass): 0, a failure (dst then holds bytes that did
+ * not check), or 1 when `c` is read otherwise (an object, an O_DIRECT read, an empty
+ * payload) and the caller must use amber__chunk_load. */
 int amber__chunk_read_into(amber__err *e, amber__ckpt *c, const amber__chunk *ch, uint8_t *dst);
 
 /* ---- reading ahead (s3:// files) ----
