@@ -116,6 +116,19 @@ static int served_by_image(const char *mem, uint64_t full, uint64_t step) {
   return by_image && !by_files;
 }
 
+/* Commits step s of job `j` under drain `d` and checks that the image takes it on and
+ * serves it alone (the chain's full checkpoint `full` moved away), bit for bit. */
+static void commit_served_by_image(job *j, amber_drain *d, const char *mem, uint64_t full,
+                                   uint64_t s) {
+  static float got[N];
+  job_save(j, s, 0);
+  CHECK_OK(amber_drain_kick(d));
+  CHECK(wait_image(d, s) == s);
+  CHECK(served_by_image(mem, full, s));
+  CHECK_OK(restore(mem, s, 0, got));
+  CHECK(memcmp(got, states[s], sizeof got) == 0);
+}
+
 static void test_the_image_follows_each_commit_and_restores_identically(void) {
   char mem[2048], dur[2048];
   paths(mem, dur, sizeof mem);
@@ -156,12 +169,7 @@ static void test_the_image_follows_each_commit_and_restores_identically(void) {
   CHECK_OK(amber_drain_close(d));
   CHECK(served_by_image(mem, 13, 14));
   d = start(mem, dur, 0);
-  job_save(&j, 15, 0);
-  CHECK_OK(amber_drain_kick(d));
-  CHECK(wait_image(d, 15) == 15);
-  CHECK(served_by_image(mem, 13, 15));
-  CHECK_OK(restore(mem, 15, 0, got));
-  CHECK(memcmp(got, states[15], sizeof got) == 0);
+  commit_served_by_image(&j, d, mem, 13, 15);
   CHECK_OK(amber_drain_close(d));
   job_close(&j);
 }
@@ -229,12 +237,7 @@ static void test_a_torn_image_is_never_read_and_is_rebuilt(void) {
   amber_drain_status ds;
   CHECK_OK(amber_drain_get_status(d, &ds));
   CHECK(ds.image_step == AMBER_NO_STEP);
-  job_save(&j, 5, 0);
-  CHECK_OK(amber_drain_kick(d));
-  CHECK(wait_image(d, 5) == 5);
-  CHECK(served_by_image(mem, 1, 5));
-  CHECK_OK(restore(mem, 5, 0, got));
-  CHECK(memcmp(got, states[5], sizeof got) == 0);
+  commit_served_by_image(&j, d, mem, 1, 5);
   CHECK_OK(amber_drain_close(d));
   job_close(&j);
 }
