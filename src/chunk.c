@@ -8,8 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation */
-#include <xxhash.h>
+#include "xxh.h"
 
 #include "chunk.h"
 #include "codec.h"

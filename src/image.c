@@ -25,8 +25,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
-#include <xxhash.h>
+#include "xxh.h"
 
 #include "ckpt.h"
 #include "format.h"

@@ -24,8 +24,7 @@
 
 #include <linux/magic.h>
 
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack: no allocation per chunk */
-#include <xxhash.h>
+#include "xxh.h"
 
 #include "internal.h"
 #include "io.h"

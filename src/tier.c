@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <xxhash.h>
+#include "xxh.h"
 
 #include "format.h"
 #include "global.h"
