@@ -93,7 +93,7 @@ from amber.torch._naming import box, is_dtensor
 from amber.torch._options import Options
 from amber.torch._save import Saver, in_place_names
 from amber.torch._sink import GlobalSink, StoreSink
-from amber.torch._source import holds, latest_of
+from amber.torch._source import holds, latest_of, source_for
 from amber.torch._tiers import TierOptions, Tiers, pick
 from amber.torch._values import Decoder, Encoder
 
@@ -647,7 +647,7 @@ class Reader(StorageReader):
         self._memory = None if memory is None else os.path.abspath(os.fspath(memory))
         self.served_by = None  # the tier the last read_metadata chose ("memory", "durable")
         self._path = self._step = None
-        self._meta = None  # {"keys", "objects", "global"} of the step being read
+        self._meta = None  # {"keys", "objects", "pickled"} of the step being read
 
     def reset(self, checkpoint_id=None):
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
@@ -676,59 +676,39 @@ class Reader(StorageReader):
         return FileNotFoundError(f"amber.dcp.Reader: the store {self._path!r} holds no "
                                  "checkpoint")
 
+    def _source(self):
+        if not _amber.is_url(self._path) and not _amber.is_global_store(self._path) and \
+                not os.path.exists(os.path.join(self._path, "LATEST")):
+            raise self._empty()  # a directory without a store yet
+        return source_for(self._path)
+
     def read_metadata(self, *args, **kwargs):
         if self._path is None:
             self.reset()
-        if _amber.is_global_store(self._path):
-            return self._read_metadata_global()
-        with Store(self._path, readonly=True, create=False) as st:
-            if self._step is None and st.latest() is None:
-                raise self._empty()
-            with st.reader(self._step) as r:
-                self._step = r.step
-                where = f"step {r.step} of {self._path}"
-                meta = _meta.parse(r.meta(), where)
-                if isinstance(meta, dict) and meta.get("format") == _meta.TORCH:
-                    keys, objects, paths = _meta.dcp_view(meta, r.step)
-                    pickled = []
-                else:
-                    keys, objects = _meta.dcp_parts(meta, r.step, where)
-                    paths, pickled = _meta.dcp_paths(meta, keys), _pickled(meta)
-                infos = r.tensors()
-        self._meta = {"keys": keys, "objects": objects, "pickled": set(pickled),
-                      "global": False}
-        return self._metadata(keys, objects, paths, pickled, infos, where)
-
-    def _read_metadata_global(self):
-        """Metadata of a step written by many ranks: the union of the ranks' keys and
-        values; each tensor is offered as one chunk, its global shape, so that the
-        planner asks for any region and read_data serves it from the shards."""
-        if self._step is None and not _amber.global_steps(self._path):
+        source = self._source()
+        if self._step is None and source.empty():
             raise self._empty()
-        with _amber.GlobalReader(self._path, self._step) as g:
-            self._step = g.step
-            where = f"global step {g.step} of {self._path}"
+        with source.step(self._step) as s:
+            self._step = s.step
             keys, objects, paths, pickled = {}, {}, {}, []
-            for r in range(g.world_size):
-                raw = g.meta(r)
-                if raw is None:
+            for r in range(s.world):
+                where = s.where if s.world == 1 else f"{s.where}, rank {r}"
+                raw = s.meta(r)
+                if raw is None and s.many:
                     continue
-                m = _meta.parse(raw, f"{where}, rank {r}")
-                if isinstance(m, dict) and m.get("format") == _meta.TORCH_DIST:
-                    if r == 0:  # the Checkpointer's entries: the same on every rank
-                        k, o, p = _meta.dcp_view(m, g.step)
-                        keys.update(k)
-                        objects.update(o)
-                        paths.update(p)
-                    continue
-                k, o = _meta.dcp_parts(m, g.step, f"{where}, rank {r}")
+                m = _meta.parse(raw, where)
+                if isinstance(m, dict) and m.get("format") in (_meta.TORCH, _meta.TORCH_DIST):
+                    # the Checkpointer's entries (the same on every rank: rank 0's)
+                    keys, objects, paths = _meta.dcp_view(m, s.step)
+                    break
+                k, o = _meta.dcp_parts(m, s.step, where)
                 keys.update(k)
                 objects.update(o)
                 paths.update(_meta.dcp_paths(m, k))
                 pickled += _pickled(m)
-            infos = g.tensors()
-        self._meta = {"keys": keys, "objects": objects, "pickled": set(pickled),
-                      "global": True}
+            infos = s.tensors()
+            where = s.where
+        self._meta = {"keys": keys, "objects": objects, "pickled": set(pickled)}
         return self._metadata(keys, objects, paths, pickled, infos, where)
 
     @staticmethod
@@ -765,29 +745,30 @@ class Reader(StorageReader):
     def prepare_global_plan(self, plans):
         return plans
 
-    def _regions(self, r, plan, find, info, read):
-        """Every region the plan asks for, read (every checksum checked) into new
-        tensors before anything live changes, in one call of the library; and the
-        plain values the plan asks for, decoded."""
+    def _regions(self, s, plan):
+        """Every region the plan asks for, read from Step `s` (every checksum checked)
+        into new tensors before anything live changes, in one call of the library; and
+        the plain values the plan asks for, decoded."""
         regions, values, items = {}, {}, []
         pickled = self._meta["pickled"]
         for req in plan.items:
             name = self._storage[req.storage_index]
             if req.type == LoadItemType.BYTE_IO and name not in pickled:
                 continue
-            i = find(name)
+            i = s.find(name)
             if i is None:
                 raise AmberError(_amber.EFORMAT, f"step {self._step} of {self._path}: no "
                                  f"tensor {name!r}", name="AMBER_EFORMAT")
             shape = tuple(req.lengths)
             offsets = tuple(req.storage_offsets)
+            info = s.info(i)
             if req.type == LoadItemType.BYTE_IO:  # the bytes of a value, whole
-                shape, offsets = tuple(info(i).shape), (0,)
-            t = torch.empty(shape, dtype=_dtypes.TORCH[info(i).dtype])
+                shape, offsets = tuple(info.shape), (0,)
+            t = torch.empty(shape, dtype=_dtypes.TORCH[info.dtype])
             items.append((i, offsets, shape, t.data_ptr() if t.numel() else 0,
                           t.numel() * t.element_size()))
             regions[id(req)] = t
-        read(items)
+        s.read_boxes(items)
         dec, objects = Decoder(self._step), self._meta["objects"]
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO and id(req) not in regions:
@@ -802,14 +783,8 @@ class Reader(StorageReader):
         t0 = time.perf_counter()
         if self._meta is None:
             self.read_metadata()
-        if self._meta["global"]:
-            with _amber.GlobalReader(self._path, self._step) as g:
-                regions, values = self._regions(g, plan, g.find, lambda i: g.tensors()[i],
-                                                g.read_many)
-        else:
-            with Store(self._path, readonly=True, create=False) as st, \
-                    st.reader(self._step) as r:
-                regions, values = self._regions(r, plan, r.find, r.info, r.read_boxes)
+        with self._source().step(self._step) as s:
+            regions, values = self._regions(s, plan)
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:
                 if id(req) in regions:  # the bytes DCP's planner made, exactly

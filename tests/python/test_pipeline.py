@@ -17,7 +17,7 @@ from amber.torch._load import Load  # noqa: E402
 from amber.torch._options import Options  # noqa: E402
 from amber.torch._save import Saver, in_place_names  # noqa: E402
 from amber.torch._sink import GlobalSink, StoreSink  # noqa: E402
-from amber.torch._source import GlobalSource, StoreSource  # noqa: E402
+from amber.torch._source import GlobalSource, StoreSource, source_for  # noqa: E402
 
 
 def save(sv, step, tensors, state=None, touch=None):
@@ -171,6 +171,49 @@ def test_metadata_conversions_between_the_checkpointer_and_dcp_formats():
     assert set(back["model"]["state"]) == set(meta["entries"]["model"]["state"])
     assert back["optim"]["state"].keys() == meta["entries"]["optim"]["state"].keys()
     assert back["extra"]["value"]["epoch"] == 3
+
+
+@pytest.mark.parametrize("kind", ["store", "global"])
+def test_step_view_is_what_every_reader_reads(tmp_path, kind):
+    """The Step both sources open (what the Checkpointer's load, the DCP Reader and
+    hf.export read through): tensors by name, rank 0's metadata, a box out of a tensor
+    and whole tensors, each in one call; hf.export's reader gets the same values."""
+    from amber.integrations import hf
+    opts, comm = Options.make(), _comm.SoloComm()
+    path = str(tmp_path / "s")
+    sink = StoreSink(path, opts.writer, opts.rules) if kind == "store" else \
+        GlobalSink(path, opts.writer, opts.rules, comm)
+    sv = Saver(sink, comm, opts)
+    w, b = torch.randn(40, 30), torch.randn(7)
+    save(sv, 1, [("model/w", w), ("model/b", b)])
+    w[3] += 1
+    save(sv, 2, [("model/w", w), ("model/b", b)])
+    sv.close()
+    source = source_for(path)
+    assert type(source) is (StoreSource if kind == "store" else GlobalSource)
+    with source.step() as s:
+        assert (s.step, s.many, s.world) == (2, kind == "global", 1)
+        assert _meta.parse(s.meta(0), s.where)["format"] == sink.meta_format
+        if kind == "store":
+            assert s.meta(1) is None  # one process: rank 0's metadata alone
+        i = s.find("model/w")
+        assert tuple(s.info(i).shape) == (40, 30) and s.find("nothing") is None
+        box = torch.empty(10, 5)
+        s.read_boxes([(i, (2, 10), (10, 5), box.data_ptr(), box.numel() * 4)])
+        assert torch.equal(box, w[2:12, 10:15])
+        whole = torch.empty(7)
+        s.read_whole([(s.find("model/b"), whole)])
+        assert torch.equal(whole, b)
+    with source.step(1) as s:
+        old = torch.empty(40, 30)
+        s.read_whole([(s.find("model/w"), old)])
+        assert s.step == 1 and torch.equal(old[4:], w[4:]) and not torch.equal(old[3], w[3])
+    step, tensors, raw = hf._read_model(path, None, "model/")
+    assert step == 2 and set(tensors) == {"w", "b"} and raw == _meta.dumps(
+        {"format": sink.meta_format, "entries": {}}).encode()
+    assert torch.equal(tensors["w"], w) and torch.equal(tensors["b"], b)
+    with pytest.raises(FileNotFoundError, match="is not an amber store"):
+        source_for(str(tmp_path))
 
 
 def test_checkpointer_on_a_multi_rank_store_in_one_process_plans_its_saves(tmp_path):

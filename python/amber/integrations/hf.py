@@ -83,7 +83,7 @@ from transformers.trainer_callback import ExportableState
 import amber
 from amber.torch import Checkpointer
 from amber.torch._dtypes import TORCH as _TORCH
-from amber.torch._source import latest_of, single_store
+from amber.torch._source import latest_of, single_store, source_for
 
 __all__ = ["AmberTrainerMixin", "AmberTrainer", "export"]
 
@@ -328,24 +328,12 @@ class AmberTrainer(AmberTrainerMixin, Trainer):
 def _read_model(store, step, prefix):
     """{name without prefix: tensor} of the tensors under `prefix`, and the step's
     amber.torch metadata (rank 0's for a store of many ranks)."""
-    out = {}
-    if amber.is_global_store(store):
-        with amber.GlobalReader(store, step) as g:
-            for ti in g.tensors():
-                if ti.name.startswith(prefix):
-                    t = torch.empty(ti.shape, dtype=_TORCH[ti.dtype])
-                    g.read_into(ti.index, [0] * len(ti.shape), ti.shape, t.data_ptr(), ti.nbytes)
-                    out[ti.name[len(prefix):]] = t
-            return g.step, out, g.meta(0)
-    if not single_store(store):
-        raise FileNotFoundError(f"{store} is not an amber store")
-    with amber.Store(store, readonly=True) as st, st.reader(step) as r:
-        for ti in r.tensors():
-            if ti.name.startswith(prefix):
-                t = torch.empty(ti.shape, dtype=_TORCH[ti.dtype])
-                r.read_into(ti.index, t.data_ptr(), ti.nbytes)
-                out[ti.name[len(prefix):]] = t
-        return r.step, out, r.meta()
+    with source_for(store).step(step) as s:
+        want = [ti for ti in s.tensors() if ti.name.startswith(prefix)]
+        out = {ti.name[len(prefix):]: torch.empty(ti.shape, dtype=_TORCH[ti.dtype])
+               for ti in want}
+        s.read_whole([(ti.index, out[ti.name[len(prefix):]]) for ti in want])
+        return s.step, out, s.meta(0)
 
 
 def export(store, out_dir, step=None, config=None, key="model"):

@@ -5,9 +5,11 @@
   GlobalSource  a multi-rank store: any box of any global tensor, assembled from the
                 shards that overlap it, whatever world size wrote the step.
 
-open() gives the step's metadata as the Checkpointer loads it (whatever front end
-wrote it: _meta converts), a reader for _load.Load, and which RNG states this rank
-gets back.
+step() opens a committed step as stored (Step: its tensors, each rank's metadata,
+reads of any box): what the DCP Reader and hf.export read through. open() builds on
+it for the Checkpointer: the step's metadata as the Checkpointer loads it (whatever
+front end wrote it: _meta converts), a reader for _load.Load, and which RNG states
+this rank gets back. source_for() picks the source of a path.
 """
 
 import os
@@ -70,6 +72,63 @@ def holds(path: str, step: Optional[int]) -> bool:
     except _amber.AmberError:
         return False
 
+
+
+class Step:
+    """One committed step opened for reading as it is stored, whatever front end wrote
+    it: its tensors (a multi-rank store's by global shape), each rank's metadata, and
+    reads of any box of any tensor, every chunk's checksum checked before a byte is
+    handed over, all in one call of the library. What the Checkpointer's load, the DCP
+    Reader and hf.export read through (StoreSource.step, GlobalSource.step)."""
+
+    def __init__(self, reader, many: bool, where: str, skipped: int = 0):
+        self.reader = reader    # amber.Reader, or amber.GlobalReader when `many`
+        self.many = many
+        self.step = reader.step
+        self.skipped = skipped  # steps passed over by fallback=True
+        self.where = where      # "step N of PATH", for messages
+        self.world = reader.world_size if many else 1
+
+    def tensors(self) -> list:
+        """TensorInfo of every tensor (global shapes for a multi-rank store)."""
+        return self.reader.tensors()
+
+    def find(self, name: str) -> Optional[int]:
+        return self.reader.find(name)
+
+    def info(self, index: int):
+        return self.reader.tensors()[index] if self.many else self.reader.info(index)
+
+    def meta(self, rank: int = 0):
+        """The metadata rank `rank` saved (bytes, or None; a store of one process has
+        rank 0's alone)."""
+        if self.many:
+            return self.reader.meta(rank)
+        return self.reader.meta() if rank == 0 else None
+
+    def read_boxes(self, items) -> None:
+        """Reads [(index, offsets, shape, address, nbytes)]: each box of its tensor
+        into the memory at `address` (a whole tensor: zero offsets, its shape)."""
+        if self.many:
+            self.reader.read_many(items)
+        else:
+            self.reader.read_boxes(items)
+
+    def read_whole(self, tensors) -> None:
+        """Reads [(index, torch tensor)]: each whole tensor into the tensor given (its
+        shape and dtype, contiguous)."""
+        self.read_boxes([(i, (0,) * t.dim(), tuple(t.shape), t.data_ptr() if t.numel() else 0,
+                          t.numel() * t.element_size()) for i, t in tensors])
+
+
+def source_for(path: str):
+    """The source of whatever store `path` holds: a StoreSource for a store of one
+    process, a GlobalSource for a multi-rank one; FileNotFoundError when neither."""
+    if _amber.is_global_store(path):
+        return GlobalSource(path)
+    if single_store(path):
+        return StoreSource(path)
+    raise FileNotFoundError(f"{path} is not an amber store")
 
 
 @dataclass
@@ -138,25 +197,32 @@ class StoreSource:
             return st.latest() is None
 
     @contextmanager
-    def open(self, step, fallback, comm, state, rank):
-        """The step to load (None: the latest; fallback: the newest that verifies
-        whole); with many ranks each reads its boxes, and rank 0 gets the RNG states."""
+    def step(self, step: Optional[int] = None, fallback: bool = False):
+        """The committed step `step` (None: the latest; fallback: the newest that
+        verifies whole from there back) as a Step."""
         own = self.store is None
         st = Store(self.path, readonly=True, create=False) if own else self.store
         try:
             with st.reader(step, fallback=fallback) as r:
-                where = f"step {r.step} of {self.path}"
-                meta = _meta.checkpointer_meta(_meta.parse(r.meta(), where), state, r.step,
-                                               where, dist=False)
-                many = comm.size > 1
-                note = None if rank == 0 else (
-                    f"amber: step {r.step} of {self.path} was written by one process: rank "
-                    f"{rank} keeps its own RNG states")
-                yield Opened(r.step, r.skipped, _WholeBoxes(r) if many else r, many, meta,
-                             "tensors" if rank == 0 else None, note)
+                yield Step(r, False, f"step {r.step} of {self.path}", r.skipped)
         finally:
             if own:
                 st.close()
+
+    @contextmanager
+    def open(self, step, fallback, comm, state, rank):
+        """The step to load (None: the latest; fallback: the newest that verifies
+        whole); with many ranks each reads its boxes, and rank 0 gets the RNG states."""
+        with self.step(step, fallback) as s:
+            r = s.reader
+            meta = _meta.checkpointer_meta(_meta.parse(s.meta(), s.where), state, s.step,
+                                           s.where, dist=False)
+            many = comm.size > 1
+            note = None if rank == 0 else (
+                f"amber: step {s.step} of {self.path} was written by one process: rank "
+                f"{rank} keeps its own RNG states")
+            yield Opened(s.step, s.skipped, _WholeBoxes(r) if many else r, many, meta,
+                         "tensors" if rank == 0 else None, note)
 
 
 class GlobalSource:
@@ -176,19 +242,28 @@ class GlobalSource:
         skipped = 0
         if fallback:
             step, skipped = self._agree_on_step(step, comm)
-        with GlobalReader(self.path, step) as g:
-            done = g.step
-            own = rank < g.world_size
-            where = f"global step {done} of {self.path}"
-            meta = _meta.parse(g.meta(rank if own else 0), where)
+        with self.step(step) as s:
+            done, where = s.step, s.where
+            own = rank < s.world
+            meta = _meta.parse(s.meta(rank if own else 0), where)
             ranks = None
             if isinstance(meta, dict) and meta.get("format") == _meta.DCP:
-                ranks = [_meta.parse(g.meta(r), f"{where}, rank {r}")
-                         for r in range(g.world_size)]
+                ranks = [_meta.parse(s.meta(r), f"{where}, rank {r}") for r in range(s.world)]
             meta = _meta.checkpointer_meta(meta, state, done, where, dist=True, dcp_ranks=ranks)
-            note = None if own else (f"amber: global step {done} was written by {g.world_size} "
+            note = None if own else (f"amber: global step {done} was written by {s.world} "
                                      f"ranks: rank {rank} keeps its own RNG states")
-            yield Opened(done, skipped, _Boxes(g), True, meta, "json" if own else None, note)
+            s.skipped = skipped
+            yield Opened(done, skipped, _Boxes(s.reader), True, meta, "json" if own else None,
+                         note)
+
+    @contextmanager
+    def step(self, step: Optional[int] = None, fallback: bool = False):
+        """The committed global step `step` (None: the latest) as a Step. (A load's
+        fallback is agreed across ranks: open() does it; here it is refused.)"""
+        if fallback:
+            raise ValueError("GlobalSource.step: fallback is agreed across ranks by open()")
+        with GlobalReader(self.path, step) as g:
+            yield Step(g, True, f"global step {g.step} of {self.path}")
 
     def _agree_on_step(self, step, comm):
         """load(fallback=True): the newest global step (from `step`, default the
