@@ -932,6 +932,15 @@ AMBER_API int amber_global_writer_wait(amber_global_writer *gw);
  * ending with `why`), and so the step on every rank, naming this rank. A rank that
  * writes nothing of the step ignores it. Not collective. */
 AMBER_API int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why);
+/* As amber_writer_seed_reference, for this rank's part, after a load of `step`, the
+ * latest global step, at the world size and sharding that wrote it: this rank's
+ * declared tensors hold exactly its part of that step's restore, and its writer
+ * copies them as its reference, so that the next save is a delta against `step`
+ * without reading the rank's files back. Not collective. AMBER_EMISMATCH when the
+ * step was written at another world size or with other boxes, or this rank's store
+ * has moved on; the reference is then read from the rank's files by the next save, as
+ * without a seed. */
+AMBER_API int amber_global_writer_seed_reference(amber_global_writer *gw, uint64_t step);
 /* ---- Pre-selected tensors of a global step ----
  *
  * As amber_writer_add_preselected and its companions, for this rank's part of a

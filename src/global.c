@@ -12,6 +12,7 @@
  */
 #include <dirent.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -442,6 +443,65 @@ int amber_global_writer_fence(amber_global_writer *gw) {
    * and the committer never closes the rank writer (wait does, after the join). */
   if (!gw->busy || !gw->present || gw->begin_rc || !gw->w) return 0;
   return amber_writer_fence(gw->w);
+}
+
+/* Whether this rank's file `step` holds the box table `gw->boxes`: 0 when it does,
+ * AMBER_EMISMATCH when it holds another (the boxes moved), else the read's code. */
+static int same_boxes(amber_global_writer *gw, uint64_t step) {
+  amber_reader *r = NULL;
+  size_t i;
+  amber_tensor_info ti;
+  int rc = amber_reader_open(&r, gw->st, step, NULL);
+  if (rc == 0) rc = amber_reader_find(r, AMBER__BOXES_NAME, &i);
+  if (rc == 0) rc = amber_reader_info(r, i, &ti);
+  uint8_t *got = NULL;
+  if (rc == 0 && ti.nbytes != gw->boxes_len) rc = AMBER_EMISMATCH;
+  if (rc == 0 && !(got = malloc(ti.nbytes ? ti.nbytes : 1))) rc = AMBER_ENOMEM;
+  if (rc == 0) rc = amber_reader_read(r, i, got, ti.nbytes);
+  if (rc == 0 && memcmp(got, gw->boxes, gw->boxes_len) != 0) rc = AMBER_EMISMATCH;
+  free(got);
+  if (rc == AMBER_EMISMATCH)
+    amber__fail(&gw->err, rc, "%s: this rank's boxes are not those of its file of step %" PRIu64
+                " (the sharding changed)", gw->rankdir, step);
+  else if (rc < 0)
+    amber__fail(&gw->err, rc, "%s: %s", gw->rankdir, amber_last_error(NULL));
+  amber_reader_close(r);
+  return rc;
+}
+
+int amber_global_writer_seed_reference(amber_global_writer *gw, uint64_t step) {
+  if (!gw) return amber__fail(NULL, AMBER_EINVAL, "amber_global_writer_seed_reference: NULL");
+  if (gw->busy)
+    return amber__fail(&gw->err, AMBER_EBUSY, "amber_global_writer_seed_reference: a save is "
+                       "in progress (call amber_global_writer_wait first)");
+  if (step != gw->latest)
+    return amber__fail(&gw->err, AMBER_EINVAL,
+                       "cannot seed the reference from global step %" PRIu64 ": the latest "
+                       "global step of %s is %" PRIu64, step, gw->path, gw->latest);
+  amber__manifest m;
+  int rc = amber__global_load_manifest(gw->path, step, &gw->err, &m);
+  if (rc < 0) return rc;
+  uint32_t me = (uint32_t)gw->comm.rank;
+  int here = m.world == (uint32_t)gw->comm.size && (m.ranks[me].flags & AMBER__RANK_PRESENT);
+  uint64_t lstep = here ? m.ranks[me].step : 0, lstate = here ? m.ranks[me].hash : 0;
+  uint32_t world = m.world;
+  amber__manifest_free(&m);
+  if (!here)
+    return amber__fail(&gw->err, AMBER_EMISMATCH,
+                       "cannot seed the reference from global step %" PRIu64 ": %s",
+                       step, world != (uint32_t)gw->comm.size
+                                 ? "it was written at another world size"
+                                 : "this rank wrote no file for it");
+  uint64_t latest, state;
+  if ((rc = amber__store_state(gw->st, &gw->err, &latest, &state)) < 0) return rc;
+  if (latest != lstep || state != lstate)
+    return amber__fail(&gw->err, AMBER_EMISMATCH,
+                       "%s: its latest checkpoint is not the one global step %" PRIu64
+                       " names", gw->rankdir, step);
+  if ((rc = ensure_writer(gw)) < 0) return rc;
+  if (gw->boxes && (rc = same_boxes(gw, lstep)) < 0) return rc;
+  rc = amber_writer_seed_reference(gw->w, lstep);
+  return rc < 0 ? amber__fail(&gw->err, rc, "%s", amber_last_error(gw->w)) : 0;
 }
 
 int amber_global_writer_confirm(amber_global_writer *gw, int ok, const char *why) {

@@ -287,6 +287,83 @@ static void test_first_step_after_a_world_size_change_is_full(void) {
   for (uint64_t s = 1; s <= 7; s++) check_read(p, s, s, 3, 1, 0);
 }
 
+/* A rank after a load of global step 3: its tensors hold the step's values and its
+ * writer seeds its reference from them (what_seed), then saves step 4 with its own
+ * file of step 3 moved away, which a writer reading its reference back would need. */
+typedef struct seed_job {
+  const char *path;
+  int by_cols;    /* 2: by rows, each rank the other's rows (the same shapes, other boxes) */
+  uint64_t step;  /* the step to seed from */
+  int want_rc;    /* the seed's outcome on every rank */
+  int save;       /* then save step 4 with the rank's file of step 3 away */
+} seed_job;
+
+static void seed_main(const amber_comm *c, void *arg) {
+  seed_job *jb = arg;
+  amber_global_writer *gw;
+  amber_writer_opts wo;
+  amber_writer_opts_init(&wo);
+  wo.full_share = -1;
+  int rc = amber_global_writer_open(&gw, jb->path, c, &wo);
+  RCHECK(rc == 0);
+  if (rc < 0) return;
+  int64_t gshape[2] = {ROWS, COLS}, off[2], shape[2], bshape[1] = {BIAS};
+  if (jb->by_cols == 2) part(c->size - 1 - c->rank, c->size, 0, off, shape);
+  else part(c->rank, c->size, jb->by_cols, off, shape);
+  float *w = malloc((size_t)(shape[0] * shape[1]) * sizeof *w + 1);
+  float b[BIAS];
+  RCHECK(amber_global_writer_add(gw, "w", AMBER_F32, 2, gshape, off, shape, w, 0) == 0);
+  RCHECK(amber_global_writer_add(gw, "b", AMBER_F32, 1, bshape, NULL, NULL, b,
+                                 AMBER_SHARD_REPLICATED) == 0);
+  fill_w(w, off, shape, 3);
+  for (int i = 0; i < BIAS; i++) b[i] = bval(i, 3);
+  rc = amber_global_writer_seed_reference(gw, jb->step);
+  RCHECK(rc == jb->want_rc);
+  if (rc != jb->want_rc) fprintf(stderr, "  seed: %d %s\n", rc, amber_last_error(gw));
+  if (rc < 0 && c->rank == 0) fprintf(stderr, "  (expected) %s\n", amber_last_error(gw));
+  if (jb->save) {
+    char f[4200], away[4300];
+    snprintf(f, sizeof f, "%s/rank-%05d/ckpt-%020d.amber", jb->path, c->rank, 3);
+    snprintf(away, sizeof away, "%s.away", f);
+    RCHECK(rename(f, away) == 0);
+    fill_w(w, off, shape, 4);
+    for (int i = 0; i < BIAS; i++) b[i] = bval(i, 4);
+    c->barrier(c->ctx);
+    RCHECK(amber_global_writer_save(gw, 4, 0) == 0);
+    RCHECK(rename(away, f) == 0);
+  }
+  amber_global_writer_close(gw);
+  free(w);
+}
+
+static void seed_run(const char *path, int n, int by_cols, uint64_t step, int want_rc,
+                     int save) {
+  seed_job jb = {path, by_cols, step, want_rc, save};
+  atomic_store(&rank_fails, 0);
+  tc_run(n, seed_main, &jb);
+  CHECK(atomic_load(&rank_fails) == 0);
+}
+
+static void test_a_rank_writer_seeded_after_a_load_saves_a_delta_reading_nothing(void) {
+  const char *p = tu_tmpdir();
+  run_job(p, 2, 0, 1, 3, -1, 0, NULL);
+  /* refused: not the latest step; another world size; other shapes (by columns);
+   * the same shapes in other boxes (each rank the other's rows) */
+  seed_run(p, 2, 0, 2, AMBER_EINVAL, 0);
+  seed_run(p, 3, 0, 3, AMBER_EMISMATCH, 0);
+  seed_run(p, 2, 1, 3, AMBER_EMISMATCH, 0);
+  seed_run(p, 2, 2, 3, AMBER_EMISMATCH, 0);
+  /* the same world and boxes: seeded, and step 4 is a delta of exactly its values */
+  seed_run(p, 2, 0, 3, 0, 1);
+  amber_global_step_info *info;
+  size_t n;
+  CHECK_OK(amber_global_list(p, &info, &n));
+  CHECK(n == 4);
+  if (n == 4) CHECK(info[3].kind == AMBER_KIND_DELTA && info[3].parent == 3);
+  amber_free(info);
+  for (uint64_t s = 1; s <= 4; s++) check_read(p, s, s, 2, 1, 0);
+}
+
 static void test_lossy_policy_resharded_within_bound(void) {
   const char *p = tu_tmpdir();
   run_job(p, 4, 0, 1, 5, -1, 0, "threshold:0.01");
@@ -1047,6 +1124,7 @@ int main(void) {
   TEST_RUN(test_reshard_1_to_4_and_columns_to_rows);
   TEST_RUN(test_delta_chain_across_ranks_and_world_size_change);
   TEST_RUN(test_first_step_after_a_world_size_change_is_full);
+  TEST_RUN(test_a_rank_writer_seeded_after_a_load_saves_a_delta_reading_nothing);
   TEST_RUN(test_lossy_policy_resharded_within_bound);
   TEST_RUN(test_region_outside_or_wrong_size_is_refused);
   TEST_RUN(test_cli_ls_and_verify_on_a_multi_rank_store);

@@ -800,6 +800,7 @@ _gw_wants_full = _fn("amber_global_writer_wants_full", c_int, _H, c_uint64, c_ui
 _gw_fence = _fn("amber_global_writer_fence", c_int, _H)
 _gw_wait = _fn("amber_global_writer_wait", c_int, _H)
 _gw_confirm = _fn("amber_global_writer_confirm", c_int, _H, c_int, c_char_p)
+_gw_seed = _fn("amber_global_writer_seed_reference", c_int, _H, c_uint64)
 _gw_close = _fn("amber_global_writer_close", None, _H)
 _gw_prune_status = _fn("amber_global_writer_prune_status", c_int, _H, POINTER(c_size_t),
                        POINTER(c_char_p))
@@ -1176,6 +1177,15 @@ class GlobalWriter(_Handle):
         with self._lock:
             _check(_gw_confirm(self._handle(), 1 if ok else 0,
                                why.encode("utf-8", "replace") if why else None), self._h)
+
+    def seed_reference(self, step):
+        """As Writer.seed_reference, for this rank's part after a load of `step`, the
+        latest global step, at the world size and sharding that wrote it: the next
+        save is a delta against it without reading the rank's files. Not collective.
+        Raises AmberError (AMBER_EMISMATCH: another world size, other boxes) naming
+        what differs; the next save then reads its reference."""
+        with self._lock:
+            _check(_gw_seed(self._handle(), step), self._h)
 
     def wait(self):
         """The global commit (collective); raises the step's failure, the same on

@@ -117,10 +117,22 @@ def scenario_resume(rank, world, d):
         state = {"model": model, "optim": opt, "extra": {}}
         assert ck.load(state) == 3
         assert state["extra"] == {"step": 3}, state["extra"]
-        losses_c = run(model, opt, ck, 4, 6)
+        # each rank's writer took its reference from the live tensors (the load's
+        # seed): the first save reads nothing back, shown with the rank's file of
+        # step 3 moved away while it runs (after the seed settled: it reads the
+        # file's index)
+        ck.fence()
+        assert ck.seeded
+        mine = f"{d}/b/rank-{rank:05d}/ckpt-{3:020d}.amber"
+        os.rename(mine, mine + ".away")
+        try:
+            losses_c = run(model, opt, ck, 4, 4)
+        finally:
+            os.rename(mine + ".away", mine)
+        assert ck.seeded
+        losses_c += run(model, opt, ck, 5, 6)
         resumed = [s.kind for s in ck.steps()][3:]
-    # the first save after the restart is a delta (each rank's reference comes back
-    # from its own store)
+    # the first save after the restart is a delta
     assert resumed == ["delta"] * 3, resumed
     got = full_state(model, opt)
     assert losses_c == losses_a[3:], (losses_a, losses_c)

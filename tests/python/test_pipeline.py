@@ -4,6 +4,8 @@ one process, the vote, the capture rule, the sources, the metadata conversions, 
 the save plan at a multi-rank store. Every front end runs these parts: the
 Checkpointer at any world size and amber.dcp's Writer."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -240,6 +242,48 @@ def test_checkpointer_on_a_multi_rank_store_in_one_process_plans_its_saves(tmp_p
     with Checkpointer(path, readonly=True) as ck:
         assert ck.load(fresh) == 3
     for n, p in fresh["model"].named_parameters():
+        assert torch.equal(p, want[n]), n
+
+
+def test_a_load_of_a_multi_rank_store_seeds_the_rank_writer(tmp_path):
+    """After a load of the latest global step, the rank's writer (opened by the load,
+    as the first save would) takes the live tensors as its reference on a thread: the
+    next save is a delta that reads nothing back (the rank's file of the loaded step
+    is moved away while it runs) and restores exactly. A load of an older step seeds
+    nothing."""
+    path = str(tmp_path / "g")
+    with amber.GlobalWriter(path) as g:  # make it a multi-rank store (world size 1)
+        t = torch.zeros(1)
+        g.add("seed", amber.F32, (1,), (0,), (1,), t.data_ptr())
+        g.save(0)
+    state = _model_state()
+    with Checkpointer(path, full_share=-1) as ck:
+        for step in (1, 2):
+            state["optim"].step()
+            ck.save(step, state)
+            ck.wait()
+    fresh = _model_state()
+    with Checkpointer(path, full_share=-1) as ck:
+        assert ck.load(fresh, step=1) == 1 and not ck.seeded
+        assert ck.load(fresh) == 2 and ck.seeded and ck._sink.writer is not None
+        ck.fence()  # the seed settled, nothing changed meanwhile: kept
+        assert ck.seeded
+        rank_file = os.path.join(path, "rank-00000", f"ckpt-{2:020d}.amber")
+        assert os.path.exists(rank_file)
+        os.rename(rank_file, rank_file + ".away")
+        try:
+            fresh["model"](torch.randn(2, 3)).sum().backward()
+            fresh["optim"].step()
+            ck.save(3, fresh)
+            ck.wait()
+        finally:
+            os.rename(rank_file + ".away", rank_file)
+        assert {s.step: s.kind for s in ck.steps()}[3] == "delta"
+    want = {n: p.detach().clone() for n, p in fresh["model"].named_parameters()}
+    again = _model_state()
+    with Checkpointer(path, readonly=True) as ck:
+        assert ck.load(again) == 3
+    for n, p in again["model"].named_parameters():
         assert torch.equal(p, want[n]), n
 
 

@@ -44,6 +44,15 @@ log = logging.getLogger("amber.torch")
 _TIER_FALLBACK = (_amber.ECORRUPT, _amber.ENOENT, _amber.EIO, _amber.EFORMAT, _amber.EPARENT)
 
 
+def _same_store(a, b) -> bool:
+    """Whether store paths `a` and `b` name the same store (URLs as written)."""
+    if a is None or b is None:
+        return False
+    if is_url(a) or is_url(b):
+        return os.fspath(a) == os.fspath(b)
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
 class Checkpointer:
     """Saves and restores training state in the amber store at `path`.
 
@@ -547,10 +556,15 @@ class Checkpointer:
                  f" from the {tier} tier ({source.path})" if tier else "",
                  time.perf_counter() - t0, nbytes / 1e6)
         # the writer's reference is seeded only from a step of its own store (a step
-        # of the durable tier is not in the memory tier's chain)
-        if strict and not self.readonly and step is None and not self.skipped and \
-                tier in (None, "memory"):
-            self._seed(state, done, source)
+        # of the durable tier is not in the memory tier's chain). With many ranks the
+        # tier that served a rank is its own: every rank goes on to the seed's vote,
+        # which a rank that cannot seed fails for all (its writer's open is collective)
+        if strict and not self.readonly and step is None and not self.skipped:
+            own = tier in (None, "memory")
+            if self._sink.dist:
+                self._seed_dist(state, done, source, own)
+            elif own:
+                self._seed(state, done, source)
         return done
 
     def _seed(self, state, step, source):
@@ -560,10 +574,15 @@ class Checkpointer:
         tensors are declared and the library copies them into its reference on a
         thread while training goes on; the fence before the next optimizer step waits
         for it, and if a tensor it read changed meanwhile (its version counter moved)
-        the seed is dropped and the next save reads its reference from the store. A
-        global writer is opened by the first save (collectively), so there only the
-        device references are seeded now, and taken by that save's declarations."""
-        if isinstance(source, GlobalSource) or self._sink.dist:
+        the seed is dropped and the next save reads its reference from the store.
+
+        With many ranks, after a load of the latest global step of the sink's own
+        store: the device references are seeded (and taken by the next save's
+        declarations); the rank writers' host references too, when every rank can
+        declare its tensors (the global writer is opened now, collectively, as the
+        first save would), each rank's from its own tensors, at the world size and
+        boxes that wrote the step (else that rank's next save reads its files)."""
+        if isinstance(source, GlobalSource):  # a multi-rank store loaded by one process
             self._seed_devices(state)
             return
         sv = self._saver
@@ -574,7 +593,6 @@ class Checkpointer:
                 sv.reopen(items, self._step_rules(state))
             else:
                 sv.point((i, it.address) for i, it in enumerate(items))
-            w = self._sink.writer
             if sv.dev is not None:
                 sv.dev.seed({it.decl.name: it.local for it in items if it.decl.on_device})
         except (AmberError, TypeError, ValueError):
@@ -582,6 +600,46 @@ class Checkpointer:
             # not state_dict holders...): the writer reads its reference instead
             self._sink.close_writer()
             return
+        self._seed_start(items, step)
+
+    def _seed_dist(self, state, step, source, own):
+        """The seed of a multi-rank sink (see _seed), on every rank: the device
+        references where this rank's tier is its own, then the host references of
+        every rank writer: every rank declares what its next save would, one vote
+        decides (a rank that cannot, or whose step is not its own store's, makes every
+        rank skip, since the writer's open is collective), then each rank seeds its
+        own."""
+        if own:
+            self._seed_devices(state)
+        sv, sink = self._saver, self._sink
+        err = items = None
+        try:
+            if not own or not _same_store(getattr(source, "path", None), sink.path):
+                raise ValueError("the step was not read from this rank's own store")
+            flat, _ = flatten(state, self.rng and sink.rng_tensors, dist=True)
+            items = [it for it in sv.items(flat.tensors, state) if it is not None]
+            if any(it.decl.on_device for it in items):
+                raise ValueError("device tensors: their references are seeded on the device")
+        except (AmberError, TypeError, ValueError) as e:
+            err = e
+        changed = items is not None and sv.changed(items)
+        got, failure = _comm.vote(self._comm, None if err is None else str(err),
+                                  1 if changed else 0)
+        if failure is not None:
+            return  # some rank cannot declare: the first save reads the references
+        try:
+            if any(got):
+                sv.reopen(items, self._step_rules(state))  # collective, as in a save
+            else:
+                sv.point((i, it.address) for i, it in enumerate(items))
+        except AmberError:
+            self._sink.close_writer()  # the next save's vote makes every rank reopen
+            return
+        self._seed_start(items, step)
+
+    def _seed_start(self, items, step):
+        """The seed of the writer's reference from `items`' tensors, on a thread."""
+        w = self._sink.writer
         scanned = [it for it in items if it.in_place]
         versions = Versions([it.decl.name for it in scanned], [it.local for it in scanned])
         out = [None]

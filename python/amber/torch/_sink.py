@@ -287,8 +287,8 @@ class GlobalSink(_Sink):
         return dev.plan_global(self.writer, self.comm, self.path, step, flags)
 
     def seed_reference(self, step: int) -> None:
-        raise AmberError(_amber.EINVAL, "a global writer keeps no reference to seed",
-                         name="AMBER_EINVAL")
+        """This rank's part (amber_global_writer_seed_reference): not collective."""
+        self.writer.seed_reference(step)
 
     def latest(self) -> Optional[int]:
         steps = _amber.global_steps(self.path) if _amber.is_global_store(self.path) else []
