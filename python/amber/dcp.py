@@ -70,6 +70,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.distributed as dist
@@ -93,8 +94,8 @@ from amber.torch._naming import box, is_dtensor
 from amber.torch._options import Options
 from amber.torch._save import Saver, in_place_names
 from amber.torch._sink import GlobalSink, StoreSink
-from amber.torch._source import holds, latest_of, source_for
-from amber.torch._tiers import TierOptions, Tiers, pick
+from amber.torch._source import GlobalSource, TieredStep, holds, latest_of, source_for
+from amber.torch._tiers import RankTiers, TierOptions, Tiers, pick
 from amber.torch._values import Decoder, Encoder
 
 __all__ = ["Writer", "Reader", "parse_checkpoint_id"]
@@ -268,9 +269,6 @@ class Writer(StorageWriter, AsyncStager):
         self._drop()
         opts = self._options
         if self._tier_args["memory"] is not None:
-            if many:
-                raise NotImplementedError("amber.dcp.Writer(memory=...) with many ranks: "
-                                          "not yet")
             if self._tier_store not in (None, path):
                 raise ValueError(f"amber.dcp.Writer: its memory tier drains to {self._tier_store}"
                                  f", not {path}: one Writer with memory= saves to one store")
@@ -283,12 +281,17 @@ class Writer(StorageWriter, AsyncStager):
                 # training uses the job's groups on its own (collective, every rank)
                 self._comm = _comm.comm_for(self._pg, own=True) if _world(self._pg) > 1 \
                     else _comm.SoloComm()
-            sink = GlobalSink(where, opts.writer, opts.rules, self._comm)
+            # with a memory tier (or an s3:// store's staging directory) each rank's part
+            # goes to its host's directory, a local-mode global store (as the
+            # Checkpointer's), drained by each rank (rank 0 also the manifests, GLOBAL)
+            sink = GlobalSink(where, opts.writer, opts.rules, self._comm,
+                              local=tiers is not None)
         else:
             sink = StoreSink(where, opts.writer, opts.rules, threads=opts.threads)
         if tiers is not None:
             try:
-                sink.tiers = Tiers(tiers, path, rank=self._comm.rank if many else -1)
+                sink.tiers = RankTiers(tiers, path, self._comm) if many and not tiers.staging \
+                    else Tiers(tiers, path, rank=self._comm.rank if many else -1)
             except BaseException:
                 sink.close()
                 raise
@@ -636,18 +639,27 @@ class Reader(StorageReader):
     (latest). Reads each requested region after every checksum of the tensors it
     needs has been checked, so a damaged step raises before the live state changes.
 
-    Reader(checkpoint_id=None, memory=None): with `memory`, the memory tier that a
-    Writer(memory=...) saved to: each load reads the fastest tier that holds the step
-    (for "STORE", the newest step of either; the memory tier on a tie); `served_by`
-    then names it."""
+    Reader(checkpoint_id=None, memory=None, process_group=None): with `memory`, the
+    memory tier that a Writer(memory=...) saved to: each load reads the fastest tier
+    that holds the step (for "STORE", the newest step of either; the memory tier on a
+    tie); `served_by` then names it. With many ranks (a multi-rank store) the ranks of
+    `process_group` (default: the world) agree on the step in read_metadata (the
+    newest that every rank can read from its host's memory tier or the durable tier;
+    one all_gather), each rank reads it from its host's memory tier, and what that
+    lacks (the files of another host's ranks) from the durable tier: `served_by` is
+    then "memory", "durable" or "memory+durable"."""
 
-    def __init__(self, checkpoint_id=None, memory=None):
+    def __init__(self, checkpoint_id=None, memory=None, process_group=None):
         super().__init__()
         self._id = None if checkpoint_id is None else os.fspath(checkpoint_id)
         self._memory = None if memory is None else os.path.abspath(os.fspath(memory))
+        self._pg = process_group
         self.served_by = None  # the tier the last read_metadata chose ("memory", "durable")
         self._path = self._step = None
         self._meta = None  # {"keys", "objects", "pickled"} of the step being read
+        self._tiers = None  # [(tier, path)] of a multi-rank step, fastest first
+        self._durable = None  # the durable store of a multi-rank memory tier
+        self._comm = None     # its ranks' communicator (read_metadata's one all_gather)
 
     def reset(self, checkpoint_id=None):
         cid = self._id if checkpoint_id is None else os.fspath(checkpoint_id)
@@ -656,6 +668,13 @@ class Reader(StorageReader):
                              "dcp.save(..., checkpoint_id=\"STORE/step-N\")")
         path, step = parse_checkpoint_id(cid)
         self.served_by = None
+        self._tiers = self._durable = None
+        if self._memory is not None and (_amber.is_global_store(self._memory) or
+                                         _amber.is_global_store(path)):
+            # a multi-rank store: the ranks agree on the step in read_metadata
+            self._durable = path if _amber.is_url(path) else os.path.abspath(path)
+            self._path, self._step, self._meta = self._memory, step, None
+            return
         if self._memory is not None and not _amber.is_global_store(path):
             # the fastest tier that holds the step (the newest of either for "STORE")
             for tier, where in pick(self._memory, path if _amber.is_url(path) else os.path.abspath(path),
@@ -682,13 +701,69 @@ class Reader(StorageReader):
             raise self._empty()  # a directory without a store yet
         return source_for(self._path)
 
+    def _agree(self):
+        """The multi-rank step to read with a memory tier (see the class): every rank's
+        readable steps (its host's memory tier's and the durable tier's) exchanged, the
+        newest common one (or the one asked for) taken, and where this rank reads it."""
+        mine = err = None
+        try:
+            mem = {g.step for g in _amber.global_steps(self._memory)} \
+                if _amber.is_global_store(self._memory) else set()
+            dur = {g.step for g in _amber.global_steps(self._durable)} \
+                if _amber.is_global_store(self._durable) else set()
+            mine = sorted(mem | dur)
+        except AmberError as e:
+            err = str(e)
+        if self._comm is None:  # a gloo group made once (collective: every rank is here)
+            self._comm = _comm.comm_for(self._pg)
+        comm = self._comm
+        got = comm.gather_objects([mine, err]) if comm.size > 1 else [[mine, err]]
+        bad = next(((r, e) for r, (_, e) in enumerate(got) if e), None)
+        if bad:
+            raise AmberError(_amber.EIO, f"amber.dcp.Reader: rank {bad[0]}: {bad[1]}",
+                             name="AMBER_EIO")
+        common = set.intersection(*(set(m) for m, _ in got))
+        step = self._step if self._step is not None else max(common, default=None)
+        if step is None or step not in common:
+            what = "no global step" if step is None else f"global step {step} is not one"
+            raise FileNotFoundError(f"amber.dcp.Reader: {what} that every rank can read from "
+                                    f"its memory tier ({self._memory}) or the durable tier "
+                                    f"({self._durable})")
+        self._step = step
+        self._tiers = [(t, p) for t, p, have in (("memory", self._memory, mem),
+                                                 ("durable", self._durable, dur))
+                       if step in have]
+        self.served_by = self._tiers[0][0]
+        self._used = []
+
+    @contextmanager
+    def _open_step(self):
+        """The step being read: a Step of its store, or with a memory tier at many ranks
+        a TieredStep over the tiers that hold it."""
+        if self._tiers is None:
+            with self._source().step(self._step) as s:
+                yield s
+            return
+        with ExitStack() as stack:
+            steps = [stack.enter_context(GlobalSource(p).step(self._step))
+                     for _, p in self._tiers]
+            try:
+                yield TieredStep(steps, [t for t, _ in self._tiers], self._used)
+            finally:
+                # every tier that served this step's reads so far, fastest first
+                self.served_by = "+".join(t for t, _ in self._tiers if t in self._used) \
+                    or self._tiers[0][0]
+
     def read_metadata(self, *args, **kwargs):
         if self._path is None:
             self.reset()
-        source = self._source()
-        if self._step is None and source.empty():
-            raise self._empty()
-        with source.step(self._step) as s:
+        if self._durable is not None:
+            self._agree()
+        else:
+            source = self._source()
+            if self._step is None and source.empty():
+                raise self._empty()
+        with self._open_step() as s:
             self._step = s.step
             keys, objects, paths, pickled = {}, {}, {}, []
             for r in range(s.world):
@@ -783,7 +858,7 @@ class Reader(StorageReader):
         t0 = time.perf_counter()
         if self._meta is None:
             self.read_metadata()
-        with self._source().step(self._step) as s:
+        with self._open_step() as s:
             regions, values = self._regions(s, plan)
         for req in plan.items:
             if req.type == LoadItemType.BYTE_IO:

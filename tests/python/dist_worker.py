@@ -723,6 +723,57 @@ def _checkpointer_load(model, opt, path, want):
         assert torch.equal(got[k], want[k]), f"{k} differs after the Checkpointer's load"
 
 
+def scenario_dcpmemory(rank, world, d):
+    """amber.dcp.Writer(memory=...) at many ranks: each rank's part in its host's
+    memory tier, drained to the store (close() waits for it). Reader(memory=...) then
+    reads the newest step: on one host (one memory directory for both ranks) from the
+    memory tier alone, with the store moved away; with a memory tier per host (one
+    directory per rank) each rank's own files from its memory and the other's from
+    the store. Bit-exact both ways."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from amber.dcp import Reader, Writer
+    for layout in ("one host", "a host per rank"):
+        torch.manual_seed(100 + rank)
+        model, opt = build(0)
+        mem = f"{d}/mem-one" if layout == "one host" else f"{d}/mem-{rank}"
+        store = f"{d}/dm-{'one' if layout == 'one host' else 'per'}"
+        with Writer(memory=mem, policy="exact", full_share=-1) as w:
+            for step in (1, 2, 3):
+                train_step(model, opt)
+                dcp.save(_dcp_state(model, opt), storage_writer=w,
+                         checkpoint_id=f"{store}/step-{step}")
+        assert [s.step for s in amber.global_steps(store)] == [1, 2, 3]
+        assert [s.step for s in amber.global_steps(mem)][-1] == 3
+        want = full_state(model, opt)
+        if layout == "one host":
+            dist.barrier()
+            if rank == 0:
+                os.rename(store, store + ".away")
+            dist.barrier()
+        model, opt = build(3)
+        train_step(model, opt)
+        state = _dcp_state(model, opt)
+        reader = Reader(memory=mem)
+        dcp.load(state, storage_reader=reader, checkpoint_id=store)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        assert state["extra"] == {"note": "plain"}, state["extra"]
+        got = full_state(model, opt)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{layout}: {k} differs after dcp.load"
+        served = "memory" if layout == "one host" else "memory+durable"
+        assert reader.served_by == served, (layout, reader.served_by)
+        if layout == "one host":
+            dist.barrier()
+            if rank == 0:
+                os.rename(store + ".away", store)
+            dist.barrier()
+    if rank == 0:
+        open(f"{d}/dcpmemory.ok", "w").write(str(world))
+
+
 def scenario_dcptiny(rank, world, d):
     """dcp.save twice and dcp.load through amber.dcp (what test_dist_dcp runs under
     torchrun)."""

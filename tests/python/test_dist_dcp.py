@@ -34,6 +34,15 @@ def test_dcp_rules_in_units_of_the_learning_rate_at_two_ranks(tmp_path):
     assert open(f"{tmp_path}/dcpunits.ok").read() == "2"
 
 
+def test_dcp_writer_and_reader_with_a_memory_tier_at_two_ranks(tmp_path):
+    """amber.dcp's memory tier at 2 ranks (dist_worker's "dcpmemory"): saves drain to
+    the store; a load reads the memory tier of one host alone (the store moved away),
+    and with a memory tier per host each rank's files from its own and the rest from
+    the store; bit-exact."""
+    ranks("dcpmemory", 2, str(tmp_path))
+    assert open(f"{tmp_path}/dcpmemory.ok").read() == "2"
+
+
 def test_dcp_through_the_device_path_at_two_ranks(tmp_path, monkeypatch):
     """With AMBER_DEVICE_PATH=1 each rank's shards are selected on their device
     (amber.device over the global writer's pre-selected tensors): the same steps,

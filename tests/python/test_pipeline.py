@@ -19,7 +19,7 @@ from amber.torch._load import Load  # noqa: E402
 from amber.torch._options import Options  # noqa: E402
 from amber.torch._save import Saver, in_place_names  # noqa: E402
 from amber.torch._sink import GlobalSink, StoreSink  # noqa: E402
-from amber.torch._source import GlobalSource, StoreSource, source_for  # noqa: E402
+from amber.torch._source import GlobalSource, StoreSource, TieredStep, source_for  # noqa: E402
 
 
 def save(sv, step, tensors, state=None, touch=None):
@@ -216,6 +216,38 @@ def test_step_view_is_what_every_reader_reads(tmp_path, kind):
     assert torch.equal(tensors["w"], w) and torch.equal(tensors["b"], b)
     with pytest.raises(FileNotFoundError, match="is not an amber store"):
         source_for(str(tmp_path))
+
+
+def test_a_tiered_step_reads_the_fastest_tier_and_falls_back_where_a_file_is_missing(tmp_path):
+    """TieredStep (what the DCP Reader reads a multi-rank memory tier through): reads
+    come from the first tier while it holds the files, from the next where a file is
+    missing there (`used` names both), and with no tier left the error says which
+    tier lacked it and that the durable tier does not hold the step."""
+    opts, comm = Options.make(), _comm.SoloComm()
+    paths = [str(tmp_path / "memory"), str(tmp_path / "durable")]
+    w = torch.randn(64)
+    for path in paths:  # the same step in both tiers, as the drain leaves them
+        sv = Saver(GlobalSink(path, opts.writer, opts.rules, comm), comm, opts)
+        save(sv, 1, [("w", w)])
+        sv.close()
+    with GlobalSource(paths[0]).step() as m, GlobalSource(paths[1]).step() as d:
+        used = []
+        s = TieredStep([m, d], ["memory", "durable"], used)
+        got = torch.empty(64)
+        s.read_whole([(s.find("w"), got)])
+        assert torch.equal(got, w) and used == ["memory"]
+    os.remove(os.path.join(paths[0], "rank-00000", f"ckpt-{1:020d}.amber"))
+    with GlobalSource(paths[0]).step() as m, GlobalSource(paths[1]).step() as d:
+        used = []
+        s = TieredStep([m, d], ["memory", "durable"], used)
+        got = torch.empty(64)
+        s.read_whole([(s.find("w"), got)])
+        # the tensor table is the memory tier's manifest; the data came from durable
+        assert torch.equal(got, w) and used == ["memory", "durable"]
+    with GlobalSource(paths[0]).step() as m:
+        s = TieredStep([m], ["memory"], [])
+        with pytest.raises(amber.AmberError, match="durable tier does not hold global step 1"):
+            s.read_whole([(s.find("w"), torch.empty(64))])
 
 
 def test_checkpointer_on_a_multi_rank_store_in_one_process_plans_its_saves(tmp_path):

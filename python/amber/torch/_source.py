@@ -121,6 +121,60 @@ class Step:
                           t.numel() * t.element_size()) for i, t in tensors])
 
 
+class TieredStep:
+    """A global step read from this host's memory tier first, and from the durable
+    tier where a read needs a file the memory tier lacks (a rank of another host) or
+    finds damaged: the files are the same (the drain copies them), so every read gets
+    the same bytes. `steps`: the Steps of the tiers that hold the step, fastest first.
+    `used` (a list, kept by the caller across the steps it opens) gets the name of each
+    tier that served a read."""
+
+    FALL_BACK = (_amber.ENOENT, _amber.ECORRUPT)
+
+    def __init__(self, steps: list, tiers: list, used: list):
+        self.steps, self.tiers, self.used = steps, tiers, used
+        first = steps[0]
+        self.step, self.many, self.world, self.where = first.step, True, first.world, first.where
+        self.skipped = 0
+
+    def _each(self, call):
+        first = None
+        for k, s in enumerate(self.steps):
+            try:
+                out = call(s)
+            except AmberError as e:
+                if e.code not in self.FALL_BACK:
+                    raise
+                first = first or e
+                continue
+            if self.tiers[k] not in self.used:
+                self.used.append(self.tiers[k])
+            return out
+        if len(self.steps) == 1:
+            raise AmberError(first.code, f"{first.message} (the {self.tiers[0]} tier here lacks the "
+                             f"file or holds it damaged, and the durable tier does not hold "
+                             f"global step {self.step}: `amber drain` finishes a drain)",
+                             name=first.name) from first
+        raise first
+
+    def tensors(self) -> list:
+        return self._each(lambda s: s.tensors())
+
+    def find(self, name: str) -> Optional[int]:
+        return self._each(lambda s: s.find(name))
+
+    def info(self, index: int):
+        return self._each(lambda s: s.info(index))
+
+    def meta(self, rank: int = 0):
+        return self._each(lambda s: s.meta(rank))
+
+    def read_boxes(self, items) -> None:
+        self._each(lambda s: s.read_boxes(items))
+
+    read_whole = Step.read_whole  # through read_boxes above
+
+
 def source_for(path: str):
     """The source of whatever store `path` holds: a StoreSource for a store of one
     process, a GlobalSource for a multi-rank one; FileNotFoundError when neither."""
