@@ -87,7 +87,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 import amber as _amber
-from amber import AmberError, Store
+from amber import AmberError
 from amber.torch import _comm, _dtypes, _meta
 from amber.torch._capture import FenceHooks, Versions
 from amber.torch._naming import box, is_dtensor

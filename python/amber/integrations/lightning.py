@@ -106,6 +106,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 import amber as _amber
 from amber import AmberError
 from amber.torch import Checkpointer
+from amber.torch._source import StoreSource
 
 __all__ = ["AmberCheckpointIO", "load", "export", "STORE_NAME", "SMALL_ELEMS"]
 
@@ -293,8 +294,8 @@ def _pointers(directory, store, committed):
 
 def _token_of(store, step):
     """The token that step `step` of `store` was saved with (None: not one of ours)."""
-    with store.reader(step) as r:
-        raw = r.meta()
+    with StoreSource(store.path, store).step(step) as s:
+        raw = s.meta()
     try:
         meta = json.loads(raw) if raw else None
         return meta["entries"]["file"]["value"]["token"]

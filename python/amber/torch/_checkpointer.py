@@ -15,7 +15,6 @@ of a state whose structure did not change goes through the plan of the previous 
 
 import logging
 import os
-import threading
 import time
 import warnings
 from typing import Optional
@@ -24,17 +23,16 @@ import torch
 
 import amber as _amber
 from amber import AmberError
-from amber import device as _device
 
-from . import _comm, _dtypes, _meta, _presets, _rng
+from . import _comm, _meta, _presets, _rng
 from ._capture import FenceHooks, Versions
 from ._encode import Flat, UnitMap, check_key, entry, flatten
 from ._load import Load
-from ._naming import box, is_dtensor
 from ._options import Options
 from ._plan import INPLACE, plain_equal, plan_of
 from ._save import Saver, in_place_names
-from ._sink import GlobalSink, Item, StoreSink, device_wanted, new_device_path
+from ._seed import Seeder
+from ._sink import GlobalSink, Item, StoreSink
 from ._source import GlobalSource, StoreSource, is_url, single_store
 from ._tiers import RankTiers, TierOptions, Tiers, both_steps, rank_sources, sources
 
@@ -42,15 +40,6 @@ log = logging.getLogger("amber.torch")
 
 # A load that fails with these before it changed anything tries the next tier.
 _TIER_FALLBACK = (_amber.ECORRUPT, _amber.ENOENT, _amber.EIO, _amber.EFORMAT, _amber.EPARENT)
-
-
-def _same_store(a, b) -> bool:
-    """Whether store paths `a` and `b` name the same store (URLs as written)."""
-    if a is None or b is None:
-        return False
-    if is_url(a) or is_url(b):
-        return os.fspath(a) == os.fspath(b)
-    return os.path.abspath(a) == os.path.abspath(b)
 
 
 class Checkpointer:
@@ -167,15 +156,14 @@ class Checkpointer:
             self.store = sink.store
             self.path = self.store.path
         self._saver = Saver(sink, self._comm, opts)
+        self._seeder = Seeder(self._saver, self._comm, self.rng, opts, self._step_rules)
         self._saveplan = None   # _plan.Plan: what the last save learned of its state
         self._unit_map = self._unit_lrs = None
-        self._seeding = None    # the background seed after a load: (thread, Versions, outcome)
         self._closed = False
         self._hooks = FenceHooks(self, Checkpointer.fence,
-                                 lambda c: c._saver.pinned is not None or c._seeding is not None)
+                                 lambda c: c._saver.pinned is not None or c._seeder.job is not None)
         self.timings = {"save": 0.0, "fence": 0.0, "wait": 0.0}
         self.skipped = 0
-        self.seeded = False  # the last load() seeded the writer's reference
         self._step = None    # the step of the save in progress (for the log)
 
     # -- context manager, life cycle --
@@ -416,7 +404,7 @@ class Checkpointer:
         reads the tensors; then they may change. Runs by itself before the step of
         any torch.optim optimizer. Not collective."""
         t0 = time.perf_counter()
-        if self._seeding is not None:
+        if self._seeder.job is not None:
             self._settle_seed()
         if self._saver.pinned is not None:
             self._saver.fence("save()", "; call fence() (or wait()) before changing saved "
@@ -514,7 +502,7 @@ class Checkpointer:
         self._open()
         self.wait()
         self.skipped = 0
-        self.seeded = False
+        self._seeder.seeded = False
         self.served_by = None
         sources = self._sources(step)
         for i, (tier, source) in enumerate(sources):
@@ -562,138 +550,16 @@ class Checkpointer:
         if strict and not self.readonly and step is None and not self.skipped:
             own = tier in (None, "memory")
             if self._sink.dist:
-                self._seed_dist(state, done, source, own)
+                self._seeder.many_ranks(state, done, source, own)
             elif own:
-                self._seed(state, done, source)
+                self._seeder.one_process(state, done, source)
         return done
 
-    def _seed(self, state, step, source):
-        """After a load of the latest step: the live tensors hold exactly its restore,
-        so the writer's reference is seeded from them and the first save after a
-        resume is a delta that reads nothing back. In a store of one process the
-        tensors are declared and the library copies them into its reference on a
-        thread while training goes on; the fence before the next optimizer step waits
-        for it, and if a tensor it read changed meanwhile (its version counter moved)
-        the seed is dropped and the next save reads its reference from the store.
-
-        With many ranks, after a load of the latest global step of the sink's own
-        store: the device references are seeded (and taken by the next save's
-        declarations); the rank writers' host references too, when every rank can
-        declare its tensors (the global writer is opened now, collectively, as the
-        first save would), each rank's from its own tensors, at the world size and
-        boxes that wrote the step (else that rank's next save reads its files)."""
-        if isinstance(source, GlobalSource):  # a multi-rank store loaded by one process
-            self._seed_devices(state)
-            return
-        sv = self._saver
-        try:
-            flat, _ = flatten(state, self.rng)
-            items = [it for it in sv.items(flat.tensors, state) if it is not None]
-            if sv.changed(items):
-                sv.reopen(items, self._step_rules(state))
-            else:
-                sv.point((i, it.address) for i, it in enumerate(items))
-            if sv.dev is not None:
-                sv.dev.seed({it.decl.name: it.local for it in items if it.decl.on_device})
-        except (AmberError, TypeError, ValueError):
-            # the state is not what the step holds (strict=False skips, values that are
-            # not state_dict holders...): the writer reads its reference instead
-            self._sink.close_writer()
-            return
-        self._seed_start(items, step)
-
-    def _seed_dist(self, state, step, source, own):
-        """The seed of a multi-rank sink (see _seed), on every rank: the device
-        references where this rank's tier is its own, then the host references of
-        every rank writer: every rank declares what its next save would, one vote
-        decides (a rank that cannot, or whose step is not its own store's, makes every
-        rank skip, since the writer's open is collective), then each rank seeds its
-        own."""
-        if own:
-            self._seed_devices(state)
-        sv, sink = self._saver, self._sink
-        err = items = None
-        try:
-            if not own or not _same_store(getattr(source, "path", None), sink.path):
-                raise ValueError("the step was not read from this rank's own store")
-            flat, _ = flatten(state, self.rng and sink.rng_tensors, dist=True)
-            items = [it for it in sv.items(flat.tensors, state) if it is not None]
-            if any(it.decl.on_device for it in items):
-                raise ValueError("device tensors: their references are seeded on the device")
-        except (AmberError, TypeError, ValueError) as e:
-            err = e
-        changed = items is not None and sv.changed(items)
-        got, failure = _comm.vote(self._comm, None if err is None else str(err),
-                                  1 if changed else 0)
-        if failure is not None:
-            return  # some rank cannot declare: the first save reads the references
-        try:
-            if any(got):
-                sv.reopen(items, self._step_rules(state))  # collective, as in a save
-            else:
-                sv.point((i, it.address) for i, it in enumerate(items))
-        except AmberError:
-            self._sink.close_writer()  # the next save's vote makes every rank reopen
-            return
-        self._seed_start(items, step)
-
-    def _seed_start(self, items, step):
-        """The seed of the writer's reference from `items`' tensors, on a thread."""
-        w = self._sink.writer
-        scanned = [it for it in items if it.in_place]
-        versions = Versions([it.decl.name for it in scanned], [it.local for it in scanned])
-        out = [None]
-
-        def run():
-            try:
-                w.seed_reference(step)
-            except BaseException as e:  # raised nowhere: the writer then reads the store
-                out[0] = e
-        thread = threading.Thread(target=run, name="amber-seed", daemon=True)
-        thread.start()
-        self._seeding = (thread, versions, out)
-        self.seeded = True
-
-    def _seed_devices(self, state):
-        """The device references of this rank's boxes, seeded from the live tensors
-        after a load of the latest global step (see _seed)."""
-        try:
-            flat, _ = flatten(state, False, dist=True)
-            live = {}
-            for name, t in flat.tensors:  # the tensors a save sends to the device path
-                loc, _, _, _, writes, repl = box(t) if is_dtensor(t) else \
-                    (t, None, None, None, True, True)
-                if writes and (self.rank == 0 or not repl) and loc.dtype in _dtypes.DTYPES \
-                        and device_wanted(loc, self.options.device_path):
-                    live[name] = loc
-        except (TypeError, ValueError):
-            return
-        sv = self._saver
-        if sv.dev is not None and sv.dev.tensors:
-            sv.seeds = None
-            if all(n in live and tuple(live[n].shape) == dt.shape and live[n].dtype == dt.dtype
-                   for n, dt in sv.dev.tensors.items()):
-                sv.dev.seed({n: live[n] for n in sv.dev.tensors})
-            return
-        sv.seeds = new_device_path(self.options.device_host_ref)
-        for name, loc in live.items():
-            dt = _device._Tensor(name, None, loc, _dtypes.DTYPES[loc.dtype], sv.seeds.host_ref)
-            dt.seed(loc)
-            sv.seeds.tensors[name] = dt
+    @property
+    def seeded(self) -> bool:
+        """Whether the last load() seeded the writer's reference (and it still holds)."""
+        return self._seeder.seeded
 
     def _settle_seed(self):
-        """Waits for the seed that a load started (if any); keeps it only when it
-        succeeded and none of the tensors it read changed meanwhile."""
-        job, self._seeding = self._seeding, None
-        if job is None:
-            return
-        thread, versions, out = job
-        thread.join()
-        if out[0] is not None:  # the library's seed failed: its next save reads the store
-            self.seeded = False
-        elif versions.changed() is not None:
-            # a tensor changed while it was copied: the reference may not be the
-            # loaded state; a new writer reads its reference from the store
-            self.seeded = False
+        if self._seeder.settle():  # dropped with the writer: so is the save plan
             self._saveplan = None
-            self._sink.close_writer()
