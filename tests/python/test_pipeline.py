@@ -250,6 +250,16 @@ def test_a_tiered_step_reads_the_fastest_tier_and_falls_back_where_a_file_is_mis
             s.read_whole([(s.find("w"), torch.empty(64))])
 
 
+def _loads_as(path, step, model):
+    """A fresh state loaded from `path` is at `step` with `model`'s parameters."""
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fresh = _model_state()
+    with Checkpointer(path, readonly=True) as ck:
+        assert ck.load(fresh) == step
+    for n, p in fresh["model"].named_parameters():
+        assert torch.equal(p, want[n]), n
+
+
 def test_checkpointer_on_a_multi_rank_store_in_one_process_plans_its_saves(tmp_path):
     """One process on a multi-rank store (a GlobalSink with the communicator of one):
     the same save plan as on one store (the second save does not walk the structure
@@ -269,12 +279,7 @@ def test_checkpointer_on_a_multi_rank_store_in_one_process_plans_its_saves(tmp_p
                 assert ck._saveplan is not None  # made by step 1
             ck.wait()
         assert [s.kind for s in ck.steps()][-2:] == ["delta", "delta"]
-    want = {n: p.detach().clone() for n, p in state["model"].named_parameters()}
-    fresh = _model_state()
-    with Checkpointer(path, readonly=True) as ck:
-        assert ck.load(fresh) == 3
-    for n, p in fresh["model"].named_parameters():
-        assert torch.equal(p, want[n]), n
+    _loads_as(path, 3, state["model"])
 
 
 def test_a_load_of_a_multi_rank_store_seeds_the_rank_writer(tmp_path):
@@ -311,12 +316,7 @@ def test_a_load_of_a_multi_rank_store_seeds_the_rank_writer(tmp_path):
         finally:
             os.rename(rank_file + ".away", rank_file)
         assert {s.step: s.kind for s in ck.steps()}[3] == "delta"
-    want = {n: p.detach().clone() for n, p in fresh["model"].named_parameters()}
-    again = _model_state()
-    with Checkpointer(path, readonly=True) as ck:
-        assert ck.load(again) == 3
-    for n, p in again["model"].named_parameters():
-        assert torch.equal(p, want[n]), n
+    _loads_as(path, 3, fresh["model"])
 
 
 def test_dcp_writer_runs_the_shared_saver(tmp_path):
