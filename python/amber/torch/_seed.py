@@ -48,14 +48,7 @@ class Seeder:
         tensors are declared and the library copies them into its reference on a
         thread while training goes on; the fence before the next optimizer step waits
         for it, and if a tensor it read changed meanwhile (its version counter moved)
-        the seed is dropped and the next save reads its reference from the store.
-
-        With many ranks, after a load of the latest global step of the sink's own
-        store: the device references are seeded (and taken by the next save's
-        declarations); the rank writers' host references too, when every rank can
-        declare its tensors (the global writer is opened now, collectively, as the
-        first save would), each rank's from its own tensors, at the world size and
-        boxes that wrote the step (else that rank's next save reads its files)."""
+        the seed is dropped and the next save reads its reference from the store."""
         if isinstance(source, GlobalSource):  # a multi-rank store loaded by one process
             self._devices(state)
             return
@@ -77,12 +70,15 @@ class Seeder:
         self._start(items, step)
 
     def many_ranks(self, state, step, source, own):
-        """The seed of a multi-rank sink (see one_process), on every rank: the device
-        references where this rank's tier is its own, then the host references of
-        every rank writer: every rank declares what its next save would, one vote
-        decides (a rank that cannot, or whose step is not its own store's, makes every
-        rank skip, since the writer's open is collective), then each rank seeds its
-        own."""
+        """The seed of a multi-rank sink after a load of the latest global step, on
+        every rank: the device references where this rank's tier is its own (taken by
+        the next save's declarations), then the host references of every rank writer:
+        every rank declares what its next save would, one vote decides (a rank that
+        cannot, or whose step is not its own store's, makes every rank skip, since the
+        writer's open is collective: it is opened now, as the first save would), then
+        each rank seeds its own from its tensors on a thread. The library refuses a
+        step written at another world size or with other boxes; that rank's next save
+        then reads its files."""
         if own:
             self._devices(state)
         sv, sink = self.saver, self.saver.sink
