@@ -28,15 +28,6 @@ static void build_chain(const char *dir, uint64_t seed, uint64_t full_at) {
   small_close(&S);
 }
 
-static amber_store *open_ro(const char *dir) {
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY;
-  amber_store *st = NULL;
-  CHECK_OK(amber_store_open(&st, dir, &so));
-  return st;
-}
-
 static void ckpt_file(const char *dir, uint64_t step, char *out, size_t cap) {
   snprintf(out, cap, "%s/ckpt-%020" PRIu64 ".amber", dir, step);
 }
@@ -64,7 +55,7 @@ static void test_flipped_byte_in_delta_fails_it_and_later_steps(void) {
   char path[4200], msg[2048];
   ckpt_file(dir, 3, path, sizeof path);
   CHECK(tu_flip_byte(path, TU_MIDDLE, 0x10) == 0);
-  amber_store *st = open_ro(dir);
+  amber_store *st = tu_open_ro(dir);
   for (uint64_t s = 1; st && s <= 6; s++) {
     int rc = open_verify(st, s, msg, sizeof msg);
     if (s < 3) {
@@ -85,7 +76,7 @@ static void test_missing_parent_fails_children_with_eparent(void) {
   char path[4200], msg[2048];
   ckpt_file(dir, 3, path, sizeof path);
   CHECK(unlink(path) == 0);
-  amber_store *st = open_ro(dir);
+  amber_store *st = tu_open_ro(dir);
   for (uint64_t s = 1; st && s <= 6; s++) {
     int rc = open_verify(st, s, msg, sizeof msg);
     if (s < 3) {
@@ -115,7 +106,7 @@ static void test_substituted_parent_fails_children_with_eparent(void) {
     uint8_t *buf = tu_read_file(pb, &len);
     CHECK(buf && tu_write_file(pa, buf, len) == 0);
     free(buf);
-    amber_store *st = open_ro(a);
+    amber_store *st = tu_open_ro(a);
     for (uint64_t s = 1; st && s <= 6; s++) {
       int rc = open_verify(st, s, msg, sizeof msg);
       if (s < 3) CHECK_OK(rc);

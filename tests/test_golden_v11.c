@@ -142,17 +142,8 @@ static int regenerate(const char *dir) {
 
 /* ---- the committed store ---- */
 
-static amber_store *open_ro(const char *dir) {
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
-  amber_store *st = NULL;
-  CHECK_OK(amber_store_open(&st, dir, &so));
-  return st;
-}
-
 static void test_golden_v11_lists_a_full_and_a_delta(void) {
-  amber_store *st = open_ro(GOLDEN);
+  amber_store *st = tu_open_ro(GOLDEN);
   if (!st) return;
   amber_ckpt_info *info = NULL;
   size_t n = 0;
@@ -167,7 +158,7 @@ static void test_golden_v11_lists_a_full_and_a_delta(void) {
 }
 
 static void test_golden_v11_restores_exact_unsigned_values(void) {
-  amber_store *st = open_ro(GOLDEN);
+  amber_store *st = tu_open_ro(GOLDEN);
   for (uint64_t s = 1; st && s <= 2; s++) {
     amber_reader *r = NULL;
     CHECK_OK(amber_reader_open(&r, st, s, NULL));
@@ -221,7 +212,7 @@ static uint16_t minor_of_file(const char *dir, uint64_t step) {
 }
 
 static void test_golden_v11_files_say_1_1_and_hold_codes_13_to_15(void) {
-  amber_store *st = open_ro(GOLDEN);
+  amber_store *st = tu_open_ro(GOLDEN);
   for (uint64_t s = 1; st && s <= 2; s++) {
     CHECK(minor_of_file(GOLDEN, s) == 1);
     amber__err e;

@@ -194,17 +194,8 @@ static int regenerate(const char *dir) {
 
 /* ---- the committed store ---- */
 
-static amber_store *open_ro(const char *dir) {
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
-  amber_store *st = NULL;
-  CHECK_OK(amber_store_open(&st, dir, &so));
-  return st;
-}
-
 static void test_golden_v13_restores_the_committed_bytes_within_every_bound(void) {
-  amber_store *st = open_ro(GOLDEN);
+  amber_store *st = tu_open_ro(GOLDEN);
   size_t tb = total_bytes();
   uint8_t *got = malloc(tb), *liv = malloc(tb);
   for (uint64_t s = 1; st && s <= STEPS; s++) {
@@ -246,7 +237,7 @@ static void test_golden_v13_restores_the_committed_bytes_within_every_bound(void
  * (read from each body's value_mode byte), the f8 tensor only SPARSE ones, and
  * every file says 1.3. */
 static void test_golden_v13_deltas_hold_every_value_mode(void) {
-  amber_store *st = open_ro(GOLDEN);
+  amber_store *st = tu_open_ro(GOLDEN);
   int seen[NSPEC] = {0};
   void *dctx = amber__zstd_dctx();
   for (uint64_t s = 1; st && s <= STEPS; s++) {

@@ -45,16 +45,6 @@ static uint64_t wait_image(amber_drain *d, uint64_t step) {
   return ds.image_step;
 }
 
-/* Store `dir`, opened read-only (NULL, with a failed check, when it cannot be). */
-static amber_store *open_ro(const char *dir) {
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY;
-  amber_store *st = NULL;
-  CHECK_OK(amber_store_open(&st, dir, &so));
-  return st;
-}
-
 static void image_path(const char *mem, char *p, size_t len) {
   snprintf(p, len, "%s/image.amber", mem);
 }
@@ -66,7 +56,7 @@ static void full_path(const char *mem, uint64_t step, char *p, size_t len) {
 /* Restores tensor 0 of `step` of `dir` into out (N floats): with `files`, from the
  * step's own files only. Returns the reader's error code. */
 static int restore(const char *dir, uint64_t step, int files, float *out) {
-  amber_store *st = open_ro(dir);
+  amber_store *st = tu_open_ro(dir);
   amber_reader_opts ro;
   amber_reader_opts_init(&ro);
   ro.flags = files ? AMBER_READER_FILES : 0;
@@ -89,7 +79,7 @@ static void meta_for(uint64_t s, char *buf, size_t len) {
 /* 1 when step `step` of `dir`, read (not from its files only: so from the image when
  * it holds the step), carries the metadata its save set. */
 static int meta_is_saved(const char *dir, uint64_t step) {
-  amber_store *st = open_ro(dir);
+  amber_store *st = tu_open_ro(dir);
   amber_reader *r = NULL;
   const char *json = NULL;
   size_t len = 0;
@@ -255,7 +245,7 @@ static void test_a_damaged_image_costs_a_fallback_load_nothing(void) {
   static float got[N];
   CHECK_RC(restore(mem, 3, 0, got), AMBER_ECORRUPT);
   CHECK(strstr(amber_last_error(NULL), "image.amber") != NULL);
-  amber_store *st = open_ro(mem);
+  amber_store *st = tu_open_ro(mem);
   amber_reader_opts ro;
   amber_reader_opts_init(&ro);
   ro.flags = AMBER_READER_FALLBACK;
@@ -283,7 +273,7 @@ static void test_a_reader_holding_the_image_delays_its_update(void) {
   job_save(&j, 2, 0);
   CHECK_OK(amber_drain_kick(d));
   CHECK(wait_image(d, 2) == 2);
-  amber_store *st = open_ro(mem);
+  amber_store *st = tu_open_ro(mem);
   amber_reader *r = NULL;
   CHECK_OK(amber_reader_open(&r, st, 2, NULL));
   job_save(&j, 3, 0);

@@ -256,3 +256,12 @@ int tu_st_reference_check(const char *path) {
   free(b);
   return 1;
 }
+
+amber_store *tu_open_ro(const char *dir) {
+  amber_store_opts so;
+  amber_store_opts_init(&so);
+  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, dir, &so));
+  return st;
+}

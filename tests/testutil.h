@@ -52,6 +52,9 @@ int tu_finish(void);
 /* A fresh empty directory under $TMPDIR (or /tmp), removed by tu_finish unless
  * AMBER_KEEP_TMP is set. Returns a static-lifetime string. */
 const char *tu_tmpdir(void);
+/* Store `dir` (which must exist), opened read-only; NULL, with a failed check, when
+ * it cannot be. */
+amber_store *tu_open_ro(const char *dir);
 /* Removes a directory tree (best effort). */
 void tu_rm_rf(const char *path);
 /* Deterministic pseudo-random numbers (xorshift64*). */
