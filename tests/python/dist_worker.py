@@ -744,6 +744,9 @@ def scenario_dcpmemory(rank, world, d):
                 train_step(model, opt)
                 dcp.save(_dcp_state(model, opt), storage_writer=w,
                          checkpoint_id=f"{store}/step-{step}")
+        # each rank's close() waits for its own files; rank 0 moves the manifests and
+        # GLOBAL last, so the store names step 3 once rank 0's close() has returned
+        dist.barrier()
         assert [s.step for s in amber.global_steps(store)] == [1, 2, 3]
         assert [s.step for s in amber.global_steps(mem)][-1] == 3
         want = full_state(model, opt)
