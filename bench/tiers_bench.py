@@ -9,7 +9,8 @@ the bytes a peer replica receives per step against a full state.
 The state is GPT-2 small (124M parameters) + AdamW, trained by AdamW steps on
 synthetic gradients (bench/torch_bench.py says why), policy `lossy` by default.
 
-Saves (every figure a median over --deltas steady deltas, per round):
+Saves (per round, medians over --deltas steady deltas: the stall over the half that
+overlap the next gradients, save-to-durable over the other half):
   amber without tiers: the Checkpointer on the durable path; the stall of a delta is
   save() + the fence after the next gradients (the training thread's wait).
   amber with tiers: Checkpointer(path, memory=/dev/shm/...): the same stall, while
@@ -36,7 +37,7 @@ the job (new processes) from the memory tiers, from a peer after one host's memo
 was wiped, and from the durable tier (cold) after every host's was, against dcp.load
 (cold) of the same state at the same world size. Every figure is the slowest rank's.
 
-    tiers_bench.py [--repeat 1] [--deltas 6] [--policy lossy] [--quick] [--json FILE]
+    tiers_bench.py [--repeat 1] [--deltas 12] [--policy lossy] [--quick] [--json FILE]
                    [--markdown] [--out DIR] [--ranks 2,4] [--timeout 900]
 """
 import argparse
@@ -449,7 +450,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(ap)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--deltas", type=int, default=6)
+    ap.add_argument("--deltas", type=int, default=12)
     ap.add_argument("--policy", default="lossy")
     ap.add_argument("--out", default="bench-out/tiers")
     ap.add_argument("--ranks", default="", help="world sizes of the many-rank part, e.g. 2,4")

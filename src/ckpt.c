@@ -20,6 +20,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "xxh.h"
 
@@ -455,20 +458,68 @@ int amber__chunk_load(amber__err *e, amber__ckpt *c, const amber__chunk *ch,
   return check_payload(e, c, ch, *payload);
 }
 
-/* A mapped payload copied to dst and hashed in one pass: block by block, each
- * copied (a copy streams from memory at twice the pace of the hash's reads) and
- * then hashed from the cache, so that the payload crosses the memory bus once. */
+/* Copies `n` bytes to `dst` with stores that bypass the cache: the destination is
+ * written once and not read back soon, so its lines need not be read first (a copy
+ * through the cache reads each destination line before writing it). Plain memcpy
+ * where the instructions are missing. The caller fences (stream_fence). */
+static void stream_copy(uint8_t *dst, const uint8_t *src, size_t n) {
+#if defined(__SSE2__)
+  size_t head = (size_t)(-(uintptr_t)dst & 15);
+  if (head > n) head = n;
+  memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    __m128i a = _mm_loadu_si128((const __m128i *)(const void *)(src + i));
+    __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(src + i + 16));
+    __m128i x = _mm_loadu_si128((const __m128i *)(const void *)(src + i + 32));
+    __m128i y = _mm_loadu_si128((const __m128i *)(const void *)(src + i + 48));
+    _mm_stream_si128((__m128i *)(void *)(dst + i), a);
+    _mm_stream_si128((__m128i *)(void *)(dst + i + 16), b);
+    _mm_stream_si128((__m128i *)(void *)(dst + i + 32), x);
+    _mm_stream_si128((__m128i *)(void *)(dst + i + 48), y);
+  }
+  memcpy(dst + i, src + i, n - i);
+#else
+  memcpy(dst, src, n);
+#endif
+}
+
+static void stream_fence(void) {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+/* A RAW payload of a mapped file copied to `dst` and hashed in one pass, block by
+ * block: each copied (a copy streams from memory at twice the pace of the hash's
+ * reads), then hashed from the cache, so that the payload crosses the memory bus
+ * once. What is hashed is what was written: a block is copied from the mapping
+ * into a buffer in cache, hashed there and copied on, so a file changed under the
+ * read cannot put unchecked bytes in `dst`. With `stream` the last copy bypasses the
+ * cache (the restore's final place: nothing reads it next); else it goes through it
+ * (a delta is applied on it next, or it is scattered from a buffer). */
 static int copy_checked(amber__err *e, const amber__ckpt *c, const amber__chunk *ch,
-                        uint8_t *dst) {
-  enum { BLOCK = 128u << 10 };
+                        uint8_t *dst, int stream) {
+  enum { BLOCK = 128u << 10, BOUNCE = 16u << 10, STREAM_MIN = 64u << 10 };
   const uint8_t *src = c->map + ch->offset;
   XXH3_state_t hs;
   XXH3_INITSTATE(&hs);
   XXH3_64bits_reset(&hs);
-  for (uint64_t off = 0; off < ch->size; off += BLOCK) {
-    size_t n = ch->size - off < BLOCK ? (size_t)(ch->size - off) : BLOCK;
-    memcpy(dst + off, src + off, n);
-    XXH3_64bits_update(&hs, dst + off, n);
+  if (stream && ch->size >= STREAM_MIN) { /* a small one may stay in cache */
+    _Alignas(64) uint8_t bounce[BOUNCE];
+    for (uint64_t off = 0; off < ch->size; off += BOUNCE) {
+      size_t n = ch->size - off < BOUNCE ? (size_t)(ch->size - off) : BOUNCE;
+      memcpy(bounce, src + off, n);
+      XXH3_64bits_update(&hs, bounce, n);
+      stream_copy(dst + off, bounce, n);
+    }
+    stream_fence();
+  } else {
+    for (uint64_t off = 0; off < ch->size; off += BLOCK) {
+      size_t n = ch->size - off < BLOCK ? (size_t)(ch->size - off) : BLOCK;
+      memcpy(dst + off, src + off, n);
+      XXH3_64bits_update(&hs, dst + off, n);
+    }
   }
   if (XXH3_64bits_digest(&hs) != ch->checksum)
     return amber__fail(e, AMBER_ECORRUPT,
@@ -477,8 +528,9 @@ static int copy_checked(amber__err *e, const amber__ckpt *c, const amber__chunk 
   return 0;
 }
 
-int amber__chunk_read_into(amber__err *e, amber__ckpt *c, const amber__chunk *ch, uint8_t *dst) {
-  if (c->map && ch->size) return copy_checked(e, c, ch, dst);
+int amber__chunk_read_into(amber__err *e, amber__ckpt *c, const amber__chunk *ch, uint8_t *dst,
+                           int stream) {
+  if (c->map && ch->size) return copy_checked(e, c, ch, dst, stream);
   if (c->obj || (c->dfd >= 0 && ch->size >= AMBER__DIRECT_MIN) || ch->size == 0) return 1;
   if (amber__pread_full(c->fd, dst, (size_t)ch->size, ch->offset) != 0)
     return amber__fail(e, AMBER_EIO, "cannot read %s at offset %" PRIu64 ": %s", c->path,

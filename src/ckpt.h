@@ -117,8 +117,11 @@ void amber__stage_free(amber__stage *s);
  * (>= ch->size bytes) and checked there, without a stage (a mapped file: copied and
  * hashed block by block, in one pass): 0, a failure (dst then holds bytes that did
  * not check), or 1 when `c` is read otherwise (an object, an O_DIRECT read, an empty
- * payload) and the caller must use amber__chunk_load. */
-int amber__chunk_read_into(amber__err *e, amber__ckpt *c, const amber__chunk *ch, uint8_t *dst);
+ * payload) and the caller must use amber__chunk_load. `stream`: `dst` is the
+ * restore's final place, which nothing reads next (a mapped file's copy may then
+ * bypass the cache). */
+int amber__chunk_read_into(amber__err *e, amber__ckpt *c, const amber__chunk *ch, uint8_t *dst,
+                           int stream);
 
 /* ---- reading ahead (s3:// files) ----
  *

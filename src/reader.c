@@ -421,9 +421,10 @@ static int need_scratch(rctx *r, size_t n) {
 }
 
 /* Decodes chunk `j` of tensor `t` in file `c` onto `dst` (the chunk's bytes, already
- * holding the parent's values for a delta). */
+ * holding the parent's values for a delta). `last`: nothing is applied on `dst`
+ * after it (see amber__chunk_read_into's `stream`). */
 static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t j,
-                       uint8_t *dst) {
+                       uint8_t *dst, int last) {
   const amber__chunk *ch = &c->ix.chunks[t->first_chunk + j];
   if (ch->encoding == AMBER__ENC_UNCHANGED) {
     if (c->hdr.kind == AMBER_KIND_FULL)
@@ -434,7 +435,7 @@ static int apply_chunk(rctx *r, amber__ckpt *c, const amber__tensor *t, uint64_t
   size_t isz = amber_dtype_size(t->dtype), n = (size_t)amber__chunk_n(t, j), bytes = n * isz;
   int rc;
   if (ch->encoding == AMBER__ENC_RAW && ch->size == bytes &&
-      (rc = amber__chunk_read_into(&r->err, c, ch, dst)) <= 0)
+      (rc = amber__chunk_read_into(&r->err, c, ch, dst, last)) <= 0)
     return rc;
   const uint8_t *p;
   if ((rc = amber__chunk_load(&r->err, c, ch, &r->stage, &p))) return rc;
@@ -512,7 +513,7 @@ void amber__applier_free(amber__applier *a) {
 
 int amber__applier_apply(amber__applier *a, amber__err *e, struct amber__ckpt *c,
                          size_t tensor, uint64_t j, uint8_t *dst) {
-  int rc = apply_chunk(&a->x, c, &c->ix.tensors[tensor], j, dst);
+  int rc = apply_chunk(&a->x, c, &c->ix.tensors[tensor], j, dst, 0);
   if (rc) amber__fail(e, rc, "%s", a->x.err.msg);
   return rc;
 }
@@ -526,6 +527,7 @@ static int restore_chunk(rctx *x, amber_reader *r, size_t tensor, uint64_t j, ui
                          uint8_t **out) {
   const amber__tensor *tt = &target(r)->ix.tensors[tensor];
   size_t bytes = (size_t)amber__chunk_n(tt, j) * amber_dtype_size(tt->dtype);
+  int final = dst != NULL; /* the restore's place, not a buffer scattered from */
   if (!dst) {
     if (x->buf_cap < bytes) {
       free(x->buf);
@@ -539,7 +541,7 @@ static int restore_chunk(rctx *x, amber_reader *r, size_t tensor, uint64_t j, ui
   *out = dst;
   for (size_t k = 0; k < r->nchain; k++) {
     amber__ckpt *c = &r->chain[k];
-    int rc = apply_chunk(x, c, &c->ix.tensors[tensor], j, dst);
+    int rc = apply_chunk(x, c, &c->ix.tensors[tensor], j, dst, final && k + 1 == r->nchain);
     if (rc) return rc;
   }
   return 0;

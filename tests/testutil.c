@@ -6,10 +6,12 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <jansson.h>
+#include <linux/magic.h>
 
 #include "safetensors.h"
 
@@ -41,16 +43,27 @@ int tu_finish(void) {
   return tu_tests_failed ? 1 : 0;
 }
 
-const char *tu_tmpdir(void) {
-  const char *base = getenv("TMPDIR");
+static const char *make_dir(const char *base) {
   char tmpl[4096];
-  snprintf(tmpl, sizeof tmpl, "%s/amber-test-XXXXXX", base && *base ? base : "/tmp");
+  snprintf(tmpl, sizeof tmpl, "%s/amber-test-XXXXXX", base);
   if (!mkdtemp(tmpl) || ntmpdirs == 256) {
     perror("mkdtemp");
     exit(2);
   }
   tmpdirs[ntmpdirs] = strdup(tmpl);
   return tmpdirs[ntmpdirs++];
+}
+
+const char *tu_tmpdir(void) {
+  const char *base = getenv("TMPDIR");
+  return make_dir(base && *base ? base : "/tmp");
+}
+
+const char *tu_memdir(void) {
+  struct statfs sf;
+  if (statfs("/dev/shm", &sf) != 0 || sf.f_type != TMPFS_MAGIC || access("/dev/shm", W_OK))
+    return NULL;
+  return make_dir("/dev/shm");
 }
 
 void tu_rm_rf(const char *path) {

@@ -52,6 +52,9 @@ int tu_finish(void);
 /* A fresh empty directory under $TMPDIR (or /tmp), removed by tu_finish unless
  * AMBER_KEEP_TMP is set. Returns a static-lifetime string. */
 const char *tu_tmpdir(void);
+/* The same on a memory file system (/dev/shm: its files are read through a
+ * mapping); NULL where there is none (the caller skips what needs one). */
+const char *tu_memdir(void);
 /* Store `dir` (which must exist), opened read-only; NULL, with a failed check, when
  * it cannot be. */
 amber_store *tu_open_ro(const char *dir);

@@ -53,21 +53,27 @@ class Seeder:
             self._devices(state)
             return
         sv = self.saver
+        opening = None
         try:
             flat, _ = flatten(state, self.rng)
             items = [it for it in sv.items(flat.tensors, state) if it is not None]
             if sv.changed(items):
-                sv.reopen(items, self.step_rules(state))
+                rules = self.step_rules(state)
+                if any(it.decl.on_device for it in items):
+                    sv.reopen(items, rules)
+                else:  # the writer's open reads only the declarations: on the seed's thread
+                    def opening():
+                        sv.reopen(items, rules)
             else:
                 sv.point((i, it.address) for i, it in enumerate(items))
-            if sv.dev is not None:
+            if sv.dev is not None and opening is None:
                 sv.dev.seed({it.decl.name: it.local for it in items if it.decl.on_device})
         except (AmberError, TypeError, ValueError):
             # the state is not what the step holds (strict=False skips, values that are
             # not state_dict holders...): the writer reads its reference instead
             self.saver.sink.close_writer()
             return
-        self._start(items, step)
+        self._start(items, step, opening)
 
     def many_ranks(self, state, step, source, own):
         """The seed of a multi-rank sink after a load of the latest global step, on
@@ -107,16 +113,22 @@ class Seeder:
             return
         self._start(items, step)
 
-    def _start(self, items, step):
-        """The seed of the writer's reference from `items`' tensors, on a thread."""
-        w = self.saver.sink.writer
+    def _start(self, items, step, opening=None):
+        """The seed of the writer's reference from `items`' tensors, on a thread, after
+        `opening()` (the writer's open, where it is done there). The staging copies
+        and the version counters are taken before: what the load restored. Until
+        settle() joins the thread, nothing else touches the saver: every call of the
+        Checkpointer that does settles first (fence, wait, load, close)."""
+        sink = self.saver.sink
         scanned = [it for it in items if it.in_place]
         versions = Versions([it.decl.name for it in scanned], [it.local for it in scanned])
         out = [None]
 
         def run():
             try:
-                w.seed_reference(step)
+                if opening is not None:
+                    opening()
+                sink.writer.seed_reference(step)
             except BaseException as e:  # raised nowhere: the writer then reads the store
                 out[0] = e
         thread = threading.Thread(target=run, name="amber-seed", daemon=True)
