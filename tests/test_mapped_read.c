@@ -74,7 +74,8 @@ static void ckpt_file(uint64_t step, char *out, size_t cap) {
 
 /* Whole tensors of `step` into destinations `align` bytes past an aligned address. */
 static void check_whole(amber_reader *r, int step, size_t align) {
-  uint8_t *mem = aligned_alloc(64, N * sizeof(float) + NB + 8 + 3 * 64);
+  size_t cap = (N * sizeof(float) + NB + 8 + 3 * 64 + 63) & ~(size_t)63; /* C11 asks it */
+  uint8_t *mem = aligned_alloc(64, cap);
   if (!mem) {
     CHECK(mem != NULL);
     return;

@@ -4,6 +4,12 @@
 # the single-rank save of the same bytes. Bounded by timeout; the bench removes
 # its own directory.
 set -u
+# OpenMPI's shared-memory segments (a file per rank) go to a directory of this
+# script's own, removed with it: a job killed on purpose leaves its segments behind.
+shm=$(mktemp -d /dev/shm/amber-mpi-XXXXXX 2>/dev/null ||
+      mktemp -d "${TMPDIR:-/tmp}/amber-mpi-shm-XXXXXX") || exit 1
+export OMPI_MCA_btl_vader_backing_directory="$shm"
+trap 'rm -rf "$shm"' EXIT
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 # OpenMPI's own allocations show as leaks under ASan (see run.sh).
 export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"

@@ -6,6 +6,12 @@ set -u
 exe=$1
 dir=$(mktemp -d "${TMPDIR:-/tmp}/amber-mpi-XXXXXX") || exit 1
 trap 'rm -rf "$dir"' EXIT
+# OpenMPI's shared-memory segments (a file per rank) go to a directory of this
+# script's own, removed with it: a job killed on purpose leaves its segments behind.
+shm=$(mktemp -d /dev/shm/amber-mpi-XXXXXX 2>/dev/null ||
+      mktemp -d "${TMPDIR:-/tmp}/amber-mpi-shm-XXXXXX") || exit 1
+export OMPI_MCA_btl_vader_backing_directory="$shm"
+trap 'rm -rf "$dir" "$shm"' EXIT
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 export OMPI_MCA_rmaps_base_oversubscribe=1
 # Under ASan, OpenMPI's own allocations show as leaks, mostly from its plugins,

@@ -195,6 +195,10 @@ int main(void) {
    * no narrower suppression can name; amber's code is leak-checked in
    * test_global with the threads communicator. */
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+  /* Its shared-memory segments (a file per rank) in a directory removed at the end:
+   * the ranks killed on purpose leave theirs behind. */
+  const char *shm = tu_memdir();
+  setenv("OMPI_MCA_btl_vader_backing_directory", shm ? shm : tu_tmpdir(), 1);
   const char *asan = getenv("ASAN_OPTIONS");
   char opts[1024];
   snprintf(opts, sizeof opts, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
