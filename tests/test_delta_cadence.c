@@ -171,10 +171,7 @@ static void test_reopened_writer_continues_with_deltas(void) {
     world_init(&W, 800 + (uint64_t)c, 1);
     add_standard(&W, 64, c ? &e : &p);
     amber_writer_opts wo;
-    amber_writer_opts_init(&wo);
-    wo.chunk_elems = 64;
-    wo.full_every = UINT32_MAX;
-    wo.full_share = -1;
+    tu_deltas_only(&wo, 64);
     const char *rules[] = {c ? NULL : p.spec, NULL};
     uint64_t s = 1;
     for (int session = 0; session < 3; session++) {
@@ -313,10 +310,7 @@ static void test_unchanged_tensors_have_payload_free_chunks(void) {
   add_tensor(&W, "still.bf16", AMBER_BF16, 2, 30, 70, &t);
   add_tensor(&W, "still.i64", AMBER_I64, 1, 300, 0, &EXACT);
   amber_writer_opts wo;
-  amber_writer_opts_init(&wo);
-  wo.chunk_elems = 128;
-  wo.full_every = UINT32_MAX;
-  wo.full_share = -1;
+  tu_deltas_only(&wo, 128);
   const char *rules[] = {"still.bf16=threshold:1e-3", NULL};
   if (world_open(&W, &wo, rules)) {
     for (uint64_t s = 1; s <= 5; s++) {

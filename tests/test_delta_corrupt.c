@@ -16,10 +16,7 @@ static void build_chain(const char *dir, uint64_t seed, uint64_t full_at) {
   small S;
   small_init(&S, seed);
   amber_writer_opts wo;
-  amber_writer_opts_init(&wo);
-  wo.chunk_elems = 1000;
-  wo.full_every = UINT32_MAX;
-  wo.full_share = -1;
+  tu_deltas_only(&wo, 1000);
   small_open(&S, dir, &wo);
   for (uint64_t s = 1; S.w && s <= 6; s++) {
     small_step(&S, 0.1);

@@ -69,10 +69,7 @@ static void converge_run(uint64_t seed, uint64_t chunk, double frac, const char 
   world_init(&W, seed, 0);
   add_standard(&W, chunk, &p);
   amber_writer_opts wo;
-  amber_writer_opts_init(&wo);
-  wo.chunk_elems = chunk;
-  wo.full_every = UINT32_MAX;
-  wo.full_share = -1;
+  tu_deltas_only(&wo, chunk);
   const char *rules[] = {rule, NULL};
   if (!world_open(&W, &wo, rules)) goto out;
   uint64_t step = 1;
@@ -305,10 +302,7 @@ static void test_budget_converges_in_small_tail_chunks_and_scalars(void) {
   CHECK_OK(amber_store_open(&st, dir, NULL));
   amber_writer *w = NULL;
   amber_writer_opts wo;
-  amber_writer_opts_init(&wo);
-  wo.chunk_elems = 1000;
-  wo.full_every = UINT32_MAX;
-  wo.full_share = -1;
+  tu_deltas_only(&wo, 1000);
   CHECK_OK(amber_writer_open(&w, st, &wo));
   if (!w) {
     amber_store_close(st);

@@ -425,10 +425,7 @@ static void test_quantizing_in_the_scan_matches_quantizing_after_it(void) {
     amber_store_opts_init(&so);
     so.threads = 1;
     amber_writer_opts wo;
-    amber_writer_opts_init(&wo);
-    wo.chunk_elems = 1024;
-    wo.full_every = UINT32_MAX;
-    wo.full_share = -1;
+    tu_deltas_only(&wo, 1024);
     uint64_t rng = 99 + si;
     for (size_t i = 0; i < n; i++) x[i] = (float)((urnd(&rng) - 0.5) * (i % 4 ? 1 : 1e3));
     for (int v = 0; v < 2; v++) {

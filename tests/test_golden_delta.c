@@ -159,10 +159,7 @@ static int regenerate(const char *dir) {
   uint64_t latest;
   if (!rc && amber_store_latest(st, &latest) == 0) rc = AMBER_EEXIST; /* never overwrite */
   amber_writer_opts wo;
-  amber_writer_opts_init(&wo);
-  wo.chunk_elems = CHUNK;
-  wo.full_every = UINT32_MAX;
-  wo.full_share = -1;
+  tu_deltas_only(&wo, CHUNK);
   amber_writer *w = NULL;
   uint8_t *data[NT] = {0};
   if (!rc) rc = amber_writer_open(&w, st, &wo);

@@ -35,10 +35,7 @@ static void build(void) {
   amber_store *st = NULL;
   CHECK_OK(amber_store_open(&st, dir, NULL));
   amber_writer_opts wo;
-  amber_writer_opts_init(&wo);
-  wo.chunk_elems = CHUNK;
-  wo.full_every = UINT32_MAX;
-  wo.full_share = -1;
+  tu_deltas_only(&wo, CHUNK);
   amber_writer *w = NULL;
   if (st) CHECK_OK(amber_writer_open(&w, st, &wo));
   if (!w) {

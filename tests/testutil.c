@@ -54,6 +54,13 @@ static const char *make_dir(const char *base) {
   return tmpdirs[ntmpdirs++];
 }
 
+void tu_deltas_only(amber_writer_opts *wo, uint64_t chunk_elems) {
+  amber_writer_opts_init(wo);
+  wo->chunk_elems = chunk_elems;
+  wo->full_every = UINT32_MAX;
+  wo->full_share = -1;
+}
+
 const char *tu_tmpdir(void) {
   const char *base = getenv("TMPDIR");
   return make_dir(base && *base ? base : "/tmp");

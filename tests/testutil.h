@@ -55,6 +55,9 @@ const char *tu_tmpdir(void);
 /* The same on a memory file system (/dev/shm: its files are read through a
  * mapping); NULL where there is none (the caller skips what needs one). */
 const char *tu_memdir(void);
+/* Writer options `wo` initialized for chunks of `chunk_elems` elements and deltas
+ * only, whatever their size, after the first save (a full one when asked). */
+void tu_deltas_only(amber_writer_opts *wo, uint64_t chunk_elems);
 /* Store `dir` (which must exist), opened read-only; NULL, with a failed check, when
  * it cannot be. */
 amber_store *tu_open_ro(const char *dir);
