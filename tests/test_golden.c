@@ -150,17 +150,8 @@ static int regenerate(const char *dir) {
 
 /* ---- restoring the golden store ---- */
 
-static amber_store *open_golden(void) {
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
-  amber_store *st = NULL;
-  CHECK_OK(amber_store_open(&st, GOLDEN, &so));
-  return st;
-}
-
 static void test_golden_store_lists_both_full_checkpoints(void) {
-  amber_store *st = open_golden();
+  amber_store *st = tu_open_ro(GOLDEN);
   if (!st) return;
   uint64_t latest = 0;
   CHECK_OK(amber_store_latest(st, &latest));
@@ -182,7 +173,7 @@ static void test_golden_store_lists_both_full_checkpoints(void) {
 }
 
 static void test_golden_tensors_restore_expected_values(void) {
-  amber_store *st = open_golden();
+  amber_store *st = tu_open_ro(GOLDEN);
   for (size_t f = 0; st && f < NFILES; f++) {
     amber_reader *r = NULL;
     CHECK_OK(amber_reader_open(&r, st, steps[f], NULL));

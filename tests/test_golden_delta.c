@@ -191,17 +191,8 @@ static int regenerate(const char *dir) {
 
 /* ---- checks of the committed store ---- */
 
-static amber_store *open_golden(void) {
-  amber_store_opts so;
-  amber_store_opts_init(&so);
-  so.flags = AMBER_OPEN_READONLY | AMBER_OPEN_NOCREATE;
-  amber_store *st = NULL;
-  CHECK_OK(amber_store_open(&st, GOLDEN, &so));
-  return st;
-}
-
 static void test_golden_delta_store_lists_one_full_and_five_deltas(void) {
-  amber_store *st = open_golden();
+  amber_store *st = tu_open_ro(GOLDEN);
   if (!st) return;
   uint64_t latest = 0;
   CHECK_OK(amber_store_latest(st, &latest));
@@ -233,7 +224,7 @@ static int elem_ok(int t, const uint8_t *x, const uint8_t *r) {
 }
 
 static void test_golden_delta_every_step_restores_expected_values(void) {
-  amber_store *st = open_golden();
+  amber_store *st = tu_open_ro(GOLDEN);
   size_t lagging[NT] = {0};
   for (uint64_t s = FIRST; st && s <= LAST; s++) {
     amber_reader *r = NULL;
@@ -280,7 +271,7 @@ static void test_golden_delta_every_step_restores_expected_values(void) {
 /* The committed deltas hold every delta encoding of format 1.0, where the
  * generator meant them to be. */
 static void test_golden_delta_files_hold_every_encoding(void) {
-  amber_store *st = open_golden();
+  amber_store *st = tu_open_ro(GOLDEN);
   if (!st) return;
   enum { UNCH, VARINT, BITMAP, XOR, RAW, NKIND };
   const char *kind_name[NKIND] = {"UNCHANGED", "SPARSE/varint", "SPARSE/bitmap", "XOR_ZSTD",
@@ -354,7 +345,7 @@ static void test_regenerated_store_restores_like_the_golden_one(void) {
   char dir[4200];
   snprintf(dir, sizeof dir, "%s/store", tu_tmpdir());
   CHECK(regenerate(dir) == 0);
-  amber_store *a = open_golden(), *b = NULL;
+  amber_store *a = tu_open_ro(GOLDEN), *b = NULL;
   CHECK_OK(amber_store_open(&b, dir, NULL));
   for (uint64_t s = FIRST; a && b && s <= LAST; s++) {
     amber_reader *ra = NULL, *rb = NULL;
