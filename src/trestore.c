@@ -21,11 +21,11 @@ typedef struct report {
   const char *msg, *id; /* the directory's identity: host, then the path */
   size_t msg_len, id_len;
   uint32_t nstore, nman;
-  const uint8_t *store; /* (i32 rank, u64 step, u64 oldest) each */
+  const uint8_t *store; /* (i32 rank, u64 step, u64 oldest, u64 step's state id) each */
   const uint8_t *man;   /* u64 step each */
 } report;
 
-#define STORE_ENTRY 20
+#define STORE_ENTRY 28
 
 typedef struct restore {
   amber__err err;
@@ -40,6 +40,7 @@ typedef struct restore {
   int repl;            /* it has a replicated tensor: every rank needs rank 0's part */
   uint8_t *present;    /* per rank: it wrote a part */
   uint64_t *mstep;     /* per rank: its part's step in its store */
+  uint64_t *mstate;    /* and that step's state id */
   uint32_t *tier;      /* per rank: AMBER_RESTORE_* */
   uint8_t *mbytes;     /* the step's manifest, for the directories that lack it */
   size_t mlen;
@@ -78,7 +79,7 @@ static int my_report(restore *s, uint8_t **out, size_t *len) {
   for (size_t i = 0; i < nh; i++)
     if (h[i].kind == AMBER_TIER_STORE && h[i].rank >= 0 && h[i].step != AMBER_NO_STEP) {
       amber__put32(p, (uint32_t)h[i].rank), amber__put64(p + 4, h[i].step);
-      amber__put64(p + 12, h[i].oldest);
+      amber__put64(p + 12, h[i].oldest), amber__put64(p + 20, h[i].state);
       p += STORE_ENTRY;
     }
   for (size_t i = 0; i < nh; i++)
@@ -105,12 +106,17 @@ static int holds_manifest(const report *r, uint64_t step) {
   return 0;
 }
 
-/* Whether directory report `r` holds rank q's step `step` (in the restorable range
- * of its rank store there). */
-static int holds_part(const report *r, int q, uint64_t step) {
+/* Whether directory report `r` holds rank q's part of the step (its step in the
+ * restorable range of its rank store there; when that is the store's newest step,
+ * with the state id the manifest names: a directory that kept the part of a step
+ * that a killed job wrote, and a later job wrote again, does not hold it). */
+static int holds_part(const restore *s, const report *r, int q) {
+  uint64_t step = s->mstep[q];
   for (uint32_t i = 0; i < r->nstore; i++) {
     const uint8_t *e = r->store + STORE_ENTRY * i;
-    if ((int)amber__get32(e) == q && amber__get64(e + 12) <= step && step <= amber__get64(e + 4))
+    if ((int)amber__get32(e) == q && amber__get64(e + 12) <= step &&
+        step <= amber__get64(e + 4) &&
+        (step != amber__get64(e + 4) || amber__get64(e + 20) == s->mstate[q]))
       return 1;
   }
   return 0;
@@ -129,7 +135,7 @@ static int needs(const restore *s, int r, int *q) {
  * none does. */
 static int holder_of(const restore *s, int q) {
   for (int l = 0; l < s->c->size; l++)
-    if (s->leader[l] == l && holds_part(&s->rep[l], q, s->mstep[q])) return l;
+    if (s->leader[l] == l && holds_part(s, &s->rep[l], q)) return l;
   return -1;
 }
 
@@ -165,7 +171,8 @@ static int share_manifest(restore *s, int src, const char *dir, uint64_t step) {
   for (uint32_t i = 0; i < m.ntensors; i++)
     s->repl |= (m.tensors[i].flags & AMBER_SHARD_REPLICATED) != 0;
   for (uint32_t q = 0; m.world == (uint32_t)s->c->size && q < m.world; q++)
-    s->present[q] = (m.ranks[q].flags & AMBER__RANK_PRESENT) != 0, s->mstep[q] = m.ranks[q].step;
+    s->present[q] = (m.ranks[q].flags & AMBER__RANK_PRESENT) != 0, s->mstep[q] = m.ranks[q].step,
+    s->mstate[q] = m.ranks[q].hash;
   amber__manifest_free(&m);
   s->mbytes = b, s->mlen = len;
   return 0;
@@ -179,7 +186,7 @@ static int decide(restore *s, int durable_ok) {
     const report *own = &s->rep[s->leader[r]];
     int n = needs(s, r, q), here = 1, found = 1;
     for (int i = 0; i < n; i++) {
-      here &= holds_part(own, q[i], s->mstep[q[i]]);
+      here &= holds_part(s, own, q[i]);
       found &= holder_of(s, q[i]) >= 0;
     }
     s->tier[r] = here ? AMBER_RESTORE_MEMORY : found ? AMBER_RESTORE_PEER
@@ -201,7 +208,7 @@ static int plan_peers(restore *s, amber__xfer **out, size_t *n) {
     if (s->tier[r] != AMBER_RESTORE_PEER) continue;
     int l = s->leader[r], k = needs(s, r, q);
     for (int i = 0; i < k; i++) {
-      if (holds_part(&s->rep[l], q[i], s->mstep[q[i]])) continue;
+      if (holds_part(s, &s->rep[l], q[i])) continue;
       int dup = 0;
       for (size_t j = 0; j < *n && !dup; j++) dup = x[j].to == l && x[j].what == q[i];
       if (dup) continue;
@@ -241,7 +248,7 @@ static int copy_durable(restore *s, uint64_t *bytes) {
     if (s->leader[r] != me || s->tier[r] != AMBER_RESTORE_DURABLE) continue;
     int k = needs(s, r, q);
     for (int i = 0; i < k; i++) {
-      if (holds_part(&s->rep[me], q[i], s->mstep[q[i]]) || (q[i] == 0 && rank0)) continue;
+      if (holds_part(s, &s->rep[me], q[i]) || (q[i] == 0 && rank0)) continue;
       void *blob = NULL;
       size_t len = 0;
       int rc = amber_tier_pack(s->durable, q[i], AMBER_NO_STEP, s->mstep[q[i]], &blob, &len);
@@ -388,11 +395,12 @@ int amber_tiers_restore(const char *memory, const char *durable, const amber_com
   size_t n = (size_t)comm->size;
   s.rep = calloc(n, sizeof *s.rep), s.leader = calloc(n, sizeof *s.leader);
   s.present = calloc(n, 1), s.mstep = calloc(n, sizeof *s.mstep);
+  s.mstate = calloc(n, sizeof *s.mstate);
   s.tier = calloc(n, sizeof *s.tier);
   uint8_t *mine = NULL, *all = NULL;
   size_t len = 0;
   uint64_t *lens = calloc(2 * n, sizeof *lens);
-  int crc = s.rep && s.leader && s.present && s.mstep && s.tier && lens ? 0 : AMBER_ENOMEM;
+  int crc = s.rep && s.leader && s.present && s.mstep && s.mstate && s.tier && lens ? 0 : AMBER_ENOMEM;
   if (crc == 0 && (crc = my_report(&s, &mine, &len)) == 0)
     crc = amber__comm_allgatherv(comm, &s.err, mine, len, &all, lens, lens + n);
   free(mine);
@@ -447,7 +455,7 @@ int amber_tiers_restore(const char *memory, const char *durable, const amber_com
     }
   }
   free(x), free(all), free(lens);
-  free(s.rep), free(s.leader), free(s.present), free(s.mstep), free(s.tier), free(s.mbytes);
+  free(s.rep), free(s.leader), free(s.present), free(s.mstep), free(s.mstate), free(s.tier), free(s.mbytes);
   if (rc < 0) amber__fail(NULL, rc, "%s", s.err.msg);
   return rc;
 }

@@ -214,6 +214,42 @@ static void test_a_wiped_host_restores_bit_identical_from_its_peer(void) {
   free(x);
 }
 
+/* A directory that keeps rank 0's part of a step in another state than the step's
+ * manifest names (a killed job wrote the step there, and the next job wrote it again
+ * after its restore) does not hold that part: the restore fetches it again, over the
+ * stale file, instead of reading the stale file (AMBER_ECORRUPT: "state id differs"). */
+static void test_a_stale_part_of_the_step_is_fetched_again(void) {
+  char dirs[4][4200];
+  lj_job jb = lj_job_init();
+  rep_ctx *x = calloc(1, sizeof *x);
+  make_hosts(&jb, 4, 4, dirs);
+  x->replicas = 1;
+  jb.user = x, jb.after = rep_after, jb.done = rep_done;
+  jb.first = 1, jb.last = 3;
+  lj_run(&jb, 4);
+  /* host 3's copy of rank 0's part: one full checkpoint of step 3 in another state */
+  char stale[4300];
+  snprintf(stale, sizeof stale, "%.4000s/rank-%05d", dirs[3], 0);
+  wipe(stale);
+  amber_store *st = NULL;
+  CHECK_OK(amber_store_open(&st, stale, NULL));
+  amber_writer *w = NULL;
+  if (st) CHECK_OK(amber_writer_open(&w, st, NULL));
+  float other[4] = {1, 2, 3, 4};
+  int64_t shape[1] = {4};
+  if (w) {
+    CHECK_OK(amber_writer_add(w, "other", AMBER_F32, 1, shape, other, NULL));
+    CHECK_OK(amber_writer_save(w, 3, AMBER_SAVE_FULL));
+  }
+  amber_writer_close(w);
+  amber_store_close(st);
+  rs_job j;
+  restore(&j, &jb, 4, NULL);
+  check_restored(&j, 4, 3);
+  CHECK(j.res[3].tier == AMBER_RESTORE_PEER && j.res[3].fetched_bytes > 0);
+  free(x);
+}
+
 /* The durable tier written directly (as a drain would): a shared store of the same
  * job's steps 1..last. */
 static void write_durable(const char *durable, int n, uint64_t last) {
@@ -451,6 +487,7 @@ static void test_kills_during_saves_and_replications_leave_no_torn_step(void) {
 int main(void) {
   TEST_RUN(test_peers_are_a_ring_over_hosts);
   TEST_RUN(test_a_wiped_host_restores_bit_identical_from_its_peer);
+  TEST_RUN(test_a_stale_part_of_the_step_is_fetched_again);
   TEST_RUN(test_all_memory_lost_restores_the_durable_tiers_newest_step);
   TEST_RUN(test_a_host_lost_without_a_replica_mixes_tiers_on_the_durable_step);
   TEST_RUN(test_replication_errors_are_the_same_everywhere_and_sticky);
